@@ -1,0 +1,449 @@
+"""The packed record format, its writer (`pack`) and the readers.
+
+A packed data set is a folder::
+
+    dst/
+      index.bin   HEADER_DTYPE (64 bytes) followed by `count` RECORD_DTYPE rows
+      data.bin    the encoded images, concatenated
+      paths.bin   the source paths (UTF-8), concatenated; rows point into it
+      meta.json   class names and provenance (small; not per record)
+
+Every number on disk is little-endian and declared once below. Opening reads the
+64-byte header and memory-maps the rest, so it costs the same for ten records or
+ten million.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DALIFAST"
+FORMAT_VERSION = 1
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("record_size", "<u4"),
+        ("count", "<u8"),
+        ("data_size", "<u8"),
+        ("paths_size", "<u8"),
+        ("reserved", "<u8", (3,)),
+    ]
+)
+RECORD_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),
+        ("length", "<u4"),
+        ("label", "<u4"),
+        ("crc32", "<u4"),
+        ("path_length", "<u4"),
+        ("path_offset", "<u8"),
+    ]
+)
+assert HEADER_DTYPE.itemsize == 64 and RECORD_DTYPE.itemsize == 32
+
+INDEX_FILE, DATA_FILE, PATHS_FILE, META_FILE = "index.bin", "data.bin", "paths.bin", "meta.json"
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """What every data set looks like to the loaders."""
+
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]: ...
+    def source(self, i: int) -> str: ...
+
+
+def _check_index(reader: Reader, i: int) -> int:
+    n = len(reader)
+    j = int(i)
+    if j < 0:
+        j += n
+    if not 0 <= j < n:
+        raise IndexError(f"record {i} out of range for a data set of {n} records")
+    return j
+
+
+def check_encoded(data: np.ndarray | bytes) -> str | None:
+    """Cheap structural check of an encoded image; returns the reason it is bad, or None.
+
+    Catches what would otherwise kill a DALI pipeline: empty records, bytes that are not
+    JPEG/PNG, and truncation (no JPEG EOI / PNG IEND at the end). It does not decode.
+    """
+    buf = data if isinstance(data, bytes | bytearray | memoryview) else memoryview(data)
+    n = len(buf)
+    if n == 0:
+        return "empty record"
+    head = bytes(buf[:8])
+    tail = bytes(buf[max(0, n - 1024) :])
+    if head[:3] == b"\xff\xd8\xff":
+        if b"\xff\xd9" not in tail:
+            return "truncated JPEG (no end-of-image marker)"
+        return None
+    if head == b"\x89PNG\r\n\x1a\n":
+        if b"IEND" not in tail[-16:]:
+            return "truncated PNG (no IEND chunk)"
+        return None
+    return "not a JPEG or PNG (unknown signature)"
+
+
+# --------------------------------------------------------------------------- readers
+
+
+class MemmapReader:
+    """Read-only, memory-mapped reader of a packed data set.
+
+    ``reader[i]`` returns a zero-copy ``uint8`` view of record ``i`` and its label.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._open()
+
+    def _open(self) -> None:
+        root = self.path
+        index_path, data_path = root / INDEX_FILE, root / DATA_FILE
+        for p in (index_path, data_path, root / PATHS_FILE, root / META_FILE):
+            if not p.is_file():
+                raise FileNotFoundError(
+                    f"{p}: missing; {root} is not a complete packed data set, pack it again "
+                    f"with `dali-fast pack SRC {root}`"
+                )
+        index_size = index_path.stat().st_size
+        if index_size < HEADER_DTYPE.itemsize:
+            raise ValueError(f"{index_path}: truncated header ({index_size} bytes); pack the data set again")
+        header = np.fromfile(index_path, dtype=HEADER_DTYPE, count=1)[0]
+        if bytes(header["magic"]) != MAGIC:
+            raise ValueError(f"{index_path}: wrong magic {bytes(header['magic'])!r}; not a dali_fast index")
+        version = int(header["version"])
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{index_path}: format version {version}, this dali_fast reads version {FORMAT_VERSION}; "
+                "pack the data set again with this version"
+            )
+        if int(header["record_size"]) != RECORD_DTYPE.itemsize:
+            raise ValueError(f"{index_path}: record size {int(header['record_size'])} != {RECORD_DTYPE.itemsize}")
+        count = int(header["count"])
+        expected = HEADER_DTYPE.itemsize + count * RECORD_DTYPE.itemsize
+        if index_size != expected:
+            raise ValueError(
+                f"{index_path}: {index_size} bytes, expected {expected} for {count} records (truncated?); "
+                "pack the data set again"
+            )
+        data_size = int(header["data_size"])
+        actual = data_path.stat().st_size
+        if actual != data_size:
+            raise ValueError(
+                f"{data_path}: {actual} bytes, the index says {data_size} (truncated or modified); "
+                "pack the data set again"
+            )
+        paths_size = int(header["paths_size"])
+        if (root / PATHS_FILE).stat().st_size != paths_size:
+            raise ValueError(f"{root / PATHS_FILE}: size does not match the index; pack the data set again")
+        meta = json.loads((root / META_FILE).read_text())
+        self.classes: list[str] = list(meta["classes"])
+        self.count = count
+        self.data_size = data_size
+        self.records = (
+            np.memmap(index_path, dtype=RECORD_DTYPE, mode="r", offset=HEADER_DTYPE.itemsize, shape=(count,))
+            if count
+            else np.zeros(0, RECORD_DTYPE)
+        )
+        self.data = np.memmap(data_path, dtype=np.uint8, mode="r") if data_size else np.zeros(0, np.uint8)
+        self._paths = np.memmap(root / PATHS_FILE, dtype=np.uint8, mode="r") if paths_size else np.zeros(0, np.uint8)
+
+    # Memmaps would pickle their whole contents: reopen by path instead (DataLoader workers).
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path = state["path"]
+        self._open()
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def labels(self) -> np.ndarray:
+        """All labels as an int64 array (reads the index column)."""
+        return np.asarray(self.records["label"], dtype=np.int64)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        rec = self.records[_check_index(self, i)]
+        off, length = int(rec["offset"]), int(rec["length"])
+        return self.data[off : off + length], int(rec["label"])
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Records for ``indices``: a list of zero-copy views and an int64 label array."""
+        recs = self.records[np.asarray(indices, dtype=np.int64)]
+        data = self.data
+        views = [data[o : o + n] for o, n in zip(recs["offset"].tolist(), recs["length"].tolist(), strict=True)]
+        return views, recs["label"].astype(np.int64)
+
+    def source(self, i: int) -> str:
+        """The path the record was packed from."""
+        rec = self.records[_check_index(self, i)]
+        off, n = int(rec["path_offset"]), int(rec["path_length"])
+        return bytes(self._paths[off : off + n]).decode("utf-8")
+
+    def verify(self, progress: bool = False) -> list[int]:
+        """Check every record's crc32; returns the indices whose bytes do not match."""
+        bad: list[int] = []
+        it = range(self.count)
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc="verify", unit="rec")
+        for i in it:
+            view, _ = self[i]
+            if zlib.crc32(view) != int(self.records[i]["crc32"]):
+                bad.append(i)
+        return bad
+
+    def __repr__(self) -> str:
+        return f"MemmapReader({str(self.path)!r}, records={self.count}, classes={len(self.classes)})"
+
+
+def _scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path]]:
+    """Classes (sorted sub-folders), (file, label) pairs, and files with other extensions."""
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    items: list[tuple[Path, int]] = []
+    other: list[Path] = []
+    for label, name in enumerate(classes):
+        for dirpath, dirnames, filenames in os.walk(root / name):
+            dirnames.sort()
+            for f in sorted(filenames):
+                p = Path(dirpath) / f
+                if f.lower().endswith(IMAGE_EXTENSIONS):
+                    items.append((p, label))
+                elif not f.startswith("."):
+                    other.append(p)
+    return classes, items, other
+
+
+class ImageFolderReader:
+    """The reader interface over an ImageFolder root (``root/<class>/<image>``), read on demand."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.path = Path(root)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path}: no such folder")
+        self.classes, items, _ = _scan_image_folder(self.path)
+        if not items:
+            raise ValueError(
+                f"{self.path}: no .jpg/.jpeg/.png files under class sub-folders; expected ROOT/<class>/<image>"
+            )
+        self._files = [str(p) for p, _ in items]
+        self._labels = np.array([lab for _, lab in items], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        j = _check_index(self, i)
+        with open(self._files[j], "rb") as f:
+            data = f.read()
+        return np.frombuffer(data, dtype=np.uint8), int(self._labels[j])
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        out = [self[i][0] for i in indices]
+        return out, self._labels[np.asarray(indices, dtype=np.int64)]
+
+    def source(self, i: int) -> str:
+        return self._files[_check_index(self, i)]
+
+    def __repr__(self) -> str:
+        return f"ImageFolderReader({str(self.path)!r}, records={len(self)}, classes={len(self.classes)})"
+
+
+def open_dataset(path: str | os.PathLike) -> MemmapReader | ImageFolderReader:
+    """Open a packed data set (folder with ``index.bin``) or an ImageFolder root."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such data set; make one with `dali-fast make-synthetic {p}`")
+    if p.is_dir() and (p / INDEX_FILE).exists():
+        return MemmapReader(p)
+    if p.is_dir() and any(d.is_dir() for d in p.iterdir()):
+        return ImageFolderReader(p)
+    raise ValueError(
+        f"{p}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`) "
+        "or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+    )
+
+
+# --------------------------------------------------------------------------- writer
+
+
+@dataclass
+class PackReport:
+    """What `pack` wrote and what it left out (with the reason for each)."""
+
+    dst: Path
+    records: int
+    classes: int
+    data_bytes: int
+    reencoded: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
+            f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
+        )
+
+
+def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+    """(bytes to store, reason it was rejected, whether it was re-encoded)."""
+    if not raw:
+        return None, "empty file", False
+    if not verify and max_side is None:
+        reason = check_encoded(raw)
+        return (None, reason, False) if reason else (raw, None, False)
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            fmt = im.format
+            if fmt not in ("JPEG", "PNG"):
+                return None, f"unsupported format {fmt}; only JPEG and PNG are packed", False
+            im.load()
+            if max_side is not None and max(im.size) > max_side:
+                scale = max_side / max(im.size)
+                size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+                out = io.BytesIO()
+                im.convert("RGB").resize(size, Image.BILINEAR, reducing_gap=3.0).save(out, "JPEG", quality=90)
+                return out.getvalue(), None, True
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
+        return None, f"undecodable: {type(e).__name__}: {e}", False
+    return raw, None, False
+
+
+def _clean_stale(dst: Path) -> None:
+    """Remove temporary folders of `pack` runs that were killed (their process is gone)."""
+    for tmp in dst.parent.glob(f".{dst.name}.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 2)[-2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.info("removing %s left by a killed pack", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def pack(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    verify: bool = True,
+    max_side: int | None = None,
+    progress: bool = True,
+) -> PackReport:
+    """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
+
+    Classes are the sorted sub-folders of ``src`` (as in torchvision's ImageFolder).
+    ``verify`` decodes each image once and leaves out what does not decode (listed in the
+    report); ``max_side`` re-encodes larger images as JPEG (quality 90). Nothing appears at
+    ``dst`` until the whole data set is written.
+    """
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
+    if dst.exists():
+        raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
+    if max_side is not None and max_side < 1:
+        raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
+    classes, items, other = _scan_image_folder(src)
+    if not items:
+        raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
+    report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
+    for p in other:
+        report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        rows = np.zeros(len(items), dtype=RECORD_DTYPE)
+        n = 0
+        offset = path_offset = 0
+        it = items
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(items, desc=f"pack {src.name}", unit="img")
+        with open(tmp / DATA_FILE, "wb") as data_f, open(tmp / PATHS_FILE, "wb") as paths_f:
+            for path, label in it:
+                try:
+                    raw = path.read_bytes()
+                except OSError as e:
+                    report.skipped.append((str(path), f"unreadable: {e}"))
+                    continue
+                payload, reason, reencoded = _prepare(raw, verify, max_side)
+                if payload is None:
+                    report.skipped.append((str(path), reason or "rejected"))
+                    continue
+                report.reencoded += reencoded
+                pbytes = str(path.relative_to(src)).encode("utf-8")
+                rows[n] = (offset, len(payload), label, zlib.crc32(payload), len(pbytes), path_offset)
+                data_f.write(payload)
+                paths_f.write(pbytes)
+                offset += len(payload)
+                path_offset += len(pbytes)
+                n += 1
+            data_f.flush()
+            os.fsync(data_f.fileno())
+            paths_f.flush()
+            os.fsync(paths_f.fileno())
+        header = np.zeros(1, dtype=HEADER_DTYPE)
+        header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, offset, path_offset, (0, 0, 0))
+        with open(tmp / INDEX_FILE, "wb") as f:
+            f.write(header.tobytes())
+            f.write(rows[:n].tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "classes": classes,
+            "source_root": str(src.resolve()),
+            "records": n,
+            "skipped": len(report.skipped),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.records, report.data_bytes = n, offset
+    report.seconds = time.perf_counter() - t0
+    for path, reason in report.skipped:
+        log.warning("left out %s: %s", path, reason)
+    log.info(report.summary())
+    return report

@@ -1,0 +1,84 @@
+"""The embedded default data set: ImageNet-like JPEGs made on demand, deterministic for a seed.
+
+Each image is a smooth random field (upsampled low-resolution noise) with fine noise on top,
+so it compresses like a photo. Each class has its own tint and stripe orientation, so a
+small network can learn the classes: a falling loss proves images and labels arrive intact.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def class_style(label: int, classes: int) -> tuple[np.ndarray, float]:
+    """(RGB tint in [0, 1], stripe angle in radians) for a class."""
+    rng = np.random.default_rng([12345, label])
+    hue = label / max(classes, 1)
+    tint = 0.5 + 0.45 * np.cos(2 * np.pi * (hue + np.array([0.0, 1 / 3, 2 / 3])))
+    return tint * rng.uniform(0.85, 1.0), np.pi * label / max(classes, 1)
+
+
+def make_image(rng: np.random.Generator, label: int, classes: int) -> tuple[bytes, tuple[int, int]]:
+    """One JPEG: (encoded bytes, (width, height))."""
+    from PIL import Image
+
+    area = rng.normal(500 * 375, 60_000)
+    aspect = np.exp(rng.uniform(np.log(0.6), np.log(1.8)))
+    w = int(np.clip(np.sqrt(max(area, 40_000) * aspect), 160, 1000))
+    h = int(np.clip(w / aspect, 120, 1000))
+    tint, angle = class_style(label, classes)
+    low = rng.uniform(0, 1, size=(rng.integers(4, 9), rng.integers(4, 9), 3)).astype(np.float32)
+    field = np.asarray(Image.fromarray((low * 255).astype(np.uint8)).resize((w, h), Image.BICUBIC), np.float32)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    period = rng.uniform(12, 24)
+    stripes = 0.5 + 0.5 * np.sin((xx * np.cos(angle) + yy * np.sin(angle)) * (2 * np.pi / period))
+    img = 0.45 * field + 120 * stripes[..., None] * tint + rng.normal(0, 6, size=(h, w, 3))
+    img = np.clip(img * (0.6 + 0.6 * tint), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(img).save(out, "JPEG", quality=int(rng.integers(75, 96)))
+    return out.getvalue(), (w, h)
+
+
+def make_synthetic(
+    out: str | os.PathLike, images: int = 1000, classes: int = 10, seed: int = 0, progress: bool = True
+) -> Path:
+    """Write an ImageFolder of ``images`` JPEGs in ``classes`` classes under ``out``; returns ``out``.
+
+    The same (images, classes, seed) always gives the same bytes. Files are written under a
+    temporary name and renamed, so an interrupted run leaves no partial image.
+    """
+    if images < 1 or classes < 1:
+        raise ValueError(f"images={images}, classes={classes}: both must be >= 1")
+    out = Path(out)
+    width = len(str(classes - 1))
+    names = [f"class_{c:0{width}d}" for c in range(classes)]
+    for name in names:
+        (out / name).mkdir(parents=True, exist_ok=True)
+    it = range(images)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="make-synthetic", unit="img")
+    for i in it:
+        label = i % classes
+        path = out / names[label] / f"img_{i:07d}.jpg"
+        if path.exists():
+            continue
+        data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
+        tmp = path.with_suffix(".jpg.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
+    return out
+
+
+def default_cache_dir() -> Path:
+    """Where the default synthetic set is kept (``$DALI_FAST_CACHE`` or ``~/.cache/dali_fast``)."""
+    return Path(os.environ.get("DALI_FAST_CACHE", Path.home() / ".cache" / "dali_fast"))

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny data sets built in tmp_path."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90, **save) -> bytes:
+    rng = np.random.default_rng(w * 1000 + h)
+    arr = np.clip(np.array(color, np.float32) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(arr).save(out, "JPEG", quality=quality, **save)
+    return out.getvalue()
+
+
+def png_bytes(w: int = 40, h: int = 30, mode: str = "RGBA") -> bytes:
+    arr = np.full((h, w, len(mode)), 120, np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(arr, mode=mode).save(out, "PNG")
+    return out.getvalue()
+
+
+def make_folder(root: Path, per_class: dict[str, list[bytes]], ext: str = ".jpg") -> Path:
+    for cls, items in per_class.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i, data in enumerate(items):
+            suffix = ".png" if data.startswith(b"\x89PNG") else ext
+            name = f"{i:03d}{suffix}"
+            (root / cls / name).write_bytes(data)
+    return root
+
+
+@pytest.fixture
+def small_folder(tmp_path: Path) -> Path:
+    """3 classes, 7 images of distinct sizes (JPEGs and one PNG)."""
+    return make_folder(
+        tmp_path / "imgs",
+        {
+            "cat": [jpeg_bytes(64, 48), jpeg_bytes(50, 70), png_bytes()],
+            "dog": [jpeg_bytes(33, 33, (10, 200, 10)), jpeg_bytes(80, 20)],
+            "emu": [jpeg_bytes(21, 60), jpeg_bytes(64, 64, (0, 0, 255))],
+        },
+    )

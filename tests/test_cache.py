@@ -1,0 +1,98 @@
+import threading
+
+import numpy as np
+import pytest
+
+from dali_fast.cache import CachedReader, LRUCache
+
+
+def test_lru_order_and_evictions():
+    c = LRUCache(10)
+    assert c.put("a", 1, 4) and c.put("b", 2, 4)
+    assert c.get("a") == 1  # a is now most recent
+    c.put("c", 3, 4)  # evicts b
+    assert c.keys() == ["a", "c"]
+    assert c.get("b") is None
+    s = c.stats()
+    assert s == {"hits": 1, "misses": 1, "hit_rate": 0.5, "evictions": 1, "bytes": 8}
+
+
+def test_budget_never_exceeded_and_oversize_passes_through():
+    c = LRUCache(100)
+    rng = np.random.default_rng(0)
+    for i in range(500):
+        size = int(rng.integers(1, 150))
+        ok = c.put(i, i, size)
+        assert ok == (size <= 100)
+        assert c.bytes <= 100
+        assert sum(size for _, size in c._items.values()) == c.bytes
+    assert c.put("huge", 0, 101) is False and "huge" not in c
+
+
+def test_replace_same_key_counts_bytes_once():
+    c = LRUCache(10)
+    c.put("a", 1, 6)
+    c.put("a", 2, 7)
+    assert c.bytes == 7 and c.get("a") == 2 and c.stats()["evictions"] == 0
+
+
+def test_zero_budget_and_bad_budget():
+    c = LRUCache(0)
+    assert not c.put("a", 1, 1)
+    assert c.stats()["hit_rate"] == 0.0
+    with pytest.raises(ValueError, match="max_bytes"):
+        LRUCache(-1)
+
+
+def test_thread_safety():
+    c = LRUCache(1000)
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(2000):
+            k = int(rng.integers(0, 200))
+            if c.get(k) is None:
+                c.put(k, k, int(rng.integers(1, 30)))
+
+    ts = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    s = c.stats()
+    assert s["hits"] + s["misses"] == 8000
+    assert c.bytes <= 1000 and c.bytes == sum(v[1] for v in c._items.values())
+
+
+class ListReader:
+    classes = ["x"]
+
+    def __init__(self, items):
+        self.items = items
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return np.frombuffer(self.items[i], np.uint8), i
+
+    def source(self, i):
+        return f"item{i}"
+
+
+def test_cached_reader_hits_and_copies():
+    base = ListReader([bytes([i]) * 10 for i in range(5)])
+    r = CachedReader(base, LRUCache(30))
+    for _ in range(2):
+        for i in range(3):
+            d, lab = r[i]
+            assert bytes(d) == bytes([i]) * 10 and lab == i
+    assert base.reads == 3
+    assert r.cache.stats()["hits"] == 3 and r.cache.stats()["misses"] == 3
+    r[3]  # evicts 0
+    assert 0 not in r.cache and r.cache.bytes == 30
+    views, labels = r.read_batch([4, 1])
+    assert [bytes(v) for v in views] == [bytes([4]) * 10, bytes([1]) * 10] and labels.tolist() == [4, 1]
+    assert r.source(2) == "item2" and len(r) == 5

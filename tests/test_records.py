@@ -1,0 +1,248 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import jpeg_bytes, make_folder
+
+from dali_fast.records import (
+    DATA_FILE,
+    FORMAT_VERSION,
+    HEADER_DTYPE,
+    INDEX_FILE,
+    ImageFolderReader,
+    MemmapReader,
+    check_encoded,
+    open_dataset,
+    pack,
+)
+
+
+def source_items(root: Path):
+    """(bytes, label) of every image, in ImageFolder order."""
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    out = []
+    for label, c in enumerate(classes):
+        for f in sorted((root / c).iterdir()):
+            out.append((f.read_bytes(), label, str(f.relative_to(root))))
+    return classes, out
+
+
+def test_pack_roundtrip_exact_bytes_and_labels(small_folder, tmp_path):
+    dst = tmp_path / "packed"
+    report = pack(small_folder, dst, progress=False)
+    classes, items = source_items(small_folder)
+    assert report.records == len(items) == 7 and report.skipped == []
+    r = MemmapReader(dst)
+    assert r.classes == classes == ["cat", "dog", "emu"]
+    assert len(r) == 7
+    for i, (data, label, rel) in enumerate(items):
+        view, lab = r[i]
+        assert view.dtype == np.uint8 and bytes(view) == data
+        assert lab == label
+        assert r.source(i) == rel
+    views, labels = r.read_batch([6, 0, 3])
+    assert [bytes(v) for v in views] == [items[6][0], items[0][0], items[3][0]]
+    assert labels.tolist() == [items[6][1], items[0][1], items[3][1]]
+    assert r.verify() == []
+    assert r[-1][1] == items[-1][1]
+    with pytest.raises(IndexError):
+        r[7]
+
+
+def test_memmap_views_are_zero_copy_and_read_only(small_folder, tmp_path):
+    pack(small_folder, tmp_path / "p", progress=False)
+    r = MemmapReader(tmp_path / "p")
+    view, _ = r[1]
+    assert not view.flags.owndata and not view.flags.writeable
+
+
+def test_reader_pickles_by_path(small_folder, tmp_path):
+    import pickle
+
+    pack(small_folder, tmp_path / "p", progress=False)
+    r = MemmapReader(tmp_path / "p")
+    blob = pickle.dumps(r)
+    assert len(blob) < 500  # the path, not the data
+    r2 = pickle.loads(blob)
+    assert bytes(r2[2][0]) == bytes(r[2][0])
+
+
+def test_flipped_byte_found_by_verify(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    r = MemmapReader(dst)
+    off = int(r.records[4]["offset"]) + 10
+    del r
+    with open(dst / DATA_FILE, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert MemmapReader(dst).verify() == [4]
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_truncated_data_file(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    size = (dst / DATA_FILE).stat().st_size
+    os.truncate(dst / DATA_FILE, size - 5)
+    with pytest.raises(ValueError) as e:
+        open_dataset(dst)
+    msg = _one_line(e)
+    assert "data.bin" in msg and "truncated" in msg and str(size) in msg
+
+
+def test_truncated_index_file(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    os.truncate(dst / INDEX_FILE, (dst / INDEX_FILE).stat().st_size - 3)
+    with pytest.raises(ValueError) as e:
+        MemmapReader(dst)
+    assert "index.bin" in _one_line(e) and "truncated" in str(e.value)
+
+
+def test_wrong_magic(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    with open(dst / INDEX_FILE, "r+b") as f:
+        f.write(b"NOTMAGIC")
+    with pytest.raises(ValueError) as e:
+        MemmapReader(dst)
+    assert "index.bin" in _one_line(e) and "magic" in str(e.value)
+
+
+def test_future_version_names_both(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)
+    header["version"] = FORMAT_VERSION + 6
+    with open(dst / INDEX_FILE, "r+b") as f:
+        f.write(header.tobytes())
+    with pytest.raises(ValueError) as e:
+        MemmapReader(dst)
+    msg = _one_line(e)
+    assert f"version {FORMAT_VERSION + 6}" in msg and f"version {FORMAT_VERSION}" in msg
+
+
+def test_missing_index(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    (dst / INDEX_FILE).unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        MemmapReader(dst)
+    assert "index.bin" in _one_line(e) and "missing" in str(e.value)
+
+
+def test_bad_images_left_out_and_reported(tmp_path):
+    good = jpeg_bytes(40, 40)
+    src = make_folder(tmp_path / "src", {"a": [good, good[: len(good) // 2]], "b": [b"", os.urandom(300), good]})
+    # names: a/000.jpg good, a/001.jpg truncated, b/000.jpg empty, b/001.jpg random, b/002.jpg good
+    report = pack(src, tmp_path / "p", progress=False)
+    assert report.records == 2
+    reasons = dict(report.skipped)
+    assert set(reasons) == {str(src / "a/001.jpg"), str(src / "b/000.jpg"), str(src / "b/001.jpg")}
+    assert "empty" in reasons[str(src / "b/000.jpg")]
+    assert "undecodable" in reasons[str(src / "a/001.jpg")]
+    r = MemmapReader(tmp_path / "p")
+    assert [r.source(i) for i in range(2)] == ["a/000.jpg", "b/002.jpg"]
+    assert [r[i][1] for i in range(2)] == [0, 1]
+
+
+def test_no_verify_still_rejects_structurally_bad(tmp_path):
+    good = jpeg_bytes(40, 40)
+    src = make_folder(tmp_path / "src", {"a": [good, good[:100], b""]})
+    report = pack(src, tmp_path / "p", verify=False, progress=False)
+    assert report.records == 1 and len(report.skipped) == 2
+
+
+def test_max_side_reencodes(tmp_path):
+    from PIL import Image
+
+    src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(300, 100), jpeg_bytes(50, 40)]})
+    report = pack(src, tmp_path / "p", max_side=120, progress=False)
+    assert report.reencoded == 1
+    r = MemmapReader(tmp_path / "p")
+    import io
+
+    assert Image.open(io.BytesIO(bytes(r[0][0]))).size == (120, 40)
+    assert bytes(r[1][0]) == (src / "a/001.jpg").read_bytes()
+
+
+def test_pack_refuses_existing_dst(small_folder, tmp_path):
+    (tmp_path / "p").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        pack(small_folder, tmp_path / "p", progress=False)
+
+
+def test_killed_pack_leaves_no_dst(tmp_path):
+    src = tmp_path / "src"
+    code = (
+        "import sys; from dali_fast.synthetic import make_synthetic; "
+        f"make_synthetic({str(src)!r}, images=300, classes=3, progress=False)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    dst = tmp_path / "packed"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"from dali_fast import pack; pack({str(src)!r}, {str(dst)!r}, progress=False)"]
+    )
+    # kill as soon as the temporary folder has data in it
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        tmps = list(tmp_path.glob(".packed.tmp-*/data.bin"))
+        if tmps and tmps[0].stat().st_size > 0:
+            break
+        time.sleep(0.01)
+    assert tmps, "pack did not start writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not dst.exists()
+    # the next pack removes the dead run's leftovers and completes
+    report = pack(src, dst, progress=False, verify=False)
+    assert report.records == 300
+    assert list(tmp_path.glob(".packed.tmp-*")) == []
+
+
+def test_image_folder_reader_same_interface(small_folder, tmp_path):
+    pack(small_folder, tmp_path / "p", progress=False)
+    a, b = ImageFolderReader(small_folder), open_dataset(tmp_path / "p")
+    assert isinstance(open_dataset(small_folder), ImageFolderReader)
+    assert a.classes == b.classes and len(a) == len(b)
+    for i in range(len(a)):
+        assert bytes(a[i][0]) == bytes(b[i][0]) and a[i][1] == b[i][1]
+    assert Path(a.source(0)).is_file()
+
+
+def test_open_dataset_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such data set"):
+        open_dataset(tmp_path / "nope")
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "x.jpg").write_bytes(jpeg_bytes())
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "flat")
+    assert "ImageFolder" in _one_line(e) and "packed" in str(e.value)
+
+
+def test_check_encoded():
+    good = jpeg_bytes()
+    assert check_encoded(good) is None
+    assert check_encoded(np.frombuffer(good, np.uint8)) is None
+    assert "empty" in check_encoded(b"")
+    assert "truncated JPEG" in check_encoded(good[:-200])
+    assert "not a JPEG or PNG" in check_encoded(b"hello world")
+    from conftest import png_bytes
+
+    png = png_bytes()
+    assert check_encoded(png) is None
+    assert "truncated PNG" in check_encoded(png[:-20])

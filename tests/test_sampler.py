@@ -1,0 +1,85 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dali_fast.sampler import EpochSampler, dist_rank_world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1 * 4, 10, 13])
+def test_exactly_once_per_epoch_disjoint_equal_shards(world, n):
+    for epoch in range(3):
+        shards = []
+        for rank in range(world):
+            s = EpochSampler(n, seed=7, rank=rank, world_size=world)
+            s.set_epoch(epoch)
+            shards.append(np.concatenate(s.batches(3)))
+        assert len({len(x) for x in shards}) == 1
+        allidx = np.concatenate(shards)
+        pad = len(allidx) - n
+        assert 0 <= pad < world
+        counts = Counter(allidx.tolist())
+        assert set(counts) == set(range(n))  # every sample at least once
+        assert sum(c - 1 for c in counts.values()) == pad  # only the wrap-around padding repeats
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_drop_last_shards_disjoint(world):
+    n = 13
+    shards = []
+    for rank in range(world):
+        s = EpochSampler(n, seed=1, rank=rank, world_size=world, drop_last=True)
+        shards.append(s.indices(0))
+    allidx = np.concatenate(shards)
+    assert len(set(allidx.tolist())) == len(allidx) == (n // world) * world
+    assert len({len(x) for x in shards}) == 1
+
+
+def test_order_is_function_of_seed_and_epoch():
+    a, b = EpochSampler(100, seed=3, rank=0, world_size=1), EpochSampler(100, seed=3, rank=0, world_size=1)
+    assert np.array_equal(a.indices(5), b.indices(5))
+    assert not np.array_equal(a.indices(5), a.indices(6))
+    assert not np.array_equal(a.indices(5), EpochSampler(100, seed=4, rank=0, world_size=1).indices(5))
+    assert sorted(a.indices(6).tolist()) == list(range(100))
+    assert np.array_equal(EpochSampler(5, shuffle=False, rank=0, world_size=1).indices(9), np.arange(5))
+
+
+def test_resume_gives_exactly_the_remaining():
+    s = EpochSampler(50, seed=0, rank=1, world_size=3)
+    s.set_epoch(2)
+    consumed = [s.next_batch(4), s.next_batch(7)]
+    state = s.state_dict()
+    rest_here = np.concatenate(s.batches(5))
+    t = EpochSampler(50, seed=0, rank=1, world_size=3)
+    t.load_state_dict(state)
+    rest_resumed = np.concatenate(t.batches(6))  # batch size may differ after resume
+    assert np.array_equal(rest_here, rest_resumed)
+    assert np.array_equal(np.concatenate(consumed + [rest_resumed]), s.indices(2))
+
+
+def test_resume_refuses_other_settings():
+    s = EpochSampler(50, seed=0, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="world_size=2"):
+        EpochSampler(50, seed=0, rank=0, world_size=4).load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="n=50"):
+        EpochSampler(51, seed=0, rank=0, world_size=2).load_state_dict(s.state_dict())
+
+
+def test_batches_drop_last_and_errors():
+    s = EpochSampler(10, shuffle=False, rank=0, world_size=1)
+    assert [b.tolist() for b in s.batches(4, drop_last=True)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert s.remaining() == 0 and len(s.next_batch(4)) == 0
+    with pytest.raises(ValueError, match="batch_size"):
+        s.next_batch(0)
+    with pytest.raises(ValueError, match="rank=2"):
+        EpochSampler(10, rank=2, world_size=2)
+
+
+def test_rank_world_from_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert dist_rank_world() == (2, 3)
+    assert dist_rank_world(0, 1) == (0, 1)
+    s = EpochSampler(9)
+    assert (s.rank, s.world_size) == (2, 3)
