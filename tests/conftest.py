@@ -46,3 +46,31 @@ def small_folder(tmp_path: Path) -> Path:
             "emu": [jpeg_bytes(21, 60), jpeg_bytes(64, 64, (0, 0, 255))],
         },
     )
+
+
+class IndexReader:
+    """A data set whose label is the record's index, so a batch of labels names its records."""
+
+    def __init__(self, items: list[bytes], classes: int | None = None):
+        self.items = [np.frombuffer(b, np.uint8) for b in items]
+        self.classes = [str(i) for i in range(classes or len(items))]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i], int(i)
+
+    @property
+    def labels(self):
+        return np.arange(len(self.items), dtype=np.int64)
+
+    def source(self, i):
+        return f"mem://{i}.jpg"
+
+
+@pytest.fixture(scope="session")
+def index_reader() -> IndexReader:
+    """37 small JPEGs (a prime count, so no batch size divides it) labelled by index."""
+    colors = [(200, 30, 60), (10, 200, 10), (0, 0, 255), (250, 250, 0)]
+    return IndexReader([jpeg_bytes(32 + i % 5, 24 + i % 3, colors[i % 4]) for i in range(37)])

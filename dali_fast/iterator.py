@@ -1,0 +1,308 @@
+"""`DALIIterator`: the DALI pipeline behind a DataLoader-shaped PyTorch iterator.
+
+`LoaderBase` holds what both iterators share (the epoch cursor, resume, sharding, batch size
+and the controller hooks); a backend only turns a planned list of index batches into tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cache import CachedReader, LRUCache
+from .pipeline import SkipLog
+from .records import Reader
+from .sampler import EpochSampler, dist_rank_world
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+ON_ERROR = ("raise", "skip")
+DTYPES = (torch.float32, torch.float16)
+
+
+def cuda_usable() -> bool:
+    """True when torch sees a CUDA device it can use."""
+    try:
+        return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
+    except Exception:  # noqa: BLE001 - a broken driver means "no GPU" here
+        return False
+
+
+def local_device_index() -> int:
+    """The GPU of this process: LOCAL_RANK under torchrun, else the current device."""
+    import os
+
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return torch.cuda.current_device() if cuda_usable() else 0
+
+
+class LoaderBase:
+    """Epoch bookkeeping shared by `DALIIterator` and `TorchIterator`.
+
+    The position is the number of this rank's samples already *yielded* in the current epoch
+    (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
+    resumes at exactly the next sample.
+    """
+
+    backend = "base"
+
+    def __init__(
+        self,
+        dataset: Reader,
+        batch_size: int,
+        *,
+        train: bool = True,
+        image_size: int = 224,
+        device: str = "auto",
+        seed: int = 0,
+        drop_last: bool = False,
+        cache_bytes: int = 0,
+        controller: Any = None,
+        num_threads: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: str = "raise",
+        prefetch: int = 2,
+    ) -> None:
+        if not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+        if not isinstance(image_size, int | np.integer) or image_size < 1:
+            raise ValueError(f"image_size={image_size!r}: must be a positive integer")
+        if device not in ("auto", "cpu", "cuda", "gpu"):
+            raise ValueError(f"device={device!r}: use 'auto' (GPU when CUDA is usable), 'cuda' or 'cpu'")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype}: use torch.float32 or torch.float16")
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes={cache_bytes}: must be >= 0 (0 disables the cache)")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads={num_threads}: must be >= 1")
+        if prefetch < 1:
+            raise ValueError(f"prefetch={prefetch}: must be >= 1")
+        if len(dataset) == 0:
+            raise ValueError("the data set is empty; nothing to load")
+        if device in ("cuda", "gpu") and not cuda_usable():
+            raise ValueError(f"device={device!r} but CUDA is not usable here; use device='auto' or 'cpu'")
+        self.gpu = device in ("cuda", "gpu") or (device == "auto" and cuda_usable())
+        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.cache: LRUCache | None = LRUCache(cache_bytes) if cache_bytes else None
+        self.dataset: Reader = CachedReader(dataset, self.cache) if self.cache is not None else dataset
+        self.train = bool(train)
+        self.image_size = int(image_size)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.num_threads = num_threads
+        self.dtype = dtype
+        self.on_error = on_error
+        self.prefetch = int(prefetch)
+        self.sampler = EpochSampler(
+            len(dataset),
+            seed=self.seed,
+            shuffle=self.train,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+        )
+        self.controller = controller
+        self._batch_size = int(batch_size)
+        if controller is not None:
+            controller.attach(int(batch_size))
+        self._epoch_bs: int | None = None  # batch size of the epoch in progress
+        self._finished = False  # the current epoch was consumed to the end
+        self._epoch_set = True
+        self._skips = SkipLog()
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def batch_size(self) -> int:
+        """The batch size of the epoch in progress, else of the next epoch."""
+        if self._epoch_bs is not None:
+            return self._epoch_bs
+        return int(self.controller.batch_size) if self.controller is not None else self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if self._epoch_bs is not None:
+            raise ValueError("the batch size can change only between epochs; set it before iterating")
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"batch_size={value!r}: must be a positive integer")
+        if self.controller is not None:
+            self.controller.attach(int(value))
+        self._batch_size = int(value)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def skipped(self) -> int:
+        """Records skipped as undecodable (``on_error='skip'``), over the iterator's life."""
+        return self._skips.count
+
+    def cache_stats(self) -> dict[str, float] | None:
+        return self.cache.stats() if self.cache is not None else None
+
+    def __len__(self) -> int:
+        """Batches in this epoch on this rank, at this epoch's batch size."""
+        n, bs = len(self.sampler), self.batch_size
+        return n // bs if self.drop_last else math.ceil(n / bs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order. Calling it with the epoch a resumed state is in keeps the position."""
+        epoch = int(epoch)
+        if epoch != self.sampler.epoch or self._finished:
+            self.sampler.set_epoch(epoch)
+            self._finished = False
+        self._epoch_set = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: epoch, samples yielded so far, and what must match to resume."""
+        sd: dict[str, Any] = {
+            "sampler": self.sampler.state_dict(),
+            "finished": self._finished,
+            "batch_size": self._batch_size,
+            "backend": self.backend,
+        }
+        if self.controller is not None:
+            sd["controller"] = self.controller.state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next batch starts at exactly the sample after the last one yielded."""
+        if "sampler" not in state:
+            raise ValueError("not a loader state_dict (no 'sampler' entry); pass loader.state_dict() as saved")
+        self.sampler.load_state_dict(state["sampler"])
+        self._finished = bool(state.get("finished", False))
+        self._batch_size = int(state.get("batch_size", self._batch_size))
+        if self.controller is not None and "controller" in state:
+            self.controller.load_state_dict(state["controller"])
+        self._epoch_set = True
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._finished:
+            # Looping again without set_epoch: move on to the next epoch's order.
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._finished = False
+        bs = self.batch_size
+        start = self.sampler.position
+        shard = self.sampler.indices()
+        stop = len(shard)
+        if self.drop_last:
+            stop = start + (len(shard) - start) // bs * bs
+        plan = [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)]
+        return self._epoch(plan, bs, start)
+
+    # ------------------------------------------------------------------ epoch driver
+    def _epoch(self, plan: list[np.ndarray], bs: int, start: int) -> Iterator[Batch]:
+        self._epoch_bs = bs
+        if self.controller is not None and start == 0:
+            self.controller.begin_epoch()
+        try:
+            for images, labels, consumed in self._run(plan, start):
+                self.sampler.position += consumed
+                yield images, labels
+            self.sampler.position = len(self.sampler)
+            self._finished = True
+            if self.controller is not None:
+                self.controller.end_epoch(self.sampler.epoch)
+        finally:
+            self._epoch_bs = None
+
+    def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Yield (images, labels, planned samples accounted for) for each planned batch, in order."""
+        raise NotImplementedError
+
+
+class DALIIterator(LoaderBase):
+    """Batches of decoded, augmented images from a DALI pipeline, as PyTorch tensors.
+
+    ``images`` is float NCHW (on the GPU in GPU mode, on the CPU in DALI's CPU-only mode),
+    ``labels`` int64 of shape (N,) on the same device. Each epoch yields each of this rank's
+    samples exactly once, whatever the prefetch depth, batch-size changes between epochs or
+    an early ``break``. A fresh pipeline is built per epoch, seeded from (seed, epoch, rank), so
+    augmentation is reproducible and an abandoned epoch leaves nothing in flight.
+
+    >>> loader = DALIIterator(open_dataset("data/train"), batch_size=256)   # doctest: +SKIP
+    >>> for epoch in range(90):                                              # doctest: +SKIP
+    ...     loader.set_epoch(epoch)
+    ...     for images, labels in loader:
+    ...         ...
+    """
+
+    backend = "dali"
+
+    def __init__(self, dataset: Reader, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size, **kwargs)
+        try:
+            import nvidia.dali  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "DALIIterator needs NVIDIA DALI: pip install nvidia-dali-cuda120 (Linux), "
+                "or use dali_fast.TorchIterator / make_loader(backend='auto')"
+            ) from e
+        self.device_id = local_device_index() if self.gpu else None
+        self.pipelines_built = 0
+
+    def _max_batch(self) -> int:
+        if self.controller is not None:
+            return max(int(self.controller.max_batch), self.batch_size)
+        return self.batch_size
+
+    def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        if not plan:
+            return
+        from nvidia.dali.plugin.base_iterator import LastBatchPolicy
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+        from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed
+
+        source = BatchSource(self.dataset, plan, self.on_error, self._skips)
+        pipe = build_pipeline(
+            source,
+            max_batch=self._max_batch(),
+            train=self.train,
+            image_size=self.image_size,
+            gpu=self.gpu,
+            device_id=self.device_id,
+            seed=derive_seed(self.seed, self.sampler.epoch, self.rank, start),
+            num_threads=self.num_threads or default_num_threads(),
+            fp16=self.dtype == torch.float16,
+            prefetch=self.prefetch,
+        )
+        self.pipelines_built += 1
+        it = DALIGenericIterator(
+            pipe,
+            ["images", "labels"],
+            auto_reset=False,
+            prepare_first_batch=False,
+            last_batch_policy=LastBatchPolicy.PARTIAL,
+        )
+        try:
+            while True:
+                try:
+                    out = next(it)[0]
+                except StopIteration:
+                    break
+                except RuntimeError as e:
+                    in_flight = [i for _, kept in source.fed for i in kept]
+                    names = ", ".join(f"{i} ({self.dataset.source(i)})" for i in in_flight[:8])
+                    more = f" and {len(in_flight) - 8} more" if len(in_flight) > 8 else ""
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise RuntimeError(
+                        f"DALI failed decoding one of records {names}{more}: {first}; "
+                        "check them with `dali-fast inspect --verify` or pass on_error='skip'"
+                    ) from e
+                consumed, _ = source.fed.popleft()
+                yield out["images"], out["labels"].reshape(-1), consumed
+        finally:
+            source.stop()
+            del it, pipe

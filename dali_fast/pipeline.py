@@ -1,0 +1,176 @@
+"""The DALI pipeline and the external-source batch callable that feeds it.
+
+The source owns the epoch's cursor: it is armed with the epoch's list of index batches and
+hands them out in order, raising StopIteration when the list is done. DALI calls it ahead of
+consumption (prefetch) and past the end of the epoch; since the list, not an
+``iteration * batch_size`` formula, decides what comes next, prefetch depth and batch-size
+changes cannot duplicate or lose samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .records import Reader, check_encoded
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+RRC_SCALE = (0.08, 1.0)
+RRC_RATIO = (3 / 4, 4 / 3)
+EVAL_CROP_FRACTION = 0.875
+
+
+class BadRecordError(ValueError):
+    """A record that cannot be decoded; names its index and source path."""
+
+
+@dataclass
+class SkipLog:
+    """Skipped records: counted, and each logged once."""
+
+    count: int = 0
+    logged: set[int] = field(default_factory=set)
+
+    def add(self, index: int, source: str, reason: str) -> None:
+        self.count += 1
+        if index not in self.logged:
+            self.logged.add(index)
+            log.warning("skipping record %d (%s): %s", index, source, reason)
+
+
+def bad_record_message(reader: Reader, index: int, reason: str) -> str:
+    return (
+        f"record {index} ({reader.source(index)}): {reason}; remove or re-pack it, "
+        "or pass on_error='skip' to skip bad records"
+    )
+
+
+class BatchSource:
+    """A batch-mode external-source callable over a planned list of index batches.
+
+    Returns ``(encoded images, labels)`` per call. ``fed`` records, per batch handed to DALI,
+    how many planned samples it accounts for (skipped ones included), in order, so the
+    consumer can advance its cursor exactly by what it received.
+    """
+
+    def __init__(self, reader: Reader, plan: Sequence[np.ndarray], on_error: str, skips: SkipLog) -> None:
+        self.reader = reader
+        self.plan = list(plan)
+        self.on_error = on_error
+        self.skips = skips
+        self.next = 0
+        self.stopped = False
+        self.fed: deque[tuple[int, list[int]]] = deque()
+
+    def stop(self) -> None:
+        """Hand out nothing more (the consumer has left the epoch)."""
+        self.stopped = True
+
+    def __call__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        consumed = 0
+        while not self.stopped and self.next < len(self.plan):
+            indices = self.plan[self.next]
+            self.next += 1
+            consumed += len(indices)
+            datas: list[np.ndarray] = []
+            labels: list[np.ndarray] = []
+            kept: list[int] = []
+            for i in indices.tolist():
+                data, label = self.reader[i]
+                reason = check_encoded(data)
+                if reason is not None:
+                    if self.on_error == "raise":
+                        raise BadRecordError(bad_record_message(self.reader, i, reason))
+                    self.skips.add(i, self.reader.source(i), reason)
+                    continue
+                datas.append(data)
+                labels.append(np.array(label, dtype=np.int64))
+                kept.append(i)
+            if datas:
+                self.fed.append((consumed, kept))
+                return datas, labels
+        raise StopIteration
+
+
+def default_num_threads() -> int:
+    """CPU threads for one pipeline: this process's cores, split between local ranks."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, cpus // max(1, local_world))
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit pipeline seed from integers (seed, epoch, rank, start position)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def build_pipeline(
+    source: BatchSource,
+    *,
+    max_batch: int,
+    train: bool,
+    image_size: int,
+    gpu: bool,
+    device_id: int | None,
+    seed: int,
+    num_threads: int,
+    fp16: bool,
+    prefetch: int,
+):
+    """Build the decode → (random-resized-)crop → normalize/flip pipeline, fed by ``source``."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+    from nvidia.dali import pipeline_def
+
+    decode_device = "mixed" if gpu else "cpu"
+    decoder_extra = {"device_memory_padding": 211_025_920, "host_memory_padding": 140_544_512} if gpu else {}
+
+    @pipeline_def(
+        batch_size=max_batch,
+        num_threads=num_threads,
+        device_id=device_id if gpu else None,
+        seed=seed,
+        prefetch_queue_depth=prefetch,
+    )
+    def pipe():
+        jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+        if train:
+            images = fn.decoders.image_random_crop(
+                jpegs,
+                device=decode_device,
+                output_type=types.RGB,
+                random_area=list(RRC_SCALE),
+                random_aspect_ratio=list(RRC_RATIO),
+                num_attempts=10,
+                **decoder_extra,
+            )
+            images = fn.resize(images, resize_x=image_size, resize_y=image_size)
+            mirror = fn.random.coin_flip(probability=0.5)
+        else:
+            images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_extra)
+            images = fn.resize(images, resize_shorter=round(image_size / EVAL_CROP_FRACTION))
+            mirror = 0
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT16 if fp16 else types.FLOAT,
+            output_layout="CHW",
+            crop=(image_size, image_size),
+            mean=list(IMAGENET_MEAN),
+            std=list(IMAGENET_STD),
+            mirror=mirror,
+        )
+        if gpu:
+            labels = labels.gpu()
+        return images, labels
+
+    p = pipe()
+    p.build()
+    return p

@@ -1,0 +1,370 @@
+"""The loader contract, run against every backend (DALI in CPU-only mode here; GPU tests marked `gpu`)."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import IndexReader, jpeg_bytes, png_bytes
+from PIL import Image
+
+from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+BACKENDS = ["dali", "torch"]
+
+
+def loader_class(backend):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+        from dali_fast import DALIIterator
+
+        return DALIIterator
+    from dali_fast import TorchIterator
+
+    return TorchIterator
+
+
+@pytest.fixture(params=BACKENDS)
+def make(request):
+    cls = loader_class(request.param)
+
+    def factory(reader, batch_size, **kw):
+        kw.setdefault("image_size", 16)
+        kw.setdefault("device", "cpu")
+        kw.setdefault("num_threads", 2)
+        if cls.__name__ == "TorchIterator":
+            kw.setdefault("num_workers", 0)
+        return cls(reader, batch_size, **kw)
+
+    factory.backend = request.param
+    return factory
+
+
+def epoch_labels(loader, epoch=None, limit=None):
+    if epoch is not None:
+        loader.set_epoch(epoch)
+    out, sizes = [], []
+    for k, (images, labels) in enumerate(loader):
+        assert images.shape[0] == labels.shape[0]
+        out += labels.tolist()
+        sizes.append(len(labels))
+        if limit is not None and k + 1 >= limit:
+            break
+    return out, sizes
+
+
+class ScriptedController:
+    """A test double for BatchSizeController: plays a fixed list of batch sizes, one per epoch."""
+
+    def __init__(self, sizes):
+        self.sizes = list(sizes)
+        self.max_batch = max(sizes)
+        self.epochs_ended = 0
+        self.batch_size = self.sizes[0]
+
+    def attach(self, batch_size):
+        pass
+
+    def begin_epoch(self):
+        pass
+
+    def end_epoch(self, epoch):
+        self.epochs_ended += 1
+        self.batch_size = self.sizes[min(self.epochs_ended, len(self.sizes) - 1)]
+
+    def state_dict(self):
+        return {"epochs_ended": self.epochs_ended}
+
+    def load_state_dict(self, sd):
+        self.epochs_ended = sd["epochs_ended"]
+
+
+# ----------------------------------------------------------------------------- exactly once
+
+
+def test_exactly_once_per_epoch_shuffled(make, index_reader):
+    loader = make(index_reader, 8, seed=3)
+    orders = []
+    for epoch in range(3):
+        labels, sizes = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(37))
+        assert sizes == [8, 8, 8, 8, 5] and len(loader) == 5
+        orders.append(labels)
+    assert orders[0] != orders[1] != orders[2]
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_exactly_once_any_prefetch_depth(make, index_reader, prefetch):
+    loader = make(index_reader, 6, prefetch=prefetch)
+    for epoch in range(2):
+        labels, _ = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(37))
+
+
+def test_batch_size_changes_between_epochs(make, index_reader):
+    ctrl = ScriptedController([8, 16, 5, 32, 3, 11])
+    loader = make(index_reader, 8, controller=ctrl)
+    for epoch, bs in enumerate(ctrl.sizes):
+        assert loader.batch_size == bs
+        expected_len = len(loader)
+        labels, sizes = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(37)), f"epoch {epoch} bs {bs}"
+        assert max(sizes) == bs and len(sizes) == expected_len
+
+
+def test_batch_size_setter_between_epochs_only(make, index_reader):
+    loader = make(index_reader, 8)
+    loader.batch_size = 10
+    labels, sizes = epoch_labels(loader, 0)
+    assert sorted(labels) == list(range(37)) and sizes == [10, 10, 10, 7]
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match="between epochs"):
+        loader.batch_size = 4
+    it.close()
+
+
+def test_break_then_next_epoch_exactly_once(make, index_reader):
+    loader = make(index_reader, 4, prefetch=3)
+    first, _ = epoch_labels(loader, 0, limit=2)
+    assert len(first) == 8
+    for epoch in (1, 2):
+        labels, _ = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(37))
+
+
+def test_drop_last_drops_only_the_tail(make, index_reader):
+    loader = make(index_reader, 8, drop_last=True)
+    assert len(loader) == 4
+    labels, sizes = epoch_labels(loader, 0)
+    assert sizes == [8, 8, 8, 8] and len(set(labels)) == 32
+    full = make(index_reader, 8)
+    full_labels, _ = epoch_labels(full, 0)
+    assert labels == full_labels[:32]  # the same order, only the tail is missing
+
+
+def test_resume_mid_epoch_yields_exactly_the_rest(make, index_reader):
+    loader = make(index_reader, 5, seed=9)
+    loader.set_epoch(4)
+    seen = []
+    for k, (_, labels) in enumerate(loader):
+        seen += labels.tolist()
+        if k == 2:
+            state = loader.state_dict()
+            break
+    resumed = make(index_reader, 5, seed=9)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(4)  # the usual loop calls set_epoch; it keeps the resumed position
+    rest, _ = epoch_labels(resumed)
+    assert len(seen) == 15 and sorted(seen + rest) == list(range(37))
+    reference, _ = epoch_labels(make(index_reader, 5, seed=9), 4)
+    assert seen + rest == reference  # the same order as an uninterrupted epoch
+    # the epoch after the resumed one is complete again
+    assert sorted(epoch_labels(resumed, 5)[0]) == list(range(37))
+
+
+def test_looping_again_without_set_epoch_moves_to_next_epoch(make, index_reader):
+    loader = make(index_reader, 8)
+    a, _ = epoch_labels(loader)
+    b, _ = epoch_labels(loader)
+    assert sorted(a) == sorted(b) == list(range(37)) and a != b and loader.epoch == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_disjoint_cover_equal_batches(make, index_reader, world):
+    per_rank = []
+    for rank in range(world):
+        loader = make(index_reader, 4, rank=rank, world_size=world, drop_last=False)
+        labels, sizes = epoch_labels(loader, 1)
+        per_rank.append((labels, len(sizes)))
+    assert len({n for _, n in per_rank}) == 1  # same number of batches on every rank
+    everything = Counter(x for labels, _ in per_rank for x in labels)
+    assert set(everything) == set(range(37))
+    assert sum(everything.values()) - 37 < world  # only the wrap-around padding repeats
+
+
+def test_same_seed_epoch_same_batches(make, index_reader):
+    a, b = make(index_reader, 8, seed=5), make(index_reader, 8, seed=5)
+    a.set_epoch(2)
+    b.set_epoch(2)
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert torch.equal(ya, yb)
+        assert torch.equal(xa, xb)
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def normalized(rgb):
+    return [(c - m) / s for c, m, s in zip(rgb, IMAGENET_MEAN, IMAGENET_STD, strict=True)]
+
+
+def flat_png(rgb, w=48, h=40):
+    out = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), rgb, np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shape_dtype_and_normalization(make, train, dtype):
+    rgb = (200, 30, 60)
+    reader = IndexReader([flat_png(rgb)] * 3)
+    loader = make(reader, 3, train=train, dtype=dtype, image_size=24)
+    images, labels = next(iter(loader))
+    assert images.shape == (3, 3, 24, 24) and images.dtype == dtype
+    assert labels.dtype == torch.int64 and labels.shape == (3,)
+    got = images.float().mean(dim=(0, 2, 3)).tolist()
+    std = images.float().std(dim=(0, 2, 3)).tolist()
+    assert np.allclose(got, normalized(rgb), atol=1e-2)
+    assert max(std) < 1e-2
+
+
+def gradient_jpeg():
+    arr = np.tile(np.linspace(0, 255, 64, dtype=np.float32)[None, :, None], (48, 1, 3)).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(arr).save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+def flipped_fraction(loader, epochs):
+    flips = total = 0
+    for e in range(epochs):
+        loader.set_epoch(e)
+        for images, _ in loader:
+            left = images[:, :, :, :4].float().mean(dim=(1, 2, 3))
+            right = images[:, :, :, -4:].float().mean(dim=(1, 2, 3))
+            flips += int((left > right).sum())
+            total += len(images)
+    return flips / total
+
+
+def test_train_flips_about_half_eval_never(make):
+    reader = IndexReader([gradient_jpeg()] * 50)
+    assert 0.3 < flipped_fraction(make(reader, 10, train=True), epochs=4) < 0.7
+    assert flipped_fraction(make(reader, 10, train=False), epochs=1) == 0.0
+
+
+def test_eval_is_deterministic(make, index_reader):
+    loader = make(index_reader, 8, train=False)
+    first = [x.clone() for x, _ in loader]
+    second = [x.clone() for x, _ in loader]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    labels, _ = epoch_labels(loader, 7)
+    assert labels == list(range(37))  # eval keeps the data set's order
+
+
+def special_images():
+    gray = io.BytesIO()
+    Image.fromarray(np.full((30, 40), 128, np.uint8), mode="L").save(gray, "JPEG", quality=95)
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(cmyk, "JPEG", quality=95)  # red in CMYK
+    progressive = jpeg_bytes(48, 40, (10, 200, 10), progressive=True)
+    return [gray.getvalue(), cmyk.getvalue(), png_bytes(40, 30, "RGBA"), progressive]
+
+
+def test_grayscale_cmyk_png_alpha_progressive_decode_to_rgb(make):
+    reader = IndexReader(special_images())
+    loader = make(reader, 4, train=False, image_size=16)
+    images, labels = next(iter(loader))
+    assert images.shape == (4, 3, 16, 16)
+    means = images.float().mean(dim=(2, 3)).numpy()
+    rgb = means * np.array(IMAGENET_STD)[None] / 1 + np.array(IMAGENET_MEAN)[None]
+    by_label = dict(zip(labels.tolist(), rgb, strict=True))
+    assert np.allclose(by_label[0], 128, atol=3)  # gray: three equal channels
+    assert by_label[1][0] > 200 and by_label[1][1] < 60  # CMYK red came out red
+    assert np.allclose(by_label[2], 120, atol=3)  # PNG with alpha: RGB of the pixels
+    assert by_label[3][1] > 150 and by_label[3][0] < 60  # progressive green
+
+
+# ----------------------------------------------------------------------------- bad records
+
+
+def bad_reader():
+    good = [jpeg_bytes(32, 24, (i * 20, 100, 50)) for i in range(10)]
+    items = list(good)
+    items[2] = good[2][: len(good[2]) // 2]  # truncated JPEG
+    items[5] = bytes(np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8))  # random bytes
+    items[7] = b""  # empty record
+    return IndexReader(items)
+
+
+def test_bad_record_raise_names_it(make):
+    loader = make(bad_reader(), 4, train=False)
+    with pytest.raises(ValueError) as e:
+        epoch_labels(loader, 0)
+    msg = str(e.value)
+    assert "record 2 (mem://2.jpg)" in msg and "truncated JPEG" in msg and "on_error='skip'" in msg
+
+
+def test_bad_records_skip_counts_and_logs_once(make, caplog):
+    loader = make(bad_reader(), 4, train=True, on_error="skip")
+    with caplog.at_level(logging.WARNING):
+        for epoch in range(2):
+            labels, _ = epoch_labels(loader, epoch)
+            assert sorted(labels) == [0, 1, 3, 4, 6, 8, 9]
+    assert loader.skipped == 6  # 3 per epoch
+    for i in (2, 5, 7):
+        assert sum(f"record {i} " in r.getMessage() for r in caplog.records) == 1
+
+
+def test_all_bad_batch_is_skipped_whole(make):
+    reader = bad_reader()
+    loader = make(reader, 1, train=False, on_error="skip")
+    labels, sizes = epoch_labels(loader, 0)
+    assert labels == [0, 1, 3, 4, 6, 8, 9] and set(sizes) == {1}
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"device": "tpu"}, "device"),
+        ({"on_error": "ignore"}, "on_error"),
+        ({"dtype": torch.int8}, "dtype"),
+        ({"cache_bytes": -1}, "cache_bytes"),
+        ({"rank": 3, "world_size": 2}, "rank=3"),
+    ],
+)
+def test_bad_arguments_one_line(make, index_reader, kw, match):
+    kw = {"batch_size": 4, **kw}
+    bs = kw.pop("batch_size")
+    with pytest.raises(ValueError, match=match) as e:
+        make(index_reader, bs, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_cache_serves_second_epoch(make, index_reader):
+    loader = make(index_reader, 8, cache_bytes=10**7)
+    epoch_labels(loader, 0)
+    epoch_labels(loader, 1)
+    s = loader.cache_stats()
+    assert s["misses"] == 37 and s["hits"] == 37 and s["hit_rate"] == 0.5
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_mode_outputs_on_cuda_exactly_once(make, index_reader):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    loader = make(index_reader, 8, device="cuda")
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        labels = []
+        for images, lab in loader:
+            assert images.is_cuda and images.shape[1:] == (3, 16, 16)
+            labels += lab.tolist()
+        assert sorted(labels) == list(range(37))
+    rgb = (200, 30, 60)
+    flat = make(IndexReader([flat_png(rgb)] * 4), 4, device="cuda", train=False)
+    images, _ = next(iter(flat))
+    assert np.allclose(images.float().mean(dim=(0, 2, 3)).cpu().numpy(), normalized(rgb), atol=1e-2)
