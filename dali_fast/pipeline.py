@@ -74,14 +74,14 @@ class BatchSource:
         """Hand out nothing more (the consumer has left the epoch)."""
         self.stopped = True
 
-    def __call__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def __call__(self) -> tuple[list[np.ndarray], np.ndarray]:
         consumed = 0
         while not self.stopped and self.next < len(self.plan):
             indices = self.plan[self.next]
             self.next += 1
             consumed += len(indices)
             datas: list[np.ndarray] = []
-            labels: list[np.ndarray] = []
+            labels: list[int] = []
             kept: list[int] = []
             for i in indices.tolist():
                 data, label = self.reader[i]
@@ -92,11 +92,11 @@ class BatchSource:
                     self.skips.add(i, self.reader.source(i), reason)
                     continue
                 datas.append(data)
-                labels.append(np.array(label, dtype=np.int64))
+                labels.append(label)
                 kept.append(i)
             if datas:
                 self.fed.append((consumed, kept))
-                return datas, labels
+                return datas, np.asarray(labels, dtype=np.int64)
         raise StopIteration
 
 
@@ -110,6 +110,44 @@ def default_num_threads() -> int:
 def derive_seed(*parts: int) -> int:
     """A 31-bit pipeline seed from integers (seed, epoch, rank, start position)."""
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool):
+    """The operators after the source, inside a pipeline definition: decode, crop, resize, normalize, flip.
+
+    Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, random
+    horizontal flip. Eval: resize the shorter side to ``image_size / 0.875``, centre crop.
+    """
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    decode_device = "mixed" if gpu else "cpu"
+    extra = {"device_memory_padding": 211_025_920, "host_memory_padding": 140_544_512} if gpu else {}
+    if train:
+        images = fn.decoders.image_random_crop(
+            jpegs,
+            device=decode_device,
+            output_type=types.RGB,
+            random_area=list(RRC_SCALE),
+            random_aspect_ratio=list(RRC_RATIO),
+            num_attempts=10,
+            **extra,
+        )
+        images = fn.resize(images, resize_x=image_size, resize_y=image_size)
+        mirror = fn.random.coin_flip(probability=0.5)
+    else:
+        images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
+        images = fn.resize(images, resize_shorter=round(image_size / EVAL_CROP_FRACTION))
+        mirror = 0
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT16 if fp16 else types.FLOAT,
+        output_layout="CHW",
+        crop=(image_size, image_size),
+        mean=list(IMAGENET_MEAN),
+        std=list(IMAGENET_STD),
+        mirror=mirror,
+    )
 
 
 def build_pipeline(
@@ -126,12 +164,7 @@ def build_pipeline(
     prefetch: int,
 ):
     """Build the decode → (random-resized-)crop → normalize/flip pipeline, fed by ``source``."""
-    import nvidia.dali.fn as fn
-    import nvidia.dali.types as types
     from nvidia.dali import pipeline_def
-
-    decode_device = "mixed" if gpu else "cpu"
-    decoder_extra = {"device_memory_padding": 211_025_920, "host_memory_padding": 140_544_512} if gpu else {}
 
     @pipeline_def(
         batch_size=max_batch,
@@ -141,32 +174,11 @@ def build_pipeline(
         prefetch_queue_depth=prefetch,
     )
     def pipe():
+        import nvidia.dali.fn as fn
+        import nvidia.dali.types as types
+
         jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
-        if train:
-            images = fn.decoders.image_random_crop(
-                jpegs,
-                device=decode_device,
-                output_type=types.RGB,
-                random_area=list(RRC_SCALE),
-                random_aspect_ratio=list(RRC_RATIO),
-                num_attempts=10,
-                **decoder_extra,
-            )
-            images = fn.resize(images, resize_x=image_size, resize_y=image_size)
-            mirror = fn.random.coin_flip(probability=0.5)
-        else:
-            images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decoder_extra)
-            images = fn.resize(images, resize_shorter=round(image_size / EVAL_CROP_FRACTION))
-            mirror = 0
-        images = fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT16 if fp16 else types.FLOAT,
-            output_layout="CHW",
-            crop=(image_size, image_size),
-            mean=list(IMAGENET_MEAN),
-            std=list(IMAGENET_STD),
-            mirror=mirror,
-        )
+        images = augment(jpegs, train=train, image_size=image_size, gpu=gpu, fp16=fp16)
         if gpu:
             labels = labels.gpu()
         return images, labels

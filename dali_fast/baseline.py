@@ -1,0 +1,80 @@
+"""The plain baseline, as PyTorch users write it today: the reference row of every comparison.
+
+A `torch.utils.data.DataLoader` over a Dataset that opens each file with Pillow and applies
+RandomResizedCrop, horizontal flip and normalization per sample on the CPU (the same parameters
+as the other loaders), with one worker per cpu. Kept honest: no deliberate slowness, and no
+tricks the typical script does not have either (no draft-mode decode, no GPU normalization).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .fallback import random_resized_crop_box
+from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
+from .records import Reader
+
+_MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) / 255
+_STD = torch.tensor(IMAGENET_STD).view(3, 1, 1) / 255
+
+
+class BaselineDataset(Dataset):
+    """Per-sample Pillow decode + transforms, like torchvision's ImageFolder with the usual transforms."""
+
+    def __init__(self, reader: Reader, train: bool = True, image_size: int = 224) -> None:
+        self.reader, self.train, self.image_size = reader, train, image_size
+        self._rng: np.random.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        if self._rng is None:  # one generator per worker process, seeded by torch's worker seed
+            self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
+        data, label = self.reader[i]
+        im = Image.open(io.BytesIO(bytes(data))).convert("RGB")
+        S = self.image_size
+        if self.train:
+            left, top, w, h = random_resized_crop_box(self._rng, *im.size)
+            im = im.resize((S, S), Image.BILINEAR, box=(left, top, left + w, top + h))
+            if self._rng.random() < 0.5:
+                im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        else:
+            short = round(S / EVAL_CROP_FRACTION)
+            scale = short / min(im.size)
+            im = im.resize((max(S, round(im.width * scale)), max(S, round(im.height * scale))), Image.BILINEAR)
+            x0, y0 = (im.width - S) // 2, (im.height - S) // 2
+            im = im.crop((x0, y0, x0 + S, y0 + S))
+        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
+        return (x - _MEAN) / _STD, int(label)
+
+
+def baseline_loader(
+    reader: Reader,
+    batch_size: int,
+    *,
+    train: bool = True,
+    image_size: int = 224,
+    num_workers: int | None = None,
+    **kw: Any,
+) -> DataLoader:
+    """DataLoader(shuffle=train, num_workers=cpus, pin_memory when CUDA) over `BaselineDataset`."""
+    if num_workers is None:
+        num_workers = os.cpu_count() or 1
+    return DataLoader(
+        BaselineDataset(reader, train=train, image_size=image_size),
+        batch_size=batch_size,
+        shuffle=train,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        drop_last=kw.get("drop_last", False),
+    )

@@ -1,0 +1,371 @@
+"""`TorchIterator`: the same API and rules as `DALIIterator` in pure PyTorch (+ Pillow).
+
+Workers decode and crop with Pillow (JPEG draft mode decodes at 1/2, 1/4 or 1/8 scale when the
+crop is much larger than the output, like DALI's region-of-interest decode) and return uint8
+batches; the main process moves them to the GPU (pinned memory, a side stream that overlaps the
+next copy with the current step) and normalizes and flips the whole batch in one op there.
+Each sample's augmentation is drawn from (seed, epoch, index), so it does not depend on the
+number of workers, the batch size or a resume.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .iterator import LoaderBase, cuda_usable, local_device_index
+from .pipeline import (
+    EVAL_CROP_FRACTION,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    RRC_RATIO,
+    RRC_SCALE,
+    BadRecordError,
+    bad_record_message,
+)
+from .records import Reader, check_encoded
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- DataLoader factory
+
+
+def default_num_workers() -> int:
+    """min(8, cpus - 1), but at least 1 where there are 2+ cpus; 0 on a single cpu."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if cpus < 2 else max(1, min(8, cpus - 1))
+
+
+def create_optimized_dataloader(
+    dataset: Dataset,
+    batch_size: int | None,
+    *,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool | None = None,
+    sampler: Sampler | None = None,
+    batch_sampler: Sampler | None = None,
+    shuffle: bool = False,
+    drop_last: bool = False,
+    collate_fn: Callable | None = None,
+    worker_init_fn: Callable | None = None,
+) -> DataLoader:
+    """A `DataLoader` with sensible defaults, and clear errors for bad combinations.
+
+    ``num_workers=None`` picks min(8, cpus - 1) (at least 1 on 2+ cpus); ``pin_memory`` defaults
+    to CUDA being usable; ``persistent_workers`` defaults to ``num_workers > 0``.
+    """
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers}: must be >= 0 (0 loads in the main process)")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1 (or None with a batch_sampler)")
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor={prefetch_factor}: must be >= 1")
+    if num_workers == 0 and prefetch_factor not in (None, 2):
+        raise ValueError(
+            f"prefetch_factor={prefetch_factor} needs worker processes; set num_workers > 0 or prefetch_factor=None"
+        )
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True needs num_workers > 0")
+    if batch_sampler is not None and (sampler is not None or shuffle or drop_last or batch_size not in (None, 1)):
+        raise ValueError("batch_sampler excludes batch_size, shuffle, sampler and drop_last; pass batch_size=None")
+    if sampler is not None and shuffle:
+        raise ValueError("sampler and shuffle=True exclude each other; the sampler decides the order")
+    if pin_memory is None:
+        pin_memory = cuda_usable()
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    kw: dict[str, Any] = {
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "collate_fn": collate_fn,
+        "worker_init_fn": worker_init_fn,
+    }
+    if num_workers > 0:
+        kw["prefetch_factor"] = prefetch_factor
+        kw["persistent_workers"] = persistent_workers
+    if batch_sampler is not None:
+        return DataLoader(dataset, batch_sampler=batch_sampler, **kw)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=shuffle, drop_last=drop_last, **kw)
+
+
+# ----------------------------------------------------------------------------- Pillow transforms
+
+
+def random_resized_crop_box(
+    rng: np.random.Generator, width: int, height: int, scale=RRC_SCALE, ratio=RRC_RATIO
+) -> tuple[int, int, int, int]:
+    """(left, top, w, h) of a random-resized-crop window (the usual 10-attempt algorithm)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1)), w, h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def decode_crop(data: bytes | np.ndarray, *, train: bool, image_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Decode, crop and resize one image with Pillow: uint8 (S, S, 3) RGB."""
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(data if isinstance(data, bytes) else data.tobytes()))
+    width, height = im.size
+    S = image_size
+    if train:
+        left, top, w, h = random_resized_crop_box(rng, width, height)
+        need = (max(1, math.ceil(width * S / w)), max(1, math.ceil(height * S / h)))
+    else:
+        short = round(S / EVAL_CROP_FRACTION)
+        scale = short / min(width, height)
+        need = (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale)))
+    if im.format == "JPEG":
+        # Decode at 1/2, 1/4 or 1/8 scale only where the result still has twice the output's
+        # resolution: much faster, and the final resize hides the difference.
+        im.draft("RGB", (2 * need[0], 2 * need[1]))
+    im = im.convert("RGB")
+    fx, fy = im.size[0] / width, im.size[1] / height
+    if train:
+        box = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)
+        im = im.resize((S, S), Image.BILINEAR, box=box)
+    else:
+        rw, rh = max(S, round(width * scale)), max(S, round(height * scale))
+        im = im.resize((rw, rh), Image.BILINEAR)
+        x0, y0 = (rw - S + 1) // 2, (rh - S + 1) // 2  # round half up, as DALI's centre crop does
+        im = im.crop((x0, y0, x0 + S, y0 + S))
+    return np.asarray(im, dtype=np.uint8)
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, index & 0xFFFFFFFFFFFF])
+
+
+class _DecodeDataset(Dataset):
+    """Runs in the workers: a key (index, epoch[, encoded bytes]) → decoded crop or a failure."""
+
+    def __init__(self, reader: Reader, train: bool, image_size: int, seed: int) -> None:
+        self.reader = reader
+        self.train = train
+        self.image_size = image_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, key: tuple) -> tuple:
+        index, epoch = key[0], key[1]
+        if len(key) > 2:
+            data, label = key[2], key[3]
+        else:
+            data, label = self.reader[index]
+        reason = check_encoded(data)
+        if reason is None:
+            rng = sample_rng(self.seed, epoch, index)
+            try:
+                image = decode_crop(data, train=self.train, image_size=self.image_size, rng=rng)
+                flip = bool(rng.random() < 0.5) if self.train else False
+                return index, label, image, flip, None
+            except Exception as e:  # noqa: BLE001 - Pillow raises many types; the record is reported
+                reason = f"undecodable: {type(e).__name__}: {e}"
+        return index, label, None, False, reason
+
+
+def _collate(samples: list[tuple]) -> dict[str, Any]:
+    good = [s for s in samples if s[4] is None]
+    bad = [(s[0], s[4]) for s in samples if s[4] is not None]
+    if good:
+        images = torch.from_numpy(np.stack([s[2] for s in good]))
+    else:
+        images = torch.empty(0, dtype=torch.uint8)
+    return {
+        "images": images,
+        "labels": torch.tensor([s[1] for s in good], dtype=torch.int64),
+        "flips": torch.tensor([s[3] for s in good], dtype=torch.bool),
+        "consumed": len(samples),
+        "bad": bad,
+    }
+
+
+class _PlanSampler(Sampler):
+    """Yields the current epoch's planned batches as lists of keys; re-armed before each epoch."""
+
+    def __init__(self) -> None:
+        self.keys: list[list[tuple]] = []
+
+    def __iter__(self) -> Iterator[list[tuple]]:
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def normalize_flip(images: torch.Tensor, flips: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 NHWC → normalized NCHW ``dtype``, mirrored where ``flips``; one batched op on the tensor's device."""
+    x = images.permute(0, 3, 1, 2).to(torch.float32)
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+    inv_std = 1.0 / torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+    x = (x - mean) * inv_std
+    if bool(flips.any()):
+        x = torch.where(flips.view(-1, 1, 1, 1).to(x.device), x.flip(-1), x)
+    return x.to(dtype).contiguous()
+
+
+class TorchIterator(LoaderBase):
+    """`DALIIterator`'s API and rules in pure PyTorch: the fallback, and the yardstick.
+
+    Extra arguments: ``num_workers`` (decode processes; None picks min(8, cpus - 1)). The sample
+    order is identical to `DALIIterator` for the same (seed, epoch, rank). With ``cache_bytes``
+    the LRU cache lives in the main process (shared by all workers, exact statistics): it reads
+    encoded bytes through the cache and hands them to the workers with the indices.
+    """
+
+    backend = "torch"
+
+    def __init__(self, dataset: Reader, batch_size: int, *, num_workers: int | None = None, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size, **kwargs)
+        self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers={num_workers}: must be >= 0")
+        self.device = torch.device("cuda", local_device_index()) if self.gpu else torch.device("cpu")
+        self._plan = _PlanSampler()
+        self._decode = _DecodeDataset(
+            dataset if self.cache is None else self.dataset, self.train, self.image_size, self.seed
+        )
+        self._loader: DataLoader | None = None
+
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            self._loader = create_optimized_dataloader(
+                self._decode,
+                None,
+                batch_sampler=self._plan,
+                num_workers=self.num_workers,
+                pin_memory=self.gpu,
+                prefetch_factor=self.prefetch if self.num_workers else None,
+                collate_fn=_collate,
+            )
+        return self._loader
+
+    def _keys(self, plan: Sequence[np.ndarray]) -> list[list[tuple]]:
+        epoch = self.sampler.epoch
+        if self.cache is None or self.num_workers == 0:
+            return [[(int(i), epoch) for i in batch] for batch in plan]
+        # Shared cache: the main process reads the bytes (lazily, one batch at a time).
+        return _LazyCachedKeys(self.dataset, plan, epoch)  # type: ignore[return-value]
+
+    def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        if not plan:
+            return
+        self._plan.keys = self._keys(plan)
+        batches = iter(self._dataloader())
+        stream = torch.cuda.Stream(self.device) if self.gpu else None
+
+        def to_device(b: dict[str, Any]) -> dict[str, Any]:
+            if stream is None:
+                return b
+            with torch.cuda.stream(stream):
+                for k in ("images", "labels", "flips"):
+                    b[k] = b[k].to(self.device, non_blocking=True)
+            return b
+
+        def next_batch() -> dict[str, Any] | None:
+            for b in batches:
+                self._handle_bad(b["bad"])
+                if len(b["labels"]) == 0:
+                    self._carry += b["consumed"]
+                    continue
+                b["consumed"] += self._carry
+                self._carry = 0
+                return to_device(b)
+            return None
+
+        self._carry = 0
+        nxt = next_batch()
+        while nxt is not None:
+            cur = nxt
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                for k in ("images", "labels", "flips"):
+                    cur[k].record_stream(torch.cuda.current_stream(self.device))
+            nxt = next_batch()  # the next copy overlaps this step
+            images = normalize_flip(cur["images"], cur["flips"], self.dtype)
+            yield images, cur["labels"], cur["consumed"]
+
+    def _handle_bad(self, bad: list[tuple[int, str]]) -> None:
+        for index, reason in bad:
+            if self.on_error == "raise":
+                raise BadRecordError(bad_record_message(self.dataset, index, reason))
+            self._skips.add(index, self.dataset.source(index), reason)
+
+
+class _LazyCachedKeys:
+    """Batches of keys carrying encoded bytes read through the main process's cache, made on demand."""
+
+    def __init__(self, reader: Reader, plan: Sequence[np.ndarray], epoch: int) -> None:
+        self.reader, self.plan, self.epoch = reader, plan, epoch
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[list[tuple]]:
+        for batch in self.plan:
+            keys = []
+            for i in batch.tolist():
+                data, label = self.reader[i]
+                keys.append((i, self.epoch, np.asarray(data), label))
+            yield keys
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+
+def dali_status() -> tuple[bool, str]:
+    """(usable, why): whether NVIDIA DALI imports and can build a pipeline here."""
+    try:
+        import nvidia.dali  # noqa: F401
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "use the fallback"
+        return False, f"nvidia.dali does not import ({type(e).__name__}: {e})"
+    return True, "nvidia.dali imports"
+
+
+def make_loader(dataset: Reader, batch_size: int, *, backend: str = "auto", **kw: Any) -> LoaderBase:
+    """`DALIIterator` when DALI works here (``backend='auto'``), else `TorchIterator`; logs which and why."""
+    if backend not in ("auto", "dali", "torch"):
+        raise ValueError(f"backend={backend!r}: use 'auto', 'dali' or 'torch'")
+    if backend in ("auto", "dali"):
+        ok, why = dali_status()
+        if ok:
+            from .iterator import DALIIterator
+
+            kw.pop("num_workers", None)
+            log.info("loader: DALI (%s)", why)
+            return DALIIterator(dataset, batch_size, **kw)
+        if backend == "dali":
+            raise ImportError(f"backend='dali' but {why}; pip install nvidia-dali-cuda120 or use backend='auto'")
+        log.warning("loader: falling back to TorchIterator: %s", why)
+    else:
+        log.info("loader: TorchIterator (asked for backend='torch')")
+    return TorchIterator(dataset, batch_size, **kw)

@@ -1,0 +1,174 @@
+"""TorchIterator specifics (the shared contract runs in test_iterator.py for both backends)."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from dali_fast.fallback import (
+    TorchIterator,
+    create_optimized_dataloader,
+    default_num_workers,
+    make_loader,
+    normalize_flip,
+    random_resized_crop_box,
+)
+from dali_fast.records import pack
+from dali_fast.synthetic import make_synthetic
+
+
+def collect(loader, epoch):
+    loader.set_epoch(epoch)
+    return [y for _, labels in loader for y in labels.tolist()]
+
+
+def test_worker_processes_exactly_once_break_and_resume(index_reader):
+    loader = TorchIterator(index_reader, 5, image_size=16, num_workers=2, device="cpu", seed=2)
+    assert sorted(collect(loader, 0)) == list(range(37))
+    loader.set_epoch(1)
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break  # abandon with batches in flight in the workers
+    assert sorted(collect(loader, 2)) == list(range(37))
+    # resume mid-epoch with workers
+    loader.set_epoch(3)
+    seen = []
+    for k, (_, labels) in enumerate(loader):
+        seen += labels.tolist()
+        if k == 3:
+            state = loader.state_dict()
+            break
+    other = TorchIterator(index_reader, 5, image_size=16, num_workers=2, device="cpu", seed=2)
+    other.load_state_dict(state)
+    rest = [y for _, labels in other for y in labels.tolist()]
+    assert sorted(seen + rest) == list(range(37))
+
+
+def test_same_order_as_dali(index_reader):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import DALIIterator
+
+    kw = dict(image_size=16, device="cpu", seed=11, rank=1, world_size=2)
+    t, d = TorchIterator(index_reader, 4, num_workers=0, **kw), DALIIterator(index_reader, 4, **kw)
+    for epoch in (0, 3):
+        assert collect(t, epoch) == collect(d, epoch)
+
+
+def test_augmentation_independent_of_workers_and_batch_size(index_reader):
+    a = TorchIterator(index_reader, 8, image_size=16, num_workers=0, device="cpu", seed=4)
+    b = TorchIterator(index_reader, 8, image_size=16, num_workers=2, device="cpu", seed=4)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def test_eval_images_agree_with_dali(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import DALIIterator, open_dataset
+    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+    make_synthetic(tmp_path / "s", images=12, classes=3, seed=1, progress=False)
+    pack(tmp_path / "s", tmp_path / "p", progress=False)
+    reader = open_dataset(tmp_path / "p")
+    kw = dict(train=False, image_size=64, device="cpu")
+    t = TorchIterator(reader, 6, num_workers=0, **kw)
+    d = DALIIterator(reader, 6, **kw)
+    mean = np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)
+    std = np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
+    scores = []
+    for (xt, yt), (xd, yd) in zip(t, d, strict=True):
+        assert torch.equal(yt, yd)
+        pt = xt.numpy() * std + mean
+        pd = xd.numpy() * std + mean
+        scores += [psnr(pt[i], pd[i]) for i in range(len(yt))]
+    assert len(scores) == 12 and min(scores) >= 30, scores
+
+
+def test_cache_shared_across_workers(index_reader):
+    loader = TorchIterator(index_reader, 8, image_size=16, num_workers=2, device="cpu", cache_bytes=10**7)
+    for epoch in range(3):
+        assert sorted(collect(loader, epoch)) == list(range(37))
+    s = loader.cache_stats()
+    assert s["misses"] == 37 and s["hits"] == 74
+
+
+def test_make_loader_falls_back_without_dali(monkeypatch, caplog, index_reader):
+    real_import = builtins.__import__
+
+    def no_dali(name, *args, **kwargs):
+        if name.startswith("nvidia.dali") or name == "nvidia":
+            raise ImportError("No module named 'nvidia.dali'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_dali)
+    with caplog.at_level(logging.INFO):
+        loader = make_loader(index_reader, 4, backend="auto", image_size=16, num_workers=0, device="cpu")
+    assert isinstance(loader, TorchIterator)
+    assert any(
+        "falling back to TorchIterator" in r.getMessage() and "nvidia.dali" in r.getMessage() for r in caplog.records
+    )
+    with pytest.raises(ImportError, match="backend='dali'"):
+        make_loader(index_reader, 4, backend="dali")
+
+
+def test_make_loader_picks_dali_when_it_works(index_reader):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import DALIIterator
+
+    assert isinstance(make_loader(index_reader, 4, image_size=16, device="cpu", num_workers=3), DALIIterator)
+    with pytest.raises(ValueError, match="backend"):
+        make_loader(index_reader, 4, backend="jax")
+
+
+def test_create_optimized_dataloader_defaults_and_errors(monkeypatch):
+    ds = list(range(10))
+    dl = create_optimized_dataloader(ds, 4, num_workers=2)
+    assert dl.num_workers == 2 and dl.persistent_workers and dl.prefetch_factor == 2
+    assert dl.pin_memory == torch.cuda.is_available()
+    dl0 = create_optimized_dataloader(ds, 4, num_workers=0)
+    assert dl0.num_workers == 0 and not dl0.persistent_workers
+    assert [b.tolist() for b in dl0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert default_num_workers() == 8
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert default_num_workers() == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert default_num_workers() == 0
+    for kw, match in [
+        ({"num_workers": -1}, "num_workers=-1"),
+        ({"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor=4 needs worker"),
+        ({"num_workers": 0, "persistent_workers": True}, "persistent_workers=True needs"),
+        ({"num_workers": 1, "prefetch_factor": 0}, "prefetch_factor=0"),
+        ({"num_workers": 0, "sampler": [1, 2], "shuffle": True}, "exclude each other"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            create_optimized_dataloader(ds, 4, **kw)
+
+
+def test_random_resized_crop_box_ranges():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        left, top, w, h = random_resized_crop_box(rng, 500, 375)
+        assert 0 <= left and left + w <= 500 and 0 <= top and top + h <= 375
+        assert 0.08 * 0.95 <= w * h / (500 * 375) <= 1.0
+    # an extreme aspect ratio falls back to the centre crop clamped to the ratio range
+    assert random_resized_crop_box(np.random.default_rng(1), 1000, 10, scale=(0.99, 1.0)) == (493, 0, 13, 10)
+
+
+def test_normalize_flip_one_batched_op():
+    img = torch.arange(2 * 2 * 3 * 3, dtype=torch.uint8).view(2, 2, 3, 3)  # NHWC
+    out = normalize_flip(img, torch.tensor([False, True]), torch.float16)
+    assert out.shape == (2, 3, 2, 3) and out.dtype == torch.float16
+    plain = normalize_flip(img, torch.tensor([False, False]), torch.float32)
+    assert torch.equal(out[0].float(), plain[0].half().float())
+    assert torch.equal(out[1].float(), plain[1].flip(-1).half().float())
