@@ -1,0 +1,417 @@
+"""`BatchSizeController`: the batch size follows measured peak memory, changed only between epochs.
+
+Probes read real memory (NVML, torch's CUDA allocator, this process's RSS); none is ever
+simulated. A probe that cannot read says so once and the controller holds the batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+GiB = 2**30
+
+
+class MemoryProbe(Protocol):
+    """Peak memory of one epoch, as a fraction of capacity."""
+
+    name: str
+    capacity_bytes: int | None
+
+    def reset_peak(self) -> None: ...
+    def peak_fraction(self) -> float | None: ...
+
+
+class _Sampler:
+    """A daemon thread calling ``read()`` every ``interval`` s and keeping the maximum."""
+
+    def __init__(self, read: Callable[[], int | None], interval: float = 0.05) -> None:
+        self.read, self.interval = read, interval
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.stop()
+        self.peak = None
+        self._stop.clear()
+        self._take()
+        self._thread = threading.Thread(target=self._loop, name="dali_fast-memprobe", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        value = self.read()
+        if value is not None and (self.peak is None or value > self.peak):
+            self.peak = value
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._take()
+
+    def stop(self) -> int | None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._take()
+        return self.peak
+
+
+class NvmlProbe:
+    """Device memory used (all processes) from NVML, sampled through the epoch; needs nvidia-ml-py."""
+
+    name = "nvml"
+
+    def __init__(self, device_index: int = 0, interval: float = 0.05, nvml: Any = None) -> None:
+        self.capacity_bytes: int | None = None
+        self._handle = None
+        self._warned = False
+        try:
+            if nvml is None:
+                import pynvml as nvml  # provided by the nvidia-ml-py package
+            nvml.nvmlInit()
+            self._nvml = nvml
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.capacity_bytes = int(nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+        except Exception as e:  # noqa: BLE001 - no driver / no library: the probe cannot read
+            self._why = f"{type(e).__name__}: {e}"
+            self._handle = None
+        self._sampler = _Sampler(self._used, interval)
+
+    def _used(self) -> int | None:
+        if self._handle is None:
+            return None
+        try:
+            return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+        except Exception as e:  # noqa: BLE001 - an NVML error mid-run makes this reading unavailable
+            self._why = f"{type(e).__name__}: {e}"
+            return None
+
+    def reset_peak(self) -> None:
+        self._sampler.start()
+
+    def peak_fraction(self) -> float | None:
+        peak = self._sampler.stop()
+        if peak is None or not self.capacity_bytes:
+            if not self._warned:
+                log.warning("NVML memory probe cannot read (%s); batch size held", getattr(self, "_why", "no reading"))
+                self._warned = True
+            return None
+        return peak / self.capacity_bytes
+
+
+class TorchCudaProbe:
+    """This process's peak reserved CUDA memory (torch's allocator), reset each epoch."""
+
+    name = "torch.cuda"
+
+    def __init__(self, device: int | None = None) -> None:
+        self.device = device
+        self.capacity_bytes = (
+            int(torch.cuda.get_device_properties(device or 0).total_memory) if torch.cuda.is_available() else None
+        )
+        self._warned = False
+
+    def reset_peak(self) -> None:
+        if self.capacity_bytes:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_fraction(self) -> float | None:
+        if not self.capacity_bytes:
+            if not self._warned:
+                log.warning("torch.cuda memory probe: CUDA is not available; batch size held")
+                self._warned = True
+            return None
+        return torch.cuda.max_memory_reserved(self.device) / self.capacity_bytes
+
+
+def _read_status_kib(path: str, key: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class HostProbe:
+    """This process's peak RSS against the RAM it could use (available at epoch start + its own RSS).
+
+    Resets the kernel's high-water mark (``/proc/self/clear_refs``) each epoch where allowed and
+    also samples RSS, so the reading is the epoch's own peak.
+    """
+
+    name = "host"
+
+    def __init__(self, interval: float = 0.05, proc: str = "/proc") -> None:
+        self.proc = proc
+        self.capacity_bytes: int | None = None
+        self._warned = False
+        self._sampler = _Sampler(self._rss, interval)
+
+    def _rss(self) -> int | None:
+        kib = _read_status_kib(f"{self.proc}/self/status", "VmRSS")
+        return None if kib is None else kib * 1024
+
+    def reset_peak(self) -> None:
+        try:
+            with open(f"{self.proc}/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        avail = _read_status_kib(f"{self.proc}/meminfo", "MemAvailable")
+        rss = self._rss()
+        self.capacity_bytes = None if avail is None or rss is None else avail * 1024 + rss
+        self._sampler.start()
+
+    def peak_fraction(self) -> float | None:
+        sampled = self._sampler.stop()
+        hwm = _read_status_kib(f"{self.proc}/self/status", "VmHWM")
+        peak = max(x for x in (sampled, None if hwm is None else hwm * 1024, 0) if x is not None)
+        if not self.capacity_bytes or not peak:
+            if not self._warned:
+                log.warning("host memory probe cannot read %s/self/status; batch size held", self.proc)
+                self._warned = True
+            return None
+        return peak / self.capacity_bytes
+
+
+class MaxProbe:
+    """The highest reading of several probes (e.g. NVML and torch on a GPU); None if none can read."""
+
+    def __init__(self, probes: Sequence[MemoryProbe]) -> None:
+        self.probes = list(probes)
+        self.name = "+".join(p.name for p in self.probes)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return next((p.capacity_bytes for p in self.probes if p.capacity_bytes), None)
+
+    def reset_peak(self) -> None:
+        for p in self.probes:
+            p.reset_peak()
+
+    def peak_fraction(self) -> float | None:
+        readings = [f for f in (p.peak_fraction() for p in self.probes) if f is not None]
+        return max(readings) if readings else None
+
+
+def default_probe(device: int | None = None) -> MemoryProbe:
+    """NVML + torch.cuda on a GPU, this process's RSS otherwise."""
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device() if device is None else device
+        return MaxProbe([NvmlProbe(index), TorchCudaProbe(index)])
+    return HostProbe()
+
+
+class BatchSizeController:
+    """Picks each epoch's batch size from the previous epochs' measured peak memory.
+
+    After each epoch it fits ``peak = fixed + per_sample * batch`` to the epochs seen (with one
+    epoch, the cautious guess that the whole peak scales with the batch). It grows by ``grow``
+    only when the grown batch's predicted peak stays ``hysteresis`` below ``target_fraction``,
+    shrinks by ``shrink`` when the peak went over the target (or an out-of-memory was reported),
+    else holds; it never grows back to a size that once went over, so readings near the target
+    do not make it flip-flop. Sizes are rounded down to ``multiple_of`` and clamped to
+    [min_batch, max_batch].
+
+    ``on_change(old, new)`` runs when the size changes, e.g. to keep the learning rate linear
+    in the batch size (Goyal et al., 2017)::
+
+        def rescale_lr(old, new):
+            for group in optimizer.param_groups:
+                group["lr"] *= new / old
+
+        controller = BatchSizeController(64, 1024, on_change=rescale_lr)
+        loader = DALIIterator(dataset, batch_size=256, controller=controller)
+    """
+
+    def __init__(
+        self,
+        min_batch: int,
+        max_batch: int,
+        target_fraction: float = 0.85,
+        *,
+        grow: float = 2.0,
+        shrink: float = 0.5,
+        multiple_of: int = 8,
+        hysteresis: float = 0.05,
+        probe: MemoryProbe | None = None,
+        on_change: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if not 1 <= min_batch <= max_batch:
+            raise ValueError(f"min_batch={min_batch}, max_batch={max_batch}: need 1 <= min_batch <= max_batch")
+        if not 0 < target_fraction <= 1:
+            raise ValueError(f"target_fraction={target_fraction}: must be in (0, 1]")
+        if grow <= 1 or not 0 < shrink < 1:
+            raise ValueError(f"grow={grow}, shrink={shrink}: need grow > 1 and 0 < shrink < 1")
+        if multiple_of < 1:
+            raise ValueError(f"multiple_of={multiple_of}: must be >= 1")
+        self.min_batch, self.max_batch = int(min_batch), int(max_batch)
+        self.target_fraction, self.grow, self.shrink = float(target_fraction), float(grow), float(shrink)
+        self.multiple_of, self.hysteresis = int(multiple_of), float(hysteresis)
+        self._probe = probe
+        self.on_change = on_change
+        self.batch_size = self.min_batch
+        self.history: list[dict[str, Any]] = []
+        self.observations: list[tuple[int, float]] = []  # (batch size, peak fraction)
+        self.ceiling: int | None = None  # smallest batch size that went over the target
+        self._oom = False
+
+    @property
+    def probe(self) -> MemoryProbe:
+        if self._probe is None:
+            self._probe = default_probe()
+        return self._probe
+
+    def _round(self, batch: float) -> int:
+        """Round down to ``multiple_of``, within the multiples inside [min_batch, max_batch] where any exist."""
+        m = self.multiple_of
+        lo = -(-self.min_batch // m) * m
+        lo = lo if lo <= self.max_batch else self.min_batch
+        hi = self.max_batch // m * m
+        hi = hi if hi >= lo else self.max_batch
+        return int(min(hi, max(lo, int(batch) // m * m)))
+
+    def attach(self, batch_size: int) -> None:
+        """Start from ``batch_size`` (clamped to [min_batch, max_batch])."""
+        self.batch_size = int(min(self.max_batch, max(self.min_batch, batch_size)))
+
+    def begin_epoch(self) -> None:
+        self.probe.reset_peak()
+
+    def report_oom(self, batch_size: int) -> None:
+        """An out-of-memory happened at ``batch_size`` inside the epoch: shrink at the next boundary."""
+        log.warning("out of memory at batch %d: the batch size shrinks at the next epoch", batch_size)
+        self._oom = True
+
+    def predict(self, batch: int) -> float | None:
+        """Predicted peak fraction at ``batch`` from the epochs seen."""
+        if not self.observations:
+            return None
+        sizes = {b for b, _ in self.observations}
+        if len(sizes) >= 2:
+            n = len(self.observations)
+            mb = sum(b for b, _ in self.observations) / n
+            mf = sum(f for _, f in self.observations) / n
+            var = sum((b - mb) ** 2 for b, _ in self.observations)
+            slope = sum((b - mb) * (f - mf) for b, f in self.observations) / var
+            if slope > 0:
+                fixed = mf - slope * mb
+                return max(fixed, 0.0) + slope * batch
+        b, f = self.observations[-1]
+        return f * batch / b  # cautious: all of the peak scales with the batch
+
+    def end_epoch(self, epoch: int) -> int:
+        """Read the epoch's peak and choose the next epoch's batch size; returns it."""
+        old = self.batch_size
+        frac = self.probe.peak_fraction()
+        cap = self.probe.capacity_bytes
+        cap_s = f" of {cap / GiB:.0f} GiB" if cap else ""
+        target = self.target_fraction
+        if self._oom:
+            new, decision = self._round(old * self.shrink), "shrink"
+            self.ceiling = old if self.ceiling is None else min(self.ceiling, old)
+            reason = "out of memory during the epoch"
+        elif frac is None:
+            new, decision, reason = old, "hold", "memory could not be read"
+        else:
+            self.observations.append((old, frac))
+            if frac > target:
+                new, decision = self._round(old * self.shrink), "shrink"
+                self.ceiling = old if self.ceiling is None else min(self.ceiling, old)
+                reason = f"peak {frac:.0%}{cap_s} > {target:.0%}"
+            else:
+                grown = self._round(old * self.grow)
+                pred = self.predict(grown)
+                if grown <= old:
+                    new, decision, reason = old, "hold", f"peak {frac:.0%}{cap_s}; at max_batch {self.max_batch}"
+                elif self.ceiling is not None and grown >= self.ceiling:
+                    new, decision = old, "hold"
+                    reason = f"peak {frac:.0%}{cap_s}; batch {self.ceiling} went over {target:.0%} before"
+                elif pred is not None and pred < target - self.hysteresis:
+                    new, decision = grown, "grow"
+                    reason = f"peak {frac:.0%}{cap_s}, predicted {pred:.0%} at {grown} < {target - self.hysteresis:.0%}"
+                else:
+                    new, decision = old, "hold"
+                    reason = f"peak {frac:.0%}{cap_s}, predicted {pred:.0%} at {grown} too close to {target:.0%}"
+        if new == old and decision != "hold":
+            decision = "hold"
+            reason += f" (already at {'min' if new == self.min_batch else 'max'}_batch)"
+        self._oom = False
+        self.history.append(
+            {
+                "epoch": int(epoch),
+                "batch_size": old,
+                "peak_fraction": frac,
+                "decision": decision,
+                "reason": reason,
+                "next_batch_size": new,
+            }
+        )
+        log.info("epoch %d: %s → batch %d → %d (%s)", epoch, reason, old, new, decision)
+        self.batch_size = new
+        if new != old and self.on_change is not None:
+            self.on_change(old, new)
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "history": list(self.history),
+            "observations": list(self.observations),
+            "ceiling": self.ceiling,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_size = int(state["batch_size"])
+        self.history = list(state.get("history", []))
+        self.observations = [tuple(o) for o in state.get("observations", [])]
+        self.ceiling = state.get("ceiling")
+
+
+def oom_safe_step(
+    step: Callable[[torch.Tensor, torch.Tensor, float], float],
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    zero_grad: Callable[[], None],
+    controller: BatchSizeController | None = None,
+    min_split: int = 1,
+) -> float:
+    """Run ``step(images, labels, weight)`` (forward + backward, loss scaled by ``weight``); on CUDA
+    out-of-memory, empty the cache and run the batch as two halves (each sample once), recursively.
+
+    The caller steps the optimizer after it returns; gradients then equal the whole batch's.
+    Returns the batch's loss. The OOM is reported to ``controller``, which shrinks at the next epoch.
+    """
+    try:
+        return float(step(images, labels, 1.0))
+    except torch.cuda.OutOfMemoryError:
+        n = len(labels)
+        if n <= min_split:
+            raise
+        zero_grad()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if controller is not None:
+            controller.report_oom(n)
+        log.warning("out of memory on a batch of %d: running it as two halves", n)
+        half = n // 2
+        total = 0.0
+        for lo, hi in ((0, half), (half, n)):
+
+            def part(x: torch.Tensor, y: torch.Tensor, w: float, _s: float = (hi - lo) / n) -> float:
+                return step(x, y, w * _s)
+
+            total += oom_safe_step(
+                part, images[lo:hi], labels[lo:hi], zero_grad=lambda: None, controller=None, min_split=min_split
+            ) * ((hi - lo) / n)
+        return total

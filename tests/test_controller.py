@@ -1,0 +1,243 @@
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from dali_fast.controller import (
+    BatchSizeController,
+    HostProbe,
+    MaxProbe,
+    NvmlProbe,
+    TorchCudaProbe,
+    oom_safe_step,
+)
+
+
+class ScriptedProbe:
+    """A test double: returns the given readings, one per epoch (None = cannot read)."""
+
+    name = "scripted"
+    capacity_bytes = 80 * 2**30
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.resets = 0
+
+    def reset_peak(self):
+        self.resets += 1
+
+    def peak_fraction(self):
+        return self.readings.pop(0)
+
+
+class LinearProbe:
+    """Peak = fixed + per_sample * batch, reading the controller's current batch size."""
+
+    name = "linear"
+    capacity_bytes = 2**30
+
+    def __init__(self, fixed, per_sample):
+        self.fixed, self.per_sample, self.controller = fixed, per_sample, None
+
+    def reset_peak(self):
+        pass
+
+    def peak_fraction(self):
+        return self.fixed + self.per_sample * self.controller.batch_size
+
+
+def run(ctrl, epochs):
+    sizes = []
+    for e in range(epochs):
+        ctrl.begin_epoch()
+        sizes.append(ctrl.batch_size)
+        ctrl.end_epoch(e)
+    return sizes
+
+
+def test_grow_shrink_hold_sequence(caplog):
+    probe = ScriptedProbe([0.2, 0.35, 0.9, 0.45, 0.44])
+    c = BatchSizeController(8, 4096, probe=probe)
+    c.attach(256)
+    with caplog.at_level(logging.INFO):
+        sizes = run(c, 5)
+    assert sizes == [256, 512, 1024, 512, 512]
+    assert [h["decision"] for h in c.history] == ["grow", "grow", "shrink", "hold", "hold"]
+    assert probe.resets == 5
+    msg = caplog.records[0].getMessage()
+    assert msg.startswith("epoch 0: peak 20% of 80 GiB") and "batch 256 → 512" in msg
+
+
+def test_cautious_first_guess_and_linear_fit():
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe([0.40]))
+    c.attach(256)
+    run(c, 1)
+    assert c.batch_size == 256  # 0.40 doubled = 0.80 > 0.85 - 0.05: hold
+    probe = LinearProbe(0.30, 0.001)  # fixed 30% + 0.1% per sample
+    c = BatchSizeController(8, 4096, probe=probe)
+    probe.controller = c
+    c.attach(64)
+    sizes = run(c, 6)
+    # 64: 0.364 → 128 predicted 0.728 (cautious) ok; 128: 0.428, fit predicts 0.556 at 256 → grow;
+    # 256: 0.556 → 512 predicted 0.812 > 0.80 → hold
+    assert sizes == [64, 128, 256, 256, 256, 256]
+    assert c.predict(512) == pytest.approx(0.812)
+
+
+def test_clamping_and_rounding():
+    c = BatchSizeController(24, 100, probe=ScriptedProbe([0.01, 0.01, 0.01, 0.99, 0.99, 0.99]))
+    c.attach(30)
+    assert c.batch_size == 30
+    assert run(c, 6) == [30, 56, 96, 96, 48, 24]
+    assert c.history[2]["reason"].endswith("at max_batch 100")
+    assert c.batch_size == 24 and c.history[-1]["decision"] == "hold"  # already at min_batch
+    assert all(b % 8 == 0 for b in (56, 96, 48, 24))
+
+
+def test_hysteresis_no_flip_flop():
+    readings = [0.84, 0.86, 0.43, 0.44, 0.42, 0.43, 0.44, 0.42]
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe(readings))
+    c.attach(512)
+    sizes = run(c, len(readings))
+    assert sizes == [512, 512, 256, 256, 256, 256, 256, 256]
+    changes = sum(1 for a, b in zip(sizes, sizes[1:], strict=False) if a != b)
+    assert changes == 1
+
+
+def test_unreadable_probe_holds_and_logs_once(caplog):
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe([None, None, 0.1]))
+    c.attach(64)
+    assert run(c, 3) == [64, 64, 64]
+    assert c.batch_size == 128
+    assert [h["decision"] for h in c.history] == ["hold", "hold", "grow"]
+
+
+def test_nvml_probe_unreadable_holds_once(caplog):
+    class NoDriver:
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    probe = NvmlProbe(nvml=NoDriver())
+    c = BatchSizeController(8, 64, probe=probe)
+    c.attach(16)
+    with caplog.at_level(logging.WARNING):
+        assert run(c, 3) == [16, 16, 16]
+    warnings = [r for r in caplog.records if "NVML" in r.getMessage()]
+    assert len(warnings) == 1 and "Not Found" in warnings[0].getMessage()
+
+
+def test_nvml_probe_reads_fake_handles():
+    class Mem:
+        def __init__(self, used, total):
+            self.used, self.total = used, total
+
+    class FakeNvml:
+        def __init__(self):
+            self.used = [10, 30, 70, 20]
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return ("handle", i)
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return Mem(self.used.pop(0) if len(self.used) > 1 else self.used[0], 100)
+
+    probe = NvmlProbe(device_index=1, interval=0.01, nvml=FakeNvml())
+    assert probe.capacity_bytes == 100
+    probe.reset_peak()
+    import time
+
+    time.sleep(0.1)
+    assert probe.peak_fraction() == pytest.approx(0.70)
+
+
+def test_torch_probe_without_cuda_cannot_read():
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    p = TorchCudaProbe()
+    p.reset_peak()
+    assert p.peak_fraction() is None
+
+
+def test_max_probe():
+    p = MaxProbe([ScriptedProbe([0.3]), ScriptedProbe([None]), ScriptedProbe([0.5])])
+    p.reset_peak()
+    assert p.peak_fraction() == 0.5
+    assert MaxProbe([ScriptedProbe([None])]).peak_fraction() is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_host_probe_reads_real_numbers():
+    p = HostProbe(interval=0.01)
+    p.reset_peak()
+    block = bytearray(200 * 2**20)  # touch 200 MiB
+    block[::4096] = b"x" * len(block[::4096])
+    frac = p.peak_fraction()
+    del block
+    assert p.capacity_bytes > 200 * 2**20
+    assert frac is not None and 200 * 2**20 / p.capacity_bytes <= frac < 1
+
+
+def test_on_change_and_state_dict():
+    changes = []
+    c = BatchSizeController(8, 1024, probe=ScriptedProbe([0.1, 0.9]), on_change=lambda a, b: changes.append((a, b)))
+    c.attach(64)
+    run(c, 2)
+    assert changes == [(64, 128), (128, 64)]
+    d = BatchSizeController(8, 1024, probe=ScriptedProbe([]))
+    d.load_state_dict(c.state_dict())
+    assert d.batch_size == 64 and d.ceiling == 128 and len(d.history) == 2
+
+
+def test_bad_arguments():
+    for args, match in [((0, 8), "min_batch"), ((16, 8), "min_batch"), ((8, 16, 1.5), "target_fraction")]:
+        with pytest.raises(ValueError, match=match):
+            BatchSizeController(*args)
+
+
+def test_oom_safe_step_runs_halves_each_sample_once():
+    seen = []
+    weights = []
+
+    def step(x, y, w):
+        if len(y) > 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test double)")
+        seen.extend(y.tolist())
+        weights.append((len(y), w))
+        return float(y.float().mean())
+
+    c = BatchSizeController(2, 64, probe=ScriptedProbe([0.5]))
+    c.attach(10)
+    zeroed = []
+    loss = oom_safe_step(step, torch.zeros(10, 1), torch.arange(10), zero_grad=lambda: zeroed.append(1), controller=c)
+    assert sorted(seen) == list(range(10))
+    assert sum(w for _, w in weights) == pytest.approx(1.0)  # the halves' losses add up to the batch mean
+    assert all(w == pytest.approx(n / 10) for n, w in weights)
+    assert loss == pytest.approx(4.5) and zeroed == [1]
+    c.end_epoch(0)
+    assert c.batch_size == 8 and c.history[-1]["decision"] == "shrink"
+
+
+def test_iterator_driven_by_controller_six_epochs(index_reader):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import DALIIterator, TorchIterator
+
+    for cls, extra in ((DALIIterator, {}), (TorchIterator, {"num_workers": 0})):
+        c = BatchSizeController(2, 32, multiple_of=2, probe=ScriptedProbe([0.1, 0.1, 0.1, 0.95, 0.95, 0.5]))
+        loader = cls(index_reader, 4, controller=c, image_size=16, device="cpu", **extra)
+        sizes = []
+        for epoch in range(6):
+            loader.set_epoch(epoch)
+            expected = len(loader)
+            labels, batches = [], 0
+            for _, y in loader:
+                labels += y.tolist()
+                batches += 1
+            assert sorted(labels) == list(range(37)) and batches == expected
+            sizes.append(c.history[-1]["batch_size"])
+        assert sizes == [4, 8, 16, 32, 16, 8]
