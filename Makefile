@@ -26,10 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m dali_fast make-synthetic build/demo/images --images 200 --classes 10
-	rm -rf build/demo/packed
-	$(PY) -m dali_fast pack build/demo/images build/demo/packed
-	$(PY) -m dali_fast inspect build/demo/packed --verify
+	$(PY) -m dali_fast bench --images 1000 --epochs 2 --batch-size 64 --image-size 224 --out build/demo
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

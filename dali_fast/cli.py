@@ -66,6 +66,72 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """Bytes from '0', '512M', '8G', '1.5GiB'."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G") from None
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    result = run_bench(
+        args.dataset,
+        images=args.images,
+        loaders=loaders,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        model=args.model,
+        cache_bytes=args.cache_bytes,
+        controller=args.controller,
+        out=args.out,
+        emit=log.info,
+    )
+    m = result["machine"]
+    where = m["gpu"] or f"{m['cpu_count']} CPU cores, no GPU (DALI CPU-only mode)"
+    s = result["settings"]
+    print(
+        f"\n{s['images']} images, {s['epochs']} timed epochs after a warm-up, batch {s['batch_size']}, "
+        f"{s['image_size']}px, model={s['model']} on {where}\n"
+    )
+    print(result["table"])
+    for row in result["rows"]:
+        for d in row.get("batch_decisions", []):
+            print(
+                f"  {row['loader']} epoch {d['epoch']}: {d['reason']} → batch {d['batch_size']} → {d['next_batch_size']}"
+            )
+    print(f"\nwrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'bench.png'}")
+    return 0 if all("error" not in r for r in result["rows"]) else 1
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .bench import default_dataset
+    from .records import open_dataset
+    from .train import run_train
+
+    path = args.dataset or default_dataset(args.images)[1]
+    run_train(
+        open_dataset(path),
+        loader=args.loader,
+        epochs=args.epochs,
+        model=args.model,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        lr=args.lr,
+        amp=args.amp,
+        controller=args.controller,
+        seed=args.seed,
+        emit=print,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dali-fast", description="Feed the GPU: DALI data loading for PyTorch.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -89,6 +155,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dataset")
     s.add_argument("--verify", action="store_true", help="check every record's crc32 (packed sets)")
     s.set_defaults(func=_cmd_inspect)
+
+    s = sub.add_parser("bench", help="compare the loaders side by side: img/s, utilization, memory, cache")
+    s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
+    s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
+    s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
+    s.add_argument("--epochs", type=int, default=2, help="timed epochs after one warm-up epoch")
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--image-size", type=int, default=224)
+    s.add_argument("--model", default="none", choices=["none", "resnet_tiny", "resnet18", "resnet50"])
+    s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
+    s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
+    s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
+    s.set_defaults(func=_cmd_bench)
+
+    s = sub.add_parser("train", help="train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
+    s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
+    s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"])
+    s.add_argument("--epochs", type=int, default=5)
+    s.add_argument("--model", default="resnet18", choices=["resnet_tiny", "resnet18", "resnet50"])
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--image-size", type=int, default=224)
+    s.add_argument("--lr", type=float, default=0.05)
+    s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
+    s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
+    s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_train)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

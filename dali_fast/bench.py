@@ -1,0 +1,265 @@
+"""`dali-fast bench`: each loader side by side in one run, on the same data and the same work."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .records import open_dataset, pack
+from .synthetic import default_cache_dir, make_synthetic
+from .train import LOADERS, Trainer, make_loader_for
+
+log = logging.getLogger(__name__)
+
+
+def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
+    """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder."""
+    root = default_cache_dir() / f"synthetic-{images}x{classes}"
+    folder, packed = root / "images", root / "packed"
+    if not packed.exists():
+        make_synthetic(folder, images=images, classes=classes, progress=progress)
+        pack(folder, packed, progress=progress, verify=False)
+    return folder, packed
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import nvidia.dali
+
+        info["dali"] = nvidia.dali.__version__
+    except ImportError:
+        info["dali"] = None
+    return info
+
+
+def _progress(desc: str, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="img", leave=False, disable=not enabled)
+
+
+def bench_loader(
+    kind: str,
+    folder: Path | None,
+    packed: Path,
+    *,
+    epochs: int,
+    batch_size: int,
+    image_size: int,
+    model: str,
+    cache_bytes: int,
+    controller: bool,
+    monitor: Any,
+    progress: bool,
+) -> dict[str, Any]:
+    """Warm-up epoch, then ``epochs`` timed epochs of loading (+ a training step unless model='none')."""
+    from .controller import BatchSizeController
+
+    # The baseline reads the image files, as a plain script does; the others read the packed set.
+    reader = open_dataset(folder if kind == "baseline" and folder is not None else packed)
+    ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4) if controller and kind != "baseline" else None
+    # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    loader = make_loader_for(
+        kind,
+        reader,
+        batch_size,
+        train=True,
+        image_size=image_size,
+        cache_bytes=cache_bytes,
+        controller=ctrl,
+        num_workers=workers,
+    )
+    trainer = Trainer(model, len(reader.classes)) if model != "none" else None
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    times, counts = [], []
+    for epoch in range(epochs + 1):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        phase = f"{kind}" if epoch > 0 else f"{kind}-warmup"
+        bar = _progress(f"{kind} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
+        t0, n = time.perf_counter(), 0
+        with monitor.phase(phase):
+            for images, labels in loader:
+                if trainer is not None:
+                    trainer.step(images, labels, ctrl)
+                elif gpu:
+                    images = images.to("cuda", non_blocking=True)
+                n += len(labels)
+                bar.update(len(labels))
+            if gpu:
+                torch.cuda.synchronize()
+        bar.close()
+        if epoch > 0:
+            times.append(time.perf_counter() - t0)
+            counts.append(n)
+    util = monitor.summary(kind)
+    cache = loader.cache_stats() if hasattr(loader, "cache_stats") else None
+    peak = torch.cuda.max_memory_allocated() if gpu else util["peak_mem"]
+    return {
+        "loader": kind,
+        "img_per_s": sum(counts) / sum(times),
+        "epoch_s": sum(times) / len(times),
+        "epoch_times": times,
+        "images_per_epoch": counts[0],
+        "util_kind": util["kind"],
+        "util_mean": util["mean"],
+        "util_p50": util["p50"],
+        "util_p95": util["p95"],
+        "peak_mem_bytes": peak,
+        "cache": cache,
+        "batch_decisions": ctrl.history if ctrl is not None else [],
+    }
+
+
+def _fmt_mem(b: Any) -> str:
+    return f"{b / 2**30:.2f} GiB" if isinstance(b, int | float) else "n/a"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    base = next((r["img_per_s"] for r in rows if r["loader"] == "baseline" and "error" not in r), None)
+    kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
+    lines = [
+        f"| loader | img/s | epoch s | {'GPU' if kind == 'gpu' else 'CPU'} util % | peak mem | cache hit | x baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['loader']} | failed: {r['error']} | | | | | |")
+            continue
+        util = f"{r['util_mean']:.0f}" if isinstance(r["util_mean"], float) else "n/a"
+        cache = f"{r['cache']['hit_rate']:.0%}" if r.get("cache") else "-"
+        ratio = f"{r['img_per_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['loader']} | {r['img_per_s']:.0f} | {r['epoch_s']:.2f} | {util} | {_fmt_mem(r['peak_mem_bytes'])} "
+            f"| {cache} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    names = [r["loader"] for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = ["#999999" if n == "baseline" else "#76b900" if n == "dali" else "#ee4c2c" for n in names]
+    bars = a1.bar(names, [r["img_per_s"] for r in ok], color=colors)
+    a1.bar_label(bars, fmt="%.0f")
+    a1.set_ylabel("images / s")
+    a1.set_title("throughput")
+    kind = ok[0]["util_kind"] if ok else "cpu"
+    util = [r["util_mean"] if isinstance(r["util_mean"], float) else 0.0 for r in ok]
+    bars = a2.bar(names, util, color=colors)
+    a2.bar_label(bars, fmt="%.0f%%")
+    a2.set_ylim(0, 100)
+    a2.set_ylabel(f"{'GPU' if kind == 'gpu' else 'CPU'} utilization %")
+    a2.set_title(f"{'GPU' if kind == 'gpu' else 'CPU (all cores)'} utilization")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(
+    dataset: str | None = None,
+    *,
+    images: int = 2000,
+    loaders: Sequence[str] = LOADERS,
+    epochs: int = 2,
+    batch_size: int = 64,
+    image_size: int = 224,
+    model: str = "none",
+    cache_bytes: int = 0,
+    controller: bool = False,
+    out: str | os.PathLike = "bench-results",
+    progress: bool = True,
+    emit: Callable[[str], None] = log.info,
+) -> dict[str, Any]:
+    """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``."""
+    from .monitor import UtilizationMonitor
+
+    for k in loaders:
+        if k not in LOADERS:
+            raise ValueError(f"loader {k!r}: choose from {', '.join(LOADERS)}")
+    if epochs < 1 or batch_size < 1 or image_size < 1:
+        raise ValueError("epochs, batch size and image size must be >= 1")
+    if dataset is None:
+        folder, packed = default_dataset(images, progress=progress)
+    else:
+        reader = open_dataset(dataset)
+        folder = Path(dataset) if type(reader).__name__ == "ImageFolderReader" else None
+        packed = Path(dataset)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    with UtilizationMonitor() as mon:
+        for kind in loaders:
+            emit(f"benchmarking {kind} ...")
+            try:
+                rows.append(
+                    bench_loader(
+                        kind,
+                        folder,
+                        packed,
+                        epochs=epochs,
+                        batch_size=batch_size,
+                        image_size=image_size,
+                        model=model,
+                        cache_bytes=cache_bytes,
+                        controller=controller,
+                        monitor=mon,
+                        progress=progress,
+                    )
+                )
+            except (ImportError, RuntimeError) as e:
+                log.error("%s failed: %s", kind, e)
+                rows.append({"loader": kind, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
+    base = next((r["img_per_s"] for r in rows if r["loader"] == "baseline" and "error" not in r), None)
+    for r in rows:
+        if base and "error" not in r:
+            r["x_baseline"] = r["img_per_s"] / base
+    info = machine_info()
+    result = {
+        "settings": {
+            "dataset": str(dataset or packed),
+            "images": len(open_dataset(packed)),
+            "loaders": list(loaders),
+            "epochs": epochs,
+            "batch_size": batch_size,
+            "image_size": image_size,
+            "model": model,
+            "cache_bytes": cache_bytes,
+            "controller": controller,
+        },
+        "machine": info,
+        "rows": rows,
+        "table": markdown_table(rows),
+    }
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, out / "results.json")
+    where = info["gpu"] or f"{info['cpu_count']} CPU cores, no GPU"
+    plot(rows, out / "bench.png", f"model={model}, {image_size}px, batch {batch_size} — {where}")
+    return result

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from dali_fast.bench import markdown_table, run_bench
+from dali_fast.records import pack
+from dali_fast.synthetic import make_synthetic
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    make_synthetic(root / "images", images=36, classes=3, progress=False)
+    pack(root / "images", root / "packed", progress=False)
+    return root
+
+
+def test_bench_writes_results_and_png(tiny_packed, tmp_path):
+    pytest.importorskip("nvidia.dali")
+    out = tmp_path / "out"
+    result = run_bench(
+        str(tiny_packed / "images"),
+        loaders=["baseline", "torch", "dali"],
+        epochs=1,
+        batch_size=8,
+        image_size=32,
+        out=out,
+        progress=False,
+    )
+    data = json.loads((out / "results.json").read_text())
+    assert [r["loader"] for r in data["rows"]] == ["baseline", "torch", "dali"]
+    for r in data["rows"]:
+        assert "error" not in r, r
+        assert r["images_per_epoch"] == 36 and r["img_per_s"] > 0 and r["epoch_s"] > 0
+        assert r["util_kind"] in ("cpu", "gpu")
+    assert data["rows"][0]["x_baseline"] == 1.0
+    assert data["machine"]["cpu_count"] >= 1 and data["machine"]["torch"]
+    assert data["settings"]["images"] == 36
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert result["table"].splitlines()[0].startswith("| loader | img/s | epoch s |")
+
+
+def test_bench_with_model_and_cache(tiny_packed, tmp_path):
+    pytest.importorskip("nvidia.dali")
+    result = run_bench(
+        str(tiny_packed / "packed"),
+        loaders=["dali"],
+        epochs=2,
+        batch_size=12,
+        image_size=32,
+        model="resnet_tiny",
+        cache_bytes=2**26,
+        out=tmp_path,
+        progress=False,
+    )
+    row = result["rows"][0]
+    assert row["cache"]["misses"] == 36 and row["cache"]["hits"] == 72  # warm-up fills, two epochs hit
+
+
+def test_table_marks_failures():
+    rows = [
+        {
+            "loader": "baseline",
+            "img_per_s": 100.0,
+            "epoch_s": 1.0,
+            "util_kind": "cpu",
+            "util_mean": 50.0,
+            "peak_mem_bytes": 2**30,
+            "cache": None,
+        },
+        {"loader": "dali", "error": "ImportError: no DALI"},
+    ]
+    t = markdown_table(rows)
+    assert "| baseline | 100 | 1.00 | 50 | 1.00 GiB | - | 1.00x |" in t and "failed: ImportError" in t
+
+
+def test_bad_loader_name(tmp_path):
+    with pytest.raises(ValueError, match="loader 'jax'"):
+        run_bench(str(tmp_path), loaders=["jax"], out=tmp_path)
