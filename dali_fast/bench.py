@@ -173,7 +173,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     util = [r["util_mean"] if isinstance(r["util_mean"], float) else 0.0 for r in ok]
     bars = a2.bar(names, util, color=colors)
     a2.bar_label(bars, fmt="%.0f%%")
-    a2.set_ylim(0, 100)
+    a2.set_ylim(0, 110)
     a2.set_ylabel(f"{'GPU' if kind == 'gpu' else 'CPU'} utilization %")
     a2.set_title(f"{'GPU' if kind == 'gpu' else 'CPU (all cores)'} utilization")
     fig.suptitle(title)

@@ -10,7 +10,9 @@ def test_cpu_monitor_samples_phases_and_stops():
     assert mon.kind == "cpu"
     with mon:
         with mon.phase("busy"):  # a child process burns a core: the process tree's CPU counts it
-            child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<0.6: pass"])
+            child = subprocess.Popen(
+                [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<0.6: pass"]
+            )
             child.wait()
         with mon.phase("idle"):
             time.sleep(0.4)
