@@ -241,3 +241,15 @@ def test_iterator_driven_by_controller_six_epochs(index_reader):
             assert sorted(labels) == list(range(37)) and batches == expected
             sizes.append(c.history[-1]["batch_size"])
         assert sizes == [4, 8, 16, 32, 16, 8]
+
+
+@pytest.mark.gpu
+def test_real_gpu_probes_read():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for probe in (NvmlProbe(0), TorchCudaProbe(0)):
+        probe.reset_peak()
+        x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        frac = probe.peak_fraction()
+        del x
+        assert probe.capacity_bytes > 2**30 and frac is not None and 0 < frac < 1

@@ -368,3 +368,17 @@ def test_gpu_mode_outputs_on_cuda_exactly_once(make, index_reader):
     flat = make(IndexReader([flat_png(rgb)] * 4), 4, device="cuda", train=False)
     images, _ = next(iter(flat))
     assert np.allclose(images.float().mean(dim=(0, 2, 3)).cpu().numpy(), normalized(rgb), atol=1e-2)
+
+
+def test_record_that_passes_the_check_but_fails_to_decode_names_records(make):
+    good = jpeg_bytes(32, 24)
+    sneaky = good[:200] + bytes(range(256)) * 4 + b"\xff\xd9"  # JPEG markers intact, body garbage
+    reader = IndexReader([good, sneaky, good, good])
+    loader = make(reader, 2, train=False)
+    with pytest.raises((RuntimeError, ValueError)) as e:
+        epoch_labels(loader, 0)
+    assert "mem://1.jpg" in str(e.value) and "\n" not in str(e.value)
+    # the loader is usable again afterwards (a fresh pipeline): skip mode goes through
+    skipping = make(reader, 2, train=False, on_error="skip")
+    if loader_class(make.backend).__name__ == "TorchIterator":
+        assert sorted(epoch_labels(skipping, 0)[0]) == [0, 2, 3] and skipping.skipped == 1
