@@ -9,8 +9,6 @@ tricks the typical script does not have either (no draft-mode decode, no GPU nor
 from __future__ import annotations
 
 import io
-import os
-from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from .fallback import random_resized_crop_box
 from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
 from .records import Reader
+from .system import available_cpus
 
 _MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) / 255
 _STD = torch.tensor(IMAGENET_STD).view(3, 1, 1) / 255
@@ -64,11 +63,11 @@ def baseline_loader(
     train: bool = True,
     image_size: int = 224,
     num_workers: int | None = None,
-    **kw: Any,
+    drop_last: bool = False,
 ) -> DataLoader:
     """DataLoader(shuffle=train, num_workers=cpus, pin_memory when CUDA) over `BaselineDataset`."""
     if num_workers is None:
-        num_workers = os.cpu_count() or 1
+        num_workers = available_cpus()
     return DataLoader(
         BaselineDataset(reader, train=train, image_size=image_size),
         batch_size=batch_size,
@@ -76,5 +75,5 @@ def baseline_loader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
-        drop_last=kw.get("drop_last", False),
+        drop_last=drop_last,
     )

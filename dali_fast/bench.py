@@ -15,6 +15,7 @@ import torch
 
 from .records import open_dataset, pack
 from .synthetic import default_cache_dir, make_synthetic
+from .system import available_cpus
 from .train import LOADERS, Trainer, make_loader_for
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_count": available_cpus(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -75,7 +76,7 @@ def bench_loader(
     reader = open_dataset(folder if kind == "baseline" and folder is not None else packed)
     ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4) if controller and kind != "baseline" else None
     # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
-    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = available_cpus()
     loader = make_loader_for(
         kind,
         reader,
@@ -94,7 +95,7 @@ def bench_loader(
     for epoch in range(epochs + 1):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        phase = f"{kind}" if epoch > 0 else f"{kind}-warmup"
+        phase = kind if epoch > 0 else f"{kind}-warmup"
         bar = _progress(f"{kind} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
         t0, n = time.perf_counter(), 0
         with monitor.phase(phase):

@@ -132,6 +132,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data_args(s: argparse.ArgumentParser) -> None:
+    """The data and batch arguments `bench` and `train` share."""
+    s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
+    s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--image-size", type=int, default=224)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dali-fast", description="Feed the GPU: DALI data loading for PyTorch.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -157,12 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_inspect)
 
     s = sub.add_parser("bench", help="compare the loaders side by side: img/s, utilization, memory, cache")
-    s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
-    s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
+    _add_data_args(s)
     s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
     s.add_argument("--epochs", type=int, default=2, help="timed epochs after one warm-up epoch")
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--image-size", type=int, default=224)
     s.add_argument("--model", default="none", choices=["none", "resnet_tiny", "resnet18", "resnet50"])
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
@@ -170,14 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("train", help="train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
-    s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
+    _add_data_args(s)
     s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"])
     s.add_argument("--epochs", type=int, default=5)
     s.add_argument("--model", default="resnet18", choices=["resnet_tiny", "resnet18", "resnet50"])
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--image-size", type=int, default=224)
     s.add_argument("--lr", type=float, default=0.05)
-    s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
     s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
     s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
     s.add_argument("--seed", type=int, default=0)

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .system import read_proc_kib
+
 log = logging.getLogger(__name__)
 GiB = 2**30
 
@@ -130,17 +132,6 @@ class TorchCudaProbe:
         return torch.cuda.max_memory_reserved(self.device) / self.capacity_bytes
 
 
-def _read_status_kib(path: str, key: str) -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class HostProbe:
     """This process's peak RSS against the RAM it could use (available at epoch start + its own RSS).
 
@@ -157,7 +148,7 @@ class HostProbe:
         self._sampler = _Sampler(self._rss, interval)
 
     def _rss(self) -> int | None:
-        kib = _read_status_kib(f"{self.proc}/self/status", "VmRSS")
+        kib = read_proc_kib(f"{self.proc}/self/status", "VmRSS")
         return None if kib is None else kib * 1024
 
     def reset_peak(self) -> None:
@@ -166,14 +157,14 @@ class HostProbe:
                 f.write("5")
         except OSError:
             pass
-        avail = _read_status_kib(f"{self.proc}/meminfo", "MemAvailable")
+        avail = read_proc_kib(f"{self.proc}/meminfo", "MemAvailable")
         rss = self._rss()
         self.capacity_bytes = None if avail is None or rss is None else avail * 1024 + rss
         self._sampler.start()
 
     def peak_fraction(self) -> float | None:
         sampled = self._sampler.stop()
-        hwm = _read_status_kib(f"{self.proc}/self/status", "VmHWM")
+        hwm = read_proc_kib(f"{self.proc}/self/status", "VmHWM")
         peak = max(x for x in (sampled, None if hwm is None else hwm * 1024, 0) if x is not None)
         if not self.capacity_bytes or not peak:
             if not self._warned:

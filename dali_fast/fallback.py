@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from .pipeline import (
     bad_record_message,
 )
 from .records import Reader, check_encoded
+from .system import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def default_num_workers() -> int:
     """min(8, cpus - 1), but at least 1 where there are 2+ cpus; 0 on a single cpu."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = available_cpus()
     return 0 if cpus < 2 else max(1, min(8, cpus - 1))
 
 
@@ -265,9 +265,9 @@ class TorchIterator(LoaderBase):
             raise ValueError(f"num_workers={num_workers}: must be >= 0")
         self.device = torch.device("cuda", local_device_index()) if self.gpu else torch.device("cpu")
         self._plan = _PlanSampler()
-        self._decode = _DecodeDataset(
-            dataset if self.cache is None else self.dataset, self.train, self.image_size, self.seed
-        )
+        # With a cache, the keys carry the bytes (read through it in this process); workers never
+        # touch the cache, so it needs no copy per worker and is never pickled.
+        self._decode = _DecodeDataset(dataset, self.train, self.image_size, self.seed)
         self._loader: DataLoader | None = None
 
     def _dataloader(self) -> DataLoader:
@@ -285,7 +285,7 @@ class TorchIterator(LoaderBase):
 
     def _keys(self, plan: Sequence[np.ndarray]) -> list[list[tuple]]:
         epoch = self.sampler.epoch
-        if self.cache is None or self.num_workers == 0:
+        if self.cache is None:
             return [[(int(i), epoch) for i in batch] for batch in plan]
         # Shared cache: the main process reads the bytes (lazily, one batch at a time).
         return _LazyCachedKeys(self.dataset, plan, epoch)  # type: ignore[return-value]
@@ -305,18 +305,20 @@ class TorchIterator(LoaderBase):
                     b[k] = b[k].to(self.device, non_blocking=True)
             return b
 
+        carry = 0  # planned samples of batches that were all bad, accounted with the next batch
+
         def next_batch() -> dict[str, Any] | None:
+            nonlocal carry
             for b in batches:
                 self._handle_bad(b["bad"])
                 if len(b["labels"]) == 0:
-                    self._carry += b["consumed"]
+                    carry += b["consumed"]
                     continue
-                b["consumed"] += self._carry
-                self._carry = 0
+                b["consumed"] += carry
+                carry = 0
                 return to_device(b)
             return None
 
-        self._carry = 0
         nxt = next_batch()
         while nxt is not None:
             cur = nxt

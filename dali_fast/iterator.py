@@ -118,7 +118,6 @@ class LoaderBase:
             controller.attach(int(batch_size))
         self._epoch_bs: int | None = None  # batch size of the epoch in progress
         self._finished = False  # the current epoch was consumed to the end
-        self._epoch_set = True
         self._skips = SkipLog()
 
     # ------------------------------------------------------------------ public surface
@@ -162,7 +161,6 @@ class LoaderBase:
         if epoch != self.sampler.epoch or self._finished:
             self.sampler.set_epoch(epoch)
             self._finished = False
-        self._epoch_set = True
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epoch, samples yielded so far, and what must match to resume."""
@@ -185,7 +183,6 @@ class LoaderBase:
         self._batch_size = int(state.get("batch_size", self._batch_size))
         if self.controller is not None and "controller" in state:
             self.controller.load_state_dict(state["controller"])
-        self._epoch_set = True
 
     def __iter__(self) -> Iterator[Batch]:
         if self._finished:

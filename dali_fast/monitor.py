@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .system import available_cpus, read_proc_kib
+
 log = logging.getLogger(__name__)
 
 
@@ -93,7 +95,7 @@ class UtilizationMonitor:
                 log.debug("NVML unavailable (%s); monitoring CPU", e)
                 self._nvml = None
         self.kind = "gpu" if self._nvml is not None else "cpu"
-        self.ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.ncpu = available_cpus()
         self._last: tuple[float, float] | None = None
 
     def _read(self) -> tuple[float, float] | None:
@@ -110,8 +112,8 @@ class UtilizationMonitor:
         last, self._last = self._last, (now, cpu)
         if last is None or now <= last[0]:
             return None
-        rss = _rss_bytes()
-        return min(100.0, 100.0 * (cpu - last[1]) / (now - last[0]) / self.ncpu), float(rss or 0)
+        rss = read_proc_kib("/proc/self/status", "VmRSS")
+        return min(100.0, 100.0 * (cpu - last[1]) / (now - last[0]) / self.ncpu), float((rss or 0) * 1024)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -167,14 +169,3 @@ class _Phase:
 
     def __exit__(self, *exc: object) -> None:
         self.monitor._phase = None
-
-
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

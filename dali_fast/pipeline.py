@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .records import Reader, check_encoded
+from .system import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class BatchSource:
 
 def default_num_threads() -> int:
     """CPU threads for one pipeline: this process's cores, split between local ranks."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = available_cpus()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, cpus // max(1, local_world))
 

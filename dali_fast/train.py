@@ -65,18 +65,21 @@ def make_loader_for(
         from .baseline import baseline_loader
 
         return baseline_loader(reader, batch_size, train=train, image_size=image_size, num_workers=num_workers)
-    kw: dict[str, Any] = dict(
-        train=train, image_size=image_size, seed=seed, cache_bytes=cache_bytes, controller=controller
+    if kind not in LOADERS:
+        raise ValueError(f"loader {kind!r}: choose one of {', '.join(LOADERS)}")
+    from .fallback import make_loader
+
+    return make_loader(
+        reader,
+        batch_size,
+        backend=kind,
+        num_workers=num_workers,
+        train=train,
+        image_size=image_size,
+        seed=seed,
+        cache_bytes=cache_bytes,
+        controller=controller,
     )
-    if kind == "torch":
-        from .fallback import TorchIterator
-
-        return TorchIterator(reader, batch_size, num_workers=num_workers, **kw)
-    if kind == "dali":
-        from .iterator import DALIIterator
-
-        return DALIIterator(reader, batch_size, **kw)
-    raise ValueError(f"loader {kind!r}: choose one of {', '.join(LOADERS)}")
 
 
 class Trainer:
