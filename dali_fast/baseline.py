@@ -12,11 +12,12 @@ import io
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .fallback import random_resized_crop_box
 from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
 from .records import Reader
+from .sampler import dist_rank_world
 from .system import available_cpus
 
 _MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) / 255
@@ -64,14 +65,27 @@ def baseline_loader(
     image_size: int = 224,
     num_workers: int | None = None,
     drop_last: bool = False,
+    seed: int = 0,
 ) -> DataLoader:
-    """DataLoader(shuffle=train, num_workers=cpus, pin_memory when CUDA) over `BaselineDataset`."""
+    """DataLoader(shuffle=train, num_workers=cpus, pin_memory when CUDA) over `BaselineDataset`.
+
+    Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does; call
+    ``loader.sampler.set_epoch(epoch)`` each epoch then.
+    """
     if num_workers is None:
         num_workers = available_cpus()
+    dataset = BaselineDataset(reader, train=train, image_size=image_size)
+    sampler = None
+    rank, world = dist_rank_world()
+    if world > 1:
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=drop_last
+        )
     return DataLoader(
-        BaselineDataset(reader, train=train, image_size=image_size),
+        dataset,
         batch_size=batch_size,
-        shuffle=train,
+        shuffle=train if sampler is None else None,
+        sampler=sampler,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,

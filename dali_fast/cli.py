@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -127,6 +128,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         amp=args.amp,
         controller=args.controller,
         seed=args.seed,
+        num_workers=args.num_workers,
+        drop_last=args.drop_last,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        record_indices=args.record_indices,
+        out=args.out,
         emit=print,
     )
     return 0
@@ -183,6 +191,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
     s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--num-workers", type=int, default=None, help="decode workers (torch/baseline loaders)")
+    s.add_argument(
+        "--drop-last",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave out each epoch's incomplete last training batch",
+    )
+    s.add_argument("--checkpoint", metavar="DIR", default=None, help="save model/optimizer/loader state in DIR")
+    s.add_argument("--checkpoint-every", type=int, default=500, metavar="K", help="steps between checkpoints")
+    s.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch included")
+    s.add_argument(
+        "--record-indices",
+        metavar="FILE",
+        default=None,
+        help="append each batch's sample indices as JSON lines (per rank: FILE.rank<N> or a {rank} placeholder)",
+    )
+    s.add_argument("--out", default=None, help="folder for train.json (rank 0 writes it)")
     s.set_defaults(func=_cmd_train)
 
     for register in _EXTRA_COMMANDS:
@@ -196,8 +221,9 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet = int(os.environ.get("RANK", "0")) > 0  # under torchrun only rank 0 talks; the others warn
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -211,7 +211,9 @@ class BatchSizeController:
     shrinks by ``shrink`` when the peak went over the target (or an out-of-memory was reported),
     else holds; it never grows back to a size that once went over, so readings near the target
     do not make it flip-flop. Sizes are rounded down to ``multiple_of`` and clamped to
-    [min_batch, max_batch].
+    [min_batch, max_batch]. Under ``torch.distributed`` (``sync_ranks``) every rank decides from
+    the highest peak of all ranks, so all ranks keep the same batch size and the same number of
+    batches per epoch (DDP would hang otherwise).
 
     ``on_change(old, new)`` runs when the size changes, e.g. to keep the learning rate linear
     in the batch size (Goyal et al., 2017)::
@@ -236,6 +238,7 @@ class BatchSizeController:
         hysteresis: float = 0.05,
         probe: MemoryProbe | None = None,
         on_change: Callable[[int, int], None] | None = None,
+        sync_ranks: bool = True,
     ) -> None:
         if not 1 <= min_batch <= max_batch:
             raise ValueError(f"min_batch={min_batch}, max_batch={max_batch}: need 1 <= min_batch <= max_batch")
@@ -250,6 +253,7 @@ class BatchSizeController:
         self.multiple_of, self.hysteresis = int(multiple_of), float(hysteresis)
         self._probe = probe
         self.on_change = on_change
+        self.sync_ranks = bool(sync_ranks)
         self.batch_size = self.min_batch
         self.history: list[dict[str, Any]] = []
         self.observations: list[tuple[int, float]] = []  # (batch size, peak fraction)
@@ -304,6 +308,8 @@ class BatchSizeController:
         """Read the epoch's peak and choose the next epoch's batch size; returns it."""
         old = self.batch_size
         frac = self.probe.peak_fraction()
+        if self.sync_ranks:
+            frac, self._oom = agree_across_ranks(frac, self._oom)
         cap = self.probe.capacity_bytes
         cap_s = f" of {cap / GiB:.0f} GiB" if cap else ""
         target = self.target_fraction
@@ -366,6 +372,20 @@ class BatchSizeController:
         self.history = list(state.get("history", []))
         self.observations = [tuple(o) for o in state.get("observations", [])]
         self.ceiling = state.get("ceiling")
+
+
+def agree_across_ranks(frac: float | None, oom: bool) -> tuple[float | None, bool]:
+    """The highest peak and any out-of-memory over all ranks of an initialized process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return frac, oom
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    t = torch.tensor([-1.0 if frac is None else float(frac), float(oom)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    worst, any_oom = t.tolist()
+    return (None if worst < 0 else worst), bool(any_oom)
 
 
 def oom_safe_step(

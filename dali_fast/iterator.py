@@ -48,7 +48,8 @@ class LoaderBase:
 
     The position is the number of this rank's samples already *yielded* in the current epoch
     (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
-    resumes at exactly the next sample.
+    resumes at exactly the next sample. ``last_indices`` holds the data set indices the last
+    yielded batch accounts for (skipped undecodable records included), for audits and debugging.
     """
 
     backend = "base"
@@ -119,6 +120,8 @@ class LoaderBase:
         self._epoch_bs: int | None = None  # batch size of the epoch in progress
         self._finished = False  # the current epoch was consumed to the end
         self._skips = SkipLog()
+        self._ctrl_epoch: int | None = None  # the epoch the controller is measuring
+        self.last_indices: np.ndarray = np.empty(0, dtype=np.int64)
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -201,10 +204,15 @@ class LoaderBase:
     # ------------------------------------------------------------------ epoch driver
     def _epoch(self, plan: list[np.ndarray], bs: int, start: int) -> Iterator[Batch]:
         self._epoch_bs = bs
-        if self.controller is not None and start == 0:
+        if self.controller is not None and (start == 0 or self._ctrl_epoch != self.sampler.epoch):
+            # From the epoch's start, or from a resumed position when this process has not measured it yet.
             self.controller.begin_epoch()
+            self._ctrl_epoch = self.sampler.epoch
+        shard = self.sampler.indices()
         try:
             for images, labels, consumed in self._run(plan, start):
+                at = self.sampler.position
+                self.last_indices = shard[at : at + consumed]
                 self.sampler.position += consumed
                 yield images, labels
             self.sampler.position = len(self.sampler)

@@ -1,18 +1,30 @@
-"""`dali-fast train`: a real training loop where the loader is swapped with one line."""
+"""`dali-fast train`: a real training loop where the loader is swapped with one line.
+
+Runs as one process, or as one process per GPU under ``torchrun`` with DDP (nccl on GPUs, gloo
+on CPUs). With ``checkpoint=DIR`` it saves model, optimizer, scaler, controller and loader
+state every K steps (atomically); ``resume=True`` continues at the exact sample where the
+checkpoint was taken, mid-epoch included.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 from torch import nn
 
 from .controller import BatchSizeController, oom_safe_step
+from .iterator import LoaderBase, cuda_usable
 from .models import build_model
 from .records import Reader
 
@@ -59,12 +71,21 @@ def make_loader_for(
     cache_bytes: int = 0,
     controller: BatchSizeController | None = None,
     num_workers: int | None = None,
+    drop_last: bool = False,
 ) -> Iterable:
     """One line swaps the loader: 'baseline' (plain DataLoader), 'torch' (TorchIterator) or 'dali'."""
     if kind == "baseline":
         from .baseline import baseline_loader
 
-        return baseline_loader(reader, batch_size, train=train, image_size=image_size, num_workers=num_workers)
+        return baseline_loader(
+            reader,
+            batch_size,
+            train=train,
+            image_size=image_size,
+            num_workers=num_workers,
+            seed=seed,
+            drop_last=drop_last,
+        )
     if kind not in LOADERS:
         raise ValueError(f"loader {kind!r}: choose one of {', '.join(LOADERS)}")
     from .fallback import make_loader
@@ -74,6 +95,7 @@ def make_loader_for(
         batch_size,
         backend=kind,
         num_workers=num_workers,
+        drop_last=drop_last,
         train=train,
         image_size=image_size,
         seed=seed,
@@ -82,15 +104,82 @@ def make_loader_for(
     )
 
 
-class Trainer:
-    """Model, optimizer and one step (AMP on GPU, channels_last), shared by train and bench."""
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in a job: rank ``rank`` of ``world_size``, driving GPU ``local_rank``."""
 
-    def __init__(self, model_name: str, num_classes: int, *, lr: float = 0.05, amp: bool = True) -> None:
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.model: nn.Module = build_model(model_name, num_classes).to(self.device)
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(timeout_s: float = 1800) -> tuple[DistContext, bool]:
+    """Join torchrun's process group when started with WORLD_SIZE > 1 (nccl on GPUs, gloo on CPUs).
+
+    Returns the context and whether this call created the group (then the caller destroys it).
+    Each process drives GPU ``LOCAL_RANK``; outside torchrun it is a single process.
+    """
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if dist.is_available() and dist.is_initialized():
+        return DistContext(dist.get_rank(), dist.get_world_size(), local, str(dist.get_backend())), False
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return DistContext(local_rank=local), False
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed; run one process")
+    if cuda_usable():
+        count = torch.cuda.device_count()
+        if local >= count:
+            raise ValueError(
+                f"LOCAL_RANK={local} but this node has {count} GPU(s); start at most --nproc_per_node={count}"
+            )
+        torch.cuda.set_device(local)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local, backend), True
+
+
+class Trainer:
+    """Model, optimizer and one step (AMP on GPU, channels_last, DDP under torchrun), shared by train and bench."""
+
+    def __init__(
+        self,
+        model_name: str,
+        num_classes: int,
+        *,
+        lr: float = 0.05,
+        amp: bool = True,
+        dist_ctx: DistContext | None = None,
+    ) -> None:
+        self.ctx = dist_ctx or DistContext()
+        if cuda_usable():
+            self.device = torch.device(
+                "cuda", self.ctx.local_rank if self.ctx.distributed else torch.cuda.current_device()
+            )
+        else:
+            self.device = torch.device("cpu")
+        self.module: nn.Module = build_model(model_name, num_classes).to(self.device)
         if self.device.type == "cuda":
-            self.model = self.model.to(memory_format=torch.channels_last)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
+            self.module = self.module.to(memory_format=torch.channels_last)
+        self.model: nn.Module = self.module
+        if self.ctx.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.module, device_ids=ids)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
         self.amp = amp and self.device.type == "cuda"
         bf16 = self.amp and torch.cuda.is_bf16_supported()
         self.amp_dtype = torch.bfloat16 if bf16 else torch.float16
@@ -107,7 +196,11 @@ class Trainer:
         return images, labels.to(self.device, non_blocking=True)
 
     def step(self, images: torch.Tensor, labels: torch.Tensor, controller: BatchSizeController | None = None) -> float:
-        """One SGD step on the batch (split in halves on CUDA out-of-memory); returns the loss."""
+        """One SGD step on the batch; returns the loss.
+
+        On CUDA out-of-memory a single process runs the batch as two halves. Under DDP the OOM is
+        raised instead: halving on one rank only would desynchronize the gradient all-reduce.
+        """
         images, labels = self.to_device(images, labels)
         self.model.train()
 
@@ -118,31 +211,194 @@ class Trainer:
             return float(loss.detach())
 
         self.opt.zero_grad(set_to_none=True)
-        loss = oom_safe_step(
-            forward_backward,
-            images,
-            labels,
-            zero_grad=lambda: self.opt.zero_grad(set_to_none=True),
-            controller=controller,
-        )
+        try:
+            loss = oom_safe_step(
+                forward_backward,
+                images,
+                labels,
+                zero_grad=lambda: self.opt.zero_grad(set_to_none=True),
+                controller=controller,
+                min_split=len(labels) if self.ctx.distributed else 1,
+            )
+        except ValueError as e:
+            if len(labels) == 1 and "more than 1 value per channel" in str(e):
+                raise ValueError(
+                    "a batch of one sample reached BatchNorm in training; "
+                    "train with drop_last (--drop-last) or a batch size that does not leave 1 sample"
+                ) from e
+            raise
         self.scaler.step(self.opt)
         self.scaler.update()
         return loss
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> tuple[float, float]:
-        """(mean loss, accuracy) over a loader."""
-        self.model.eval()
+        """(mean loss, accuracy) over a loader; under DDP over all ranks' shards together."""
+        self.module.eval()
         total = correct = 0
         loss_sum = 0.0
         for images, labels in loader:
             images, labels = self.to_device(images, labels)
             with self._autocast():
-                logits = self.model(images)
+                logits = self.module(images)
             loss_sum += float(self.loss_fn(logits.float(), labels)) * len(labels)
             correct += int((logits.argmax(1) == labels).sum())
             total += len(labels)
+        loss_sum, correct, total = self.all_sum(loss_sum, correct, total)
         return loss_sum / max(total, 1), correct / max(total, 1)
+
+    def all_sum(self, *values: float) -> list[float]:
+        """Sums of ``values`` over all ranks (the values themselves in a single process)."""
+        if not self.ctx.distributed:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def replicas_in_sync(self) -> bool:
+        """True when every rank holds the same weights (always, in a single process)."""
+        if not self.ctx.distributed:
+            return True
+        import torch.distributed as dist
+
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for p in self.module.parameters():
+            x = p.detach().double()
+            total += torch.stack([x.sum(), (x * x).sum()])
+        gathered = [torch.zeros_like(total) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, total)
+        return all(torch.allclose(g, gathered[0], rtol=1e-9, atol=0) for g in gathered)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_VERSION = 1
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` so that ``path`` always holds a whole checkpoint: temp file, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable where the platform allows
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint written by `save_checkpoint` (tensors and plain Python only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint there; train once with --checkpoint to write one")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise ValueError(
+            f"{path}: not a readable dali-fast checkpoint ({type(e).__name__}); delete it to start over"
+        ) from e
+    version = state.get("version") if isinstance(state, dict) else None
+    if version != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint version {version}, this dali-fast reads version {CHECKPOINT_VERSION}; "
+            "resume with the version that wrote it or start a new --checkpoint folder"
+        )
+    return state
+
+
+def _plain(obj: Any) -> Any:
+    """Rows and states as plain Python (numpy scalars become numbers), loadable with weights_only."""
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+class IndexRecorder:
+    """Appends one JSON line per batch (epoch, step, rank, data set indices): what training saw.
+
+    ``path`` may contain ``{rank}``; with several ranks and no placeholder, ``.rank<N>`` is appended.
+    Each line is flushed when written, so a killed run leaves every batch it trained on.
+    """
+
+    def __init__(self, path: str | Path, rank: int = 0, world_size: int = 1) -> None:
+        text = str(path)
+        if "{rank}" in text:
+            text = text.format(rank=rank)
+        elif world_size > 1:
+            text = f"{text}.rank{rank}"
+        self.path = Path(text)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._f: TextIO = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, epoch: int, step: int, indices: Sequence[int]) -> None:
+        line = {"epoch": epoch, "step": step, "rank": self.rank, "indices": [int(i) for i in indices]}
+        self._f.write(json.dumps(line) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_index_records(path: str | Path) -> list[dict[str, Any]]:
+    """The lines an `IndexRecorder` wrote; a last line cut short by a kill is left out."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+        loader.sampler.set_epoch(epoch)  # a plain DataLoader with a DistributedSampler
+
+
+def _gather(obj: Any, ctx: DistContext) -> list[Any]:
+    if not ctx.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's ``obj`` on every rank (so only rank 0 needs to see the checkpoint folder)."""
+    if not ctx.distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def run_train(
@@ -159,14 +415,85 @@ def run_train(
     holdout: float = 0.2,
     seed: int = 0,
     num_workers: int | None = None,
+    drop_last: bool = True,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 500,
+    resume: bool = False,
+    record_indices: str | Path | None = None,
+    out: str | Path | None = None,
     emit: Callable[[str], None] = log.info,
 ) -> list[dict[str, Any]]:
-    """Train ``model`` on ``reader`` with the chosen loader; returns one row per epoch."""
+    """Train ``model`` on ``reader`` with the chosen loader; returns one row per epoch.
+
+    Under torchrun every rank runs this; only rank 0 emits lines and writes ``checkpoint`` and ``out``.
+    ``drop_last`` (the default, as is usual for training) leaves out each epoch's incomplete last
+    batch, so BatchNorm never meets a one-sample batch.
+    """
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1 step")
+    if resume and checkpoint is None:
+        raise ValueError("resume needs a checkpoint folder: pass --checkpoint DIR with --resume")
+    if record_indices is not None and loader == "baseline":
+        raise ValueError("--record-indices needs --loader dali or torch (the plain DataLoader does not expose indices)")
+    ctx, owned = init_distributed()
+    try:
+        return _train(
+            reader,
+            ctx,
+            loader=loader,
+            epochs=epochs,
+            model=model,
+            batch_size=batch_size,
+            image_size=image_size,
+            lr=lr,
+            amp=amp,
+            controller=controller,
+            holdout=holdout,
+            seed=seed,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            checkpoint=Path(checkpoint) if checkpoint is not None else None,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            record_indices=record_indices,
+            out=Path(out) if out is not None else None,
+            emit=emit if ctx.is_main else (lambda _line: None),
+        )
+    finally:
+        if owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(
+    reader: Reader,
+    ctx: DistContext,
+    *,
+    loader: str,
+    epochs: int,
+    model: str,
+    batch_size: int,
+    image_size: int,
+    lr: float,
+    amp: bool,
+    controller: bool,
+    holdout: float,
+    seed: int,
+    num_workers: int | None,
+    drop_last: bool,
+    checkpoint: Path | None,
+    checkpoint_every: int,
+    resume: bool,
+    record_indices: str | Path | None,
+    out: Path | None,
+    emit: Callable[[str], None],
+) -> list[dict[str, Any]]:
     from .monitor import UtilizationMonitor
 
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     train_set, val_set = split(reader, holdout, seed)
-    trainer = Trainer(model, len(reader.classes), lr=lr, amp=amp)
+    trainer = Trainer(model, len(reader.classes), lr=lr, amp=amp, dist_ctx=ctx)
     ctrl = None
     if controller:
 
@@ -176,46 +503,146 @@ def run_train(
 
         ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
     kw = dict(image_size=image_size, seed=seed, num_workers=num_workers)
-    train_loader = make_loader_for(loader, train_set, batch_size, train=True, controller=ctrl, **kw)
-    val_loader = make_loader_for(loader, val_set, batch_size, train=False, **kw)
-    rows = []
-    emit(
-        f"training {model} on {len(train_set)} images ({len(val_set)} held out), loader={loader}, device={trainer.device}"
+    train_loader = make_loader_for(
+        loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
     )
-    with UtilizationMonitor() as mon:
-        for epoch in range(epochs):
-            if hasattr(train_loader, "set_epoch"):
-                train_loader.set_epoch(epoch)
-            bs = getattr(train_loader, "batch_size", batch_size)
-            t0, n, losses = time.perf_counter(), 0, []
-            with mon.phase(f"epoch{epoch}"):
-                for images, labels in train_loader:
-                    losses.append(trainer.step(images, labels, ctrl) * len(labels))
-                    n += len(labels)
-                if trainer.device.type == "cuda":
-                    torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            val_loss, val_acc = trainer.evaluate(val_loader)
-            util = mon.summary(f"epoch{epoch}")
-            row = {
+    val_loader = make_loader_for(loader, val_set, batch_size, train=False, **kw)
+    resumable = isinstance(train_loader, LoaderBase)
+    config = {
+        "model": model,
+        "loader": loader,
+        "image_size": image_size,
+        "seed": seed,
+        "holdout": holdout,
+        "records": len(reader),
+        "world_size": ctx.world_size,
+        "controller": controller,
+        "drop_last": drop_last,
+    }
+    ckpt_path = checkpoint / CHECKPOINT_FILE if checkpoint is not None else None
+    if ckpt_path is not None and not resumable:
+        emit(f"note: --loader {loader} cannot resume mid-epoch; checkpoints are written at epoch ends only")
+
+    start_epoch, step, rows = 0, 0, []
+    partial = {"samples": 0, "loss_sum": 0.0}  # of the epoch a mid-epoch checkpoint cut
+    if resume and ckpt_path is not None:
+        state = _broadcast(load_checkpoint(ckpt_path) if ckpt_path.is_file() else None, ctx)
+        if state is None:
+            emit(f"no checkpoint in {checkpoint} yet: starting from the beginning")
+        else:
+            for key, value in config.items():
+                if state["config"].get(key) != value:
+                    raise ValueError(
+                        f"{ckpt_path}: saved with {key}={state['config'].get(key)!r}, this run has {key}={value!r}; "
+                        "resume with the same settings or use a new --checkpoint folder"
+                    )
+            trainer.load_state_dict(state["trainer"])
+            mine = state["ranks"][ctx.rank]
+            if mine["loader"] is not None:
+                train_loader.load_state_dict(mine["loader"])  # type: ignore[union-attr]
+            step, rows = int(state["step"]), list(state["rows"])
+            start_epoch = int(state["epoch"]) + (1 if state["epoch_done"] else 0)
+            partial = dict(mine["partial"])
+            torch.set_rng_state(state["torch_rng"])
+            emit(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {step}")
+
+    def save(epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
+        mine = {
+            "loader": _plain(train_loader.state_dict()) if resumable else None,
+            "partial": {"samples": samples, "loss_sum": loss_sum},
+        }
+        ranks = _gather(mine, ctx)
+        if not ctx.is_main:
+            return
+        save_checkpoint(
+            ckpt_path,  # type: ignore[arg-type]
+            {
+                "version": CHECKPOINT_VERSION,
+                "config": config,
+                "step": step,
                 "epoch": epoch,
-                "batch_size": bs,
-                "train_loss": sum(losses) / max(n, 1),
-                "val_loss": val_loss,
-                "val_acc": val_acc,
-                "img_per_s": n / dt,
-                "util_kind": util["kind"],
-                "util_mean": util["mean"],
-                "decision": ctrl.history[-1] if ctrl is not None and ctrl.history else None,
-            }
-            rows.append(row)
-            util_s = f"{util['mean']:.0f}%" if isinstance(util["mean"], float) else "n/a"
-            line = (
-                f"epoch {epoch}: loss {row['train_loss']:.3f}, held-out loss {val_loss:.3f} acc {val_acc:.1%}, "
-                f"{row['img_per_s']:.0f} img/s, {util['kind']} util {util_s}, batch {bs}"
-            )
-            if row["decision"] is not None:
-                d = row["decision"]
-                line += f" | controller: {d['reason']} → {d['decision']} to {d['next_batch_size']}"
-            emit(line)
+                "epoch_done": epoch_done,
+                "ranks": ranks,
+                "trainer": trainer.state_dict(),
+                "rows": _plain(rows),
+                "torch_rng": torch.get_rng_state(),
+            },
+        )
+        log.debug("checkpoint at epoch %d step %d → %s", epoch, step, ckpt_path)
+
+    recorder = IndexRecorder(record_indices, ctx.rank, ctx.world_size) if record_indices is not None else None
+    subset = train_set.indices
+    emit(
+        f"training {model} on {len(train_set)} images ({len(val_set)} held out), loader={loader}, "
+        f"device={trainer.device}" + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
+    )
+    try:
+        with UtilizationMonitor(device_index=ctx.local_rank) as mon:
+            for epoch in range(start_epoch, epochs):
+                _set_epoch(train_loader, epoch)
+                bs = getattr(train_loader, "batch_size", batch_size)
+                t0, n, loss_sum = time.perf_counter(), 0, 0.0
+                with mon.phase(f"epoch{epoch}"):
+                    for images, labels in train_loader:
+                        loss_sum += trainer.step(images, labels, ctrl) * len(labels)
+                        n += len(labels)
+                        step += 1
+                        if recorder is not None:
+                            recorder.write(epoch, step, subset[train_loader.last_indices])  # type: ignore[union-attr]
+                        if ckpt_path is not None and resumable and step % checkpoint_every == 0:
+                            save(epoch, False, partial["samples"] + n, partial["loss_sum"] + loss_sum)
+                    if trainer.device.type == "cuda":
+                        torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                n_all, loss_all = trainer.all_sum(n, loss_sum)
+                done, done_loss = trainer.all_sum(partial["samples"], partial["loss_sum"])
+                partial = {"samples": 0, "loss_sum": 0.0}
+                val_loss, val_acc = trainer.evaluate(val_loader)
+                util = mon.summary(f"epoch{epoch}")
+                row = {
+                    "epoch": epoch,
+                    "batch_size": bs,
+                    "train_loss": (loss_all + done_loss) / max(n_all + done, 1),
+                    "val_loss": val_loss,
+                    "val_acc": val_acc,
+                    "img_per_s": n_all / dt,
+                    "ranks": ctx.world_size,
+                    "resumed": done > 0,
+                    "util_kind": util["kind"],
+                    "util_mean": util["mean"],
+                    "decision": ctrl.history[-1] if ctrl is not None and ctrl.history else None,
+                }
+                rows.append(row)
+                emit(_epoch_line(row))
+                if ckpt_path is not None:
+                    save(epoch, True, 0, 0.0)
+        in_sync = trainer.replicas_in_sync()
+    finally:
+        if recorder is not None:
+            recorder.close()
+    if ctx.distributed:
+        emit(f"replicas in sync after training: {'yes' if in_sync else 'NO'}")
+    if out is not None and ctx.is_main:
+        result = {"config": config, "rows": rows, "replicas_in_sync": in_sync, "steps": step}
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / ".train.json.tmp"
+        tmp.write_text(json.dumps(_plain(result), indent=2))
+        os.replace(tmp, out / "train.json")
     return rows
+
+
+def _epoch_line(row: dict[str, Any]) -> str:
+    util_s = f"{row['util_mean']:.0f}%" if isinstance(row["util_mean"], float) else "n/a"
+    line = (
+        f"epoch {row['epoch']}: loss {row['train_loss']:.3f}, held-out loss {row['val_loss']:.3f} "
+        f"acc {row['val_acc']:.1%}, {row['img_per_s']:.0f} img/s, {row['util_kind']} util {util_s}, "
+        f"batch {row['batch_size']}"
+    )
+    if row["ranks"] > 1:
+        line += f" x {row['ranks']} ranks"
+    if row["resumed"]:
+        line += " (resumed mid-epoch)"
+    if row["decision"] is not None:
+        d = row["decision"]
+        line += f" | controller: {d['reason']} → {d['decision']} to {d['next_batch_size']}"
+    return line

@@ -253,3 +253,50 @@ def test_real_gpu_probes_read():
         frac = probe.peak_fraction()
         del x
         assert probe.capacity_bytes > 2**30 and frac is not None and 0 < frac < 1
+
+
+def _two_rank_decisions(rank: int, world: int, init_file: str, out_file: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # Rank 0 reads low memory, rank 1 goes over the target in epoch 0; epoch 1 the reverse order.
+        readings = [[0.20, 0.30], [0.95, None]][rank]
+        ctrl = BatchSizeController(8, 256, target_fraction=0.85, probe=ScriptedProbe(readings))
+        ctrl.attach(64)
+        sizes = [ctrl.end_epoch(0), ctrl.end_epoch(1)]
+        with open(f"{out_file}.{rank}", "w") as f:
+            json.dump({"sizes": sizes, "peaks": [h["peak_fraction"] for h in ctrl.history]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_batch_size(tmp_path):
+    """Under torch.distributed every rank takes the worst rank's peak, so batch counts stay equal."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_two_rank_decisions, args=(r, 2, str(tmp_path / "init"), str(tmp_path / "out")))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    assert got[0] == got[1]
+    # epoch 0: worst 0.95 > 0.85 → shrink 64→32 on both; epoch 1: worst 0.30 (rank 1's None ignored),
+    # and 64 went over before → both hold at 32.
+    assert got[0]["sizes"] == [32, 32] and got[0]["peaks"] == [0.95, 0.30]
+
+
+def test_sync_ranks_off_without_process_group():
+    ctrl = BatchSizeController(8, 256, probe=ScriptedProbe([0.95]))
+    ctrl.attach(64)
+    assert ctrl.end_epoch(0) == 32  # no process group: its own reading

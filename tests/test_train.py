@@ -1,8 +1,28 @@
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
 import pytest
+import torch
 
 from dali_fast.records import open_dataset, pack
 from dali_fast.synthetic import make_synthetic
-from dali_fast.train import run_train, split
+from dali_fast.train import (
+    IndexRecorder,
+    load_checkpoint,
+    read_index_records,
+    run_train,
+    save_checkpoint,
+    split,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -11,6 +31,15 @@ def learnable(tmp_path_factory):
     make_synthetic(root / "images", images=120, classes=3, seed=1, progress=False)
     pack(root / "images", root / "packed", progress=False)
     return open_dataset(root / "packed")
+
+
+@pytest.fixture(scope="module")
+def odd_set(tmp_path_factory) -> Path:
+    """121 images: a 97-image training split, which 2 ranks cannot share evenly (1 padded sample)."""
+    root = tmp_path_factory.mktemp("dist")
+    make_synthetic(root / "images", images=121, classes=3, seed=2, progress=False)
+    pack(root / "images", root / "packed", progress=False)
+    return root / "packed"
 
 
 @pytest.mark.parametrize("loader", ["baseline", "torch", "dali"])
@@ -54,3 +83,206 @@ def test_controller_decisions_printed(learnable):
 def test_split_disjoint_and_complete(learnable):
     a, b = split(learnable, 0.25)
     assert len(b) == 30 and sorted(list(a.indices) + list(b.indices)) == list(range(120))
+
+
+# ---------------------------------------------------------------- checkpoint files
+
+
+def test_checkpoint_write_is_atomic_and_versioned(tmp_path):
+    path = tmp_path / "ck" / "checkpoint.pt"
+    save_checkpoint(path, {"version": 1, "w": torch.arange(4)})
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(4))
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]  # no temporary left
+    save_checkpoint(path, {"version": 7})
+    with pytest.raises(ValueError, match="checkpoint version 7, this dali-fast reads version 1"):
+        load_checkpoint(path)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable dali-fast checkpoint"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
+        load_checkpoint(tmp_path / "nothing.pt")
+
+
+def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):
+    rec = IndexRecorder(tmp_path / "idx.jsonl", rank=1, world_size=2)
+    rec.write(0, 1, [5, 3])
+    rec.close()
+    path = tmp_path / "idx.jsonl.rank1"
+    with open(path, "a") as f:
+        f.write('{"epoch": 0, "step": 2, "ra')  # what a SIGKILL mid-write leaves
+    assert read_index_records(path) == [{"epoch": 0, "step": 1, "rank": 1, "indices": [5, 3]}]
+    assert IndexRecorder(tmp_path / "r{rank}.jsonl", rank=3, world_size=4).path.name == "r3.jsonl"
+
+
+def test_resume_refuses_other_settings(learnable, tmp_path):
+    pytest.importorskip("nvidia.dali")
+    kw = dict(loader="dali", epochs=1, model="resnet_tiny", batch_size=16, image_size=32, checkpoint=tmp_path)
+    run_train(learnable, **kw)
+    with pytest.raises(ValueError, match="saved with model='resnet_tiny', this run has model='resnet18'"):
+        run_train(learnable, **{**kw, "model": "resnet18"}, resume=True)
+    lines = []
+    rows = run_train(learnable, **{**kw, "epochs": 2}, resume=True, emit=lines.append)
+    assert [r["epoch"] for r in rows] == [0, 1] and lines[0].startswith("resumed from")
+
+
+# ---------------------------------------------------------------- real processes: torchrun and SIGKILL
+
+
+def _command(nproc: int, args: list[str]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "dali_fast", *args]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, "-m", "dali_fast", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _train_args(data: Path, loader: str, tmp: Path, tag: str, epochs: int = 2) -> list[str]:
+    return [
+        "train", str(data), "--loader", loader, "--epochs", str(epochs), "--model", "resnet_tiny",
+        "--image-size", "32", "--batch-size", "5", "--num-workers", "0", "--no-drop-last",
+        "--record-indices", str(tmp / f"{tag}.jsonl"),
+    ]  # fmt: skip
+
+
+def _records(tmp: Path, tag: str, nproc: int) -> dict[int, list[dict]]:
+    if nproc == 1:
+        return {0: read_index_records(tmp / f"{tag}.jsonl")}
+    return {r: read_index_records(tmp / f"{tag}.jsonl.rank{r}") for r in range(nproc)}
+
+
+def _train_indices(data: Path) -> list[int]:
+    train, _ = split(open_dataset(data), 0.2, 0)
+    return [int(i) for i in train.indices]
+
+
+def _check_epoch_cover(per_rank: dict[int, list[int]], train: list[int], nproc: int) -> None:
+    """Each rank's samples once; together the training split once, plus the documented padding."""
+    for rank, got in per_rank.items():
+        assert len(got) == len(set(got)), f"rank {rank} saw a sample twice"
+    counts = Counter(i for got in per_rank.values() for i in got)
+    padded = math.ceil(len(train) / nproc) * nproc - len(train)
+    assert set(counts) == set(train)
+    assert sum(counts.values()) == len(train) + padded
+    assert sum(c - 1 for c in counts.values()) == padded  # the padding wraps around: `padded` samples twice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["dali", "torch"])
+def test_torchrun_two_ranks_shard_each_epoch_exactly_once(odd_set, tmp_path, loader):
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    args = _train_args(odd_set, loader, tmp_path, "idx") + ["--out", str(tmp_path / "out")]
+    proc = subprocess.run(_command(2, args), env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Only rank 0 prints and writes.
+    lines = proc.stdout.splitlines()
+    assert sum(x.startswith("epoch 0:") for x in lines) == 1 and sum(x.startswith("epoch 1:") for x in lines) == 1
+    assert "2 ranks (gloo)" in proc.stdout and "replicas in sync after training: yes" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.json"]
+    recs, train = _records(tmp_path, "idx", 2), _train_indices(odd_set)
+    orders = []
+    for epoch in (0, 1):
+        per_rank = {r: [i for x in recs[r] if x["epoch"] == epoch for i in x["indices"]] for r in recs}
+        batches = {r: sum(x["epoch"] == epoch for x in recs[r]) for r in recs}
+        assert batches[0] == batches[1] == math.ceil(math.ceil(97 / 2) / 5)  # 49 samples in batches of 5
+        _check_epoch_cover(per_rank, train, 2)
+        orders.append(per_rank[0])
+    assert orders[0] != orders[1]  # reshuffled per epoch
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, sig)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _kill_at_first_checkpoint(cmd: list[str], ckpt: Path, timeout: float = 600) -> None:
+    """Start ``cmd``; the moment ``ckpt`` appears, freeze every process of the run, then SIGKILL them all."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    tree: list[int] = []
+    try:
+        while not ckpt.exists():
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+                pytest.fail(f"training ended (rc {proc.returncode}) before its first checkpoint:\n{out[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no checkpoint before the timeout")
+            time.sleep(0.005)
+        tree = _process_tree(proc.pid)
+        _signal_all(tree, signal.SIGSTOP)  # no rank takes another step or writes another checkpoint
+        tree = _process_tree(proc.pid)
+        _signal_all(tree, signal.SIGKILL)  # no chance to clean up, as on a preempted node
+    finally:
+        _signal_all(tree or [proc.pid], signal.SIGKILL)
+        proc.wait(timeout=60)
+        if proc.stdout:
+            proc.stdout.close()
+    end = time.monotonic() + 60
+    while not all(_gone(p) for p in tree) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in tree) and proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "loader"), [(1, "dali"), (1, "torch"), (2, "dali")])
+def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loader):
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    ck = tmp_path / "ck"
+    extra = ["--checkpoint", str(ck), "--checkpoint-every", "3"]
+    _kill_at_first_checkpoint(
+        _command(nproc, _train_args(odd_set, loader, tmp_path, "before") + extra), ck / "checkpoint.pt"
+    )
+    state = load_checkpoint(ck / "checkpoint.pt")
+    cut = int(state["step"])
+    per_rank_len = math.ceil(97 / nproc)
+    assert not state["epoch_done"]
+    positions = [r["loader"]["sampler"]["position"] for r in state["ranks"]]
+    assert len(set(positions)) == 1 and 0 < positions[0] < per_rank_len, positions  # killed mid-epoch
+
+    proc = subprocess.run(
+        _command(nproc, _train_args(odd_set, loader, tmp_path, "after") + extra + ["--resume"]),
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {ck / 'checkpoint.pt'}: epoch {state['epoch']}, step {cut}" in proc.stdout
+    before, after = _records(tmp_path, "before", nproc), _records(tmp_path, "after", nproc)
+    for r in range(nproc):
+        assert min(x["step"] for x in after[r]) == cut + 1  # the resumed run starts at the next batch
+    train = _train_indices(odd_set)
+    for epoch in (0, 1):
+        per_rank = {
+            r: [i for x in before[r] if x["epoch"] == epoch and x["step"] <= cut for i in x["indices"]]
+            + [i for x in after[r] if x["epoch"] == epoch for i in x["indices"]]
+            for r in range(nproc)
+        }
+        _check_epoch_cover(per_rank, train, nproc)
