@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("dali_fast")
@@ -140,6 +140,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from .doctor import diagnose, probe
+
+    readings = probe(quick=args.quick)
+    result = diagnose(readings)
+    if args.json:
+        print(json.dumps({"readings": readings.to_dict(), "problem": result.problem}, indent=2))
+    else:
+        print("\n".join(result.lines))
+    if result.problem is not None:
+        print(f"dali-fast doctor: the GPU path cannot run: {result.problem}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print("the GPU path works: DALI decodes on the GPU")
+    return 0
+
+
 def _add_data_args(s: argparse.ArgumentParser) -> None:
     """The data and batch arguments `bench` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
@@ -210,13 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="folder for train.json (rank 0 writes it)")
     s.set_defaults(func=_cmd_train)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    s = sub.add_parser("doctor", help="check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")
+    s.add_argument("--quick", action="store_true", help="leave out the hardware JPEG decoder measurement")
+    s.add_argument("--json", action="store_true", help="print the readings as JSON")
+    s.set_defaults(func=_cmd_doctor)
     return p
-
-
-# Later commands (bench, train, doctor) register themselves here.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
