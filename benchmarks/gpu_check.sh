@@ -10,16 +10,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DALI_FAST_CACHE="${DALI_FAST_CACHE:-$OUT/cache}"
 PY="${PYTHON:-python3}"
 {
-  echo "== doctor-ish: versions"
-  "$PY" - <<'PYEOF'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-try:
-    import nvidia.dali as d
-    print("dali", d.__version__)
-except ImportError as e:
-    print("dali missing:", e)
-PYEOF
+  echo "== dali-fast doctor"
+  "$PY" -m dali_fast doctor
+  "$PY" -m dali_fast doctor --json > "$OUT/doctor.json"
   echo "== pytest -m gpu"
   "$PY" -m pytest -q -m gpu tests -p no:cacheprovider
   echo "== pytest (all, on the GPU host)"
@@ -28,4 +21,9 @@ PYEOF
   "$PY" -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out "$OUT/none"
   echo "== bench: resnet50 training step (AMP, channels_last)"
   "$PY" -m dali_fast bench --images 4000 --epochs 1 --batch-size 128 --model resnet50 --controller --out "$OUT/resnet50"
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "== train under torchrun, 2 GPUs (nccl), checkpoint + resume"
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 \
+      --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint "$OUT/ckpt" --out "$OUT/ddp"
+  fi
 } 2>&1 | tee "$OUT/gpu_check.log"

@@ -25,9 +25,20 @@ def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tu
     """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder."""
     root = default_cache_dir() / f"synthetic-{images}x{classes}"
     folder, packed = root / "images", root / "packed"
-    if not packed.exists():
-        make_synthetic(folder, images=images, classes=classes, progress=progress)
-        pack(folder, packed, progress=progress, verify=False)
+    if packed.exists():
+        return folder, packed
+    root.mkdir(parents=True, exist_ok=True)
+    # Under torchrun every rank arrives here at once: the first makes the set, the others wait for it.
+    with open(root / ".lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no flock (Windows): one process at a time is then the user's affair
+            pass
+        if not packed.exists():
+            make_synthetic(folder, images=images, classes=classes, progress=progress)
+            pack(folder, packed, progress=progress, verify=False)
     return folder, packed
 
 

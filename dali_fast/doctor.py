@@ -167,9 +167,7 @@ def _decode_pipeline(data: bytes, device: str, device_id: int | None, batch: int
 
     @pipeline_def(batch_size=batch, num_threads=2, device_id=device_id, prefetch_queue_depth=1)
     def pipe() -> Any:
-        jpegs = fn.external_source(
-            source=lambda: [np.frombuffer(data, np.uint8)] * batch, batch=True, name="jpegs"
-        )
+        jpegs = fn.external_source(source=lambda: [np.frombuffer(data, np.uint8)] * batch, batch=True, name="jpegs")
         kw = {"hw_decoder_load": hw_load} if device == "mixed" else {}
         return fn.decoders.image(jpegs, device=device, output_type=types.RGB, **kw)
 
