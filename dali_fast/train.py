@@ -526,7 +526,8 @@ def _train(
     start_epoch, step, rows = 0, 0, []
     partial = {"samples": 0, "loss_sum": 0.0}  # of the epoch a mid-epoch checkpoint cut
     if resume and ckpt_path is not None:
-        state = _broadcast(load_checkpoint(ckpt_path) if ckpt_path.is_file() else None, ctx)
+        found = ctx.is_main and ckpt_path.is_file()
+        state = _broadcast(load_checkpoint(ckpt_path) if found else None, ctx)
         if state is None:
             emit(f"no checkpoint in {checkpoint} yet: starting from the beginning")
         else:
