@@ -382,3 +382,10 @@ def test_record_that_passes_the_check_but_fails_to_decode_names_records(make):
     skipping = make(reader, 2, train=False, on_error="skip")
     if loader_class(make.backend).__name__ == "TorchIterator":
         assert sorted(epoch_labels(skipping, 0)[0]) == [0, 2, 3] and skipping.skipped == 1
+
+
+def test_local_rank_picks_the_gpu(monkeypatch):
+    from dali_fast.iterator import local_device_index
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_device_index() == 3  # torchrun's process on the node's fourth GPU → DALI device_id 3
