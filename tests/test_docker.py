@@ -55,6 +55,11 @@ def pip_installs() -> list[list[str]]:
     return cmds
 
 
+def dockerignore() -> set[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return {x.strip() for x in lines if x.strip() and not x.startswith("#")}
+
+
 def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -126,7 +131,7 @@ def test_runs_as_a_non_root_user_in_a_workdir():
 
 
 def test_dockerignore_keeps_the_context_small():
-    ignored = (ROOT / ".dockerignore").read_text().split()
+    ignored = dockerignore()
     for path in (".git", ".venv", "tests"):
         assert path in ignored
 
@@ -134,3 +139,50 @@ def test_dockerignore_keeps_the_context_small():
 def test_docker_readme_says_it_is_not_built_in_ci():
     text = (ROOT / "docker" / "README.md").read_text()
     assert "Not built in CI" in text and "--gpus all" in text
+
+
+def _build_wheel(ctx: Path, out: Path) -> Path:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ctx)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = out.glob("dali_fast-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_what_the_image_copies_builds_the_package(tmp_path):
+    """Both pip steps of the image, on exactly the files its COPY lines bring in (and .dockerignore lets through)."""
+    import shutil
+    import zipfile
+
+    ignored = dockerignore()
+    copies = [rest.split() for word, rest in instructions() if word == "COPY"]
+    # Step 1: the dependency layer sees pyproject.toml and README.md, plus a stand-in package.
+    deps_ctx = tmp_path / "deps"
+    deps_ctx.mkdir()
+    for src in copies[0][:-1]:
+        assert src not in ignored and (ROOT / src).is_file(), src
+        shutil.copy(ROOT / src, deps_ctx / src)
+    (deps_ctx / "dali_fast").mkdir()
+    (deps_ctx / "dali_fast" / "__init__.py").touch()
+    _build_wheel(deps_ctx, tmp_path / "w1")
+    # Step 2: the code layer adds dali_fast/ to the same folder.
+    code_ctx = deps_ctx
+    shutil.rmtree(code_ctx / "dali_fast")
+    for src in copies[1][:-1]:
+        assert src not in ignored
+        shutil.copytree(ROOT / src, code_ctx / src, ignore=shutil.ignore_patterns("__pycache__"))
+    wheel = _build_wheel(code_ctx, tmp_path / "w2")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "dali-fast = dali_fast.cli:main" in z.read(entry).decode()
+    modules = {f"dali_fast/{p.name}" for p in (ROOT / "dali_fast").glob("*.py")}
+    assert modules <= names, modules - names
