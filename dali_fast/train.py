@@ -546,6 +546,10 @@ def _train(
             partial = dict(mine["partial"])
             torch.set_rng_state(state["torch_rng"])
             emit(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {step}")
+            if resumable and ctrl is None and train_loader.batch_size != batch_size:  # type: ignore[union-attr]
+                # Positions count samples, so a new batch size resumes exactly too (e.g. after an OOM).
+                emit(f"batch size {train_loader.batch_size} → {batch_size} as given")  # type: ignore[union-attr]
+                train_loader.batch_size = batch_size  # type: ignore[union-attr]
 
     def save(epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
         mine = {

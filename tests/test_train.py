@@ -121,8 +121,9 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
     with pytest.raises(ValueError, match="saved with model='resnet_tiny', this run has model='resnet18'"):
         run_train(learnable, **{**kw, "model": "resnet18"}, resume=True)
     lines = []
-    rows = run_train(learnable, **{**kw, "epochs": 2}, resume=True, emit=lines.append)
+    rows = run_train(learnable, **{**kw, "epochs": 2, "batch_size": 8}, resume=True, emit=lines.append)
     assert [r["epoch"] for r in rows] == [0, 1] and lines[0].startswith("resumed from")
+    assert lines[1] == "batch size 16 → 8 as given" and [r["batch_size"] for r in rows] == [16, 8]
 
 
 # ---------------------------------------------------------------- real processes: torchrun and SIGKILL
