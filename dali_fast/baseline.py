@@ -18,7 +18,7 @@ from .fallback import random_resized_crop_box
 from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
 from .records import Reader
 from .sampler import dist_rank_world
-from .system import available_cpus
+from .system import cpus_per_local_rank
 
 _MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) / 255
 _STD = torch.tensor(IMAGENET_STD).view(3, 1, 1) / 255
@@ -67,13 +67,13 @@ def baseline_loader(
     drop_last: bool = False,
     seed: int = 0,
 ) -> DataLoader:
-    """DataLoader(shuffle=train, num_workers=cpus, pin_memory when CUDA) over `BaselineDataset`.
+    """DataLoader(shuffle=train, num_workers=cpus (per local rank), pin_memory when CUDA) over `BaselineDataset`.
 
     Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does; call
     ``loader.sampler.set_epoch(epoch)`` each epoch then.
     """
     if num_workers is None:
-        num_workers = available_cpus()
+        num_workers = cpus_per_local_rank()
     dataset = BaselineDataset(reader, train=train, image_size=image_size)
     sampler = None
     rank, world = dist_rank_world()

@@ -31,7 +31,7 @@ from .pipeline import (
     bad_record_message,
 )
 from .records import Reader, check_encoded
-from .system import available_cpus
+from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def default_num_workers() -> int:
-    """min(8, cpus - 1), but at least 1 where there are 2+ cpus; 0 on a single cpu."""
-    cpus = available_cpus()
+    """min(8, cpus - 1) of this rank's share of the cpus, but at least 1 where there are 2+; 0 on one."""
+    cpus = cpus_per_local_rank()
     return 0 if cpus < 2 else max(1, min(8, cpus - 1))
 
 

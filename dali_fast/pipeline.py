@@ -10,7 +10,6 @@ changes cannot duplicate or lose samples.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .records import Reader, check_encoded
-from .system import available_cpus
+from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +102,7 @@ class BatchSource:
 
 def default_num_threads() -> int:
     """CPU threads for one pipeline: this process's cores, split between local ranks."""
-    cpus = available_cpus()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, cpus // max(1, local_world))
+    return cpus_per_local_rank()
 
 
 def derive_seed(*parts: int) -> int:

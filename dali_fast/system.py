@@ -12,6 +12,11 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def cpus_per_local_rank() -> int:
+    """This process's share of the CPUs when torchrun starts LOCAL_WORLD_SIZE processes on the node."""
+    return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
 def read_proc_kib(path: str, key: str) -> int | None:
     """The kB value of ``key`` in a /proc status-style file (``VmRSS``, ``MemAvailable``...), or None."""
     try:
