@@ -178,12 +178,15 @@ def _decode_pipeline(data: bytes, device: str, device_id: int | None, batch: int
 
 def decode_check(device: str = "cpu", device_id: int | None = None, data: bytes = TEST_JPEG) -> dict[str, Any]:
     """Decode ``data`` with DALI (``device`` "cpu" or "mixed") and compare it with Pillow's decode."""
+    from .pipeline import shutdown_pipeline
+
+    p = None
     try:
         p = _decode_pipeline(data, device, device_id, 1, 0.65)
         (out,) = p.run()
         if device == "mixed":
             out = out.as_cpu()
-        img = np.asarray(out.at(0))
+        img = np.array(out.at(0))
         ref = _reference()
         if img.shape != ref.shape:
             return {"ok": False, "error": f"decoded shape {img.shape}, expected {ref.shape}"}
@@ -192,6 +195,9 @@ def decode_check(device: str = "cpu", device_id: int | None = None, data: bytes 
     except Exception as e:  # noqa: BLE001 - the failure is the reading
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return {"ok": False, "error": first}
+    finally:
+        if p is not None:
+            shutdown_pipeline(p)
 
 
 def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> dict[str, Any]:
@@ -207,12 +213,17 @@ def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> 
             if "not supported" in str(e).lower():
                 return {"jpeg_engine": False, "peak_util": None, "used": False}
             raise
+        from .pipeline import shutdown_pipeline
+
         p = _decode_pipeline(TEST_JPEG, "mixed", device_id, 64, 1.0)
         peak, end = 0, time.monotonic() + seconds
-        while time.monotonic() < end:
-            p.run()
-            util = nvml.nvmlDeviceGetJpgUtilization(h)
-            peak = max(peak, int(util[0] if isinstance(util, list | tuple) else util))
+        try:
+            while time.monotonic() < end:
+                p.run()
+                util = nvml.nvmlDeviceGetJpgUtilization(h)
+                peak = max(peak, int(util[0] if isinstance(util, list | tuple) else util))
+        finally:
+            shutdown_pipeline(p)
         return {"jpeg_engine": True, "peak_util": peak, "used": peak > 0}
     except Exception as e:  # noqa: BLE001
         return {"jpeg_engine": None, "peak_util": None, "used": None, "error": str(e).splitlines()[0]}

@@ -268,7 +268,7 @@ class DALIIterator(LoaderBase):
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-        from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed
+        from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed, shutdown_pipeline
 
         source = BatchSource(self.dataset, plan, self.on_error, self._skips)
         pipe = build_pipeline(
@@ -310,4 +310,8 @@ class DALIIterator(LoaderBase):
                 yield out["images"], out["labels"].reshape(-1), consumed
         finally:
             source.stop()
+            # Stop the pipeline's threads now, not when the garbage collector gets to it: a failed
+            # epoch's traceback keeps the pipeline referenced, and DataLoader workers forked while
+            # one was still running were seen to crash.
+            shutdown_pipeline(pipe)
             del it, pipe

@@ -13,6 +13,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -98,6 +99,13 @@ class BatchSource:
                 self.fed.append((consumed, kept))
                 return datas, np.asarray(labels, dtype=np.int64)
         raise StopIteration
+
+
+def shutdown_pipeline(pipe: Any) -> None:
+    """Stop a DALI pipeline's worker threads and free its buffers now, not at garbage collection."""
+    shutdown = getattr(pipe, "_shutdown", None)  # what Pipeline.__del__ calls
+    if shutdown is not None:
+        shutdown()
 
 
 def default_num_threads() -> int:

@@ -389,3 +389,26 @@ def test_local_rank_picks_the_gpu(monkeypatch):
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert local_device_index() == 3  # torchrun's process on the node's fourth GPU → DALI device_id 3
+
+
+def running_dali_pipelines() -> int:
+    from nvidia.dali.pipeline import Pipeline
+
+    return sum(1 for ref in Pipeline._pipes if ref() is not None and ref()._pipe is not None)  # noqa: SLF001
+
+
+def test_no_dali_pipeline_outlives_its_epoch():
+    """Finished, abandoned or failed, an epoch's pipeline is shut down at once, not at garbage collection
+    (a live one inherited by forked DataLoader workers crashed them)."""
+    cls = loader_class("dali")
+    good = jpeg_bytes(32, 24)
+    reader = IndexReader([good, good[:200] + bytes(range(256)) * 4 + b"\xff\xd9", good, good])
+    loader = cls(IndexReader([good] * 6), 2, image_size=16, device="cpu", num_threads=2)
+    epoch_labels(loader, 0)
+    epoch_labels(loader, 1, limit=1)
+    assert running_dali_pipelines() == 0
+    failing = cls(reader, 2, train=False, image_size=16, device="cpu", num_threads=2)
+    with pytest.raises(RuntimeError) as failure:
+        epoch_labels(failing, 0)
+    assert failure.value.__traceback__ is not None  # the traceback (and its frames) are still held here
+    assert running_dali_pipelines() == 0
