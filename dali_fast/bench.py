@@ -15,7 +15,7 @@ import torch
 
 from .records import open_dataset, pack
 from .synthetic import default_cache_dir, make_synthetic
-from .system import available_cpus
+from .system import atomic_write, available_cpus
 from .train import LOADERS, Trainer, make_loader_for
 
 log = logging.getLogger(__name__)
@@ -269,9 +269,7 @@ def run_bench(
         "rows": rows,
         "table": markdown_table(rows),
     }
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp, out / "results.json")
+    atomic_write(out / "results.json", lambda f: f.write(json.dumps(result, indent=1, default=str).encode()))
     where = info["gpu"] or f"{info['cpu_count']} CPU cores, no GPU"
     plot(rows, out / "bench.png", f"model={model}, {image_size}px, batch {batch_size} — {where}")
     return result

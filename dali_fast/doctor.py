@@ -100,6 +100,18 @@ def probe_torch(r: Readings) -> None:
         r.cuda_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def has_jpeg_engine(nvml: Any, handle: Any) -> bool:
+    """Whether the GPU has a hardware JPEG decoder: NVML answers "Not Supported" when it has none.
+    Any other NVML error is raised (the answer is then unknown)."""
+    try:
+        nvml.nvmlDeviceGetJpgUtilization(handle)
+    except Exception as e:
+        if "not supported" in str(e).lower():
+            return False
+        raise
+    return True
+
+
 def probe_nvml(r: Readings, nvml: Any = None) -> None:
     """Driver version, its CUDA version and each GPU (name, memory, hardware JPEG engine) via NVML."""
     try:
@@ -123,10 +135,9 @@ def probe_nvml(r: Readings, nvml: Any = None) -> None:
                 "memory_gib": round(int(nvml.nvmlDeviceGetMemoryInfo(h).total) / 2**30, 1),
             }
             try:
-                nvml.nvmlDeviceGetJpgUtilization(h)
-                gpu["jpeg_engine"] = True
-            except Exception as e:  # noqa: BLE001 - NotSupported: no engine; anything else: unknown
-                gpu["jpeg_engine"] = False if "not supported" in str(e).lower() else None
+                gpu["jpeg_engine"] = has_jpeg_engine(nvml, h)
+            except Exception:  # noqa: BLE001 - unknown, not absent
+                gpu["jpeg_engine"] = None
             r.gpus.append(gpu)
     except Exception as e:  # noqa: BLE001
         r.nvml_error = str(e) or type(e).__name__
@@ -207,12 +218,8 @@ def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> 
             import pynvml as nvml
         nvml.nvmlInit()
         h = nvml.nvmlDeviceGetHandleByIndex(device_id)
-        try:
-            nvml.nvmlDeviceGetJpgUtilization(h)
-        except Exception as e:  # noqa: BLE001
-            if "not supported" in str(e).lower():
-                return {"jpeg_engine": False, "peak_util": None, "used": False}
-            raise
+        if not has_jpeg_engine(nvml, h):
+            return {"jpeg_engine": False, "peak_util": None, "used": False}
         from .pipeline import shutdown_pipeline
 
         p = _decode_pipeline(TEST_JPEG, "mixed", device_id, 64, 1.0)

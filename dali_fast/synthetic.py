@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .system import atomic_write
+
 log = logging.getLogger(__name__)
 
 
@@ -72,9 +74,7 @@ def make_synthetic(
         if path.exists():
             continue
         data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
-        tmp = path.with_suffix(".jpg.part")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f, data=data: f.write(data))
     log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
     return out
 

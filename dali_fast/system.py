@@ -1,8 +1,12 @@
-"""Small readings of the machine shared by the loaders, probes and monitor."""
+"""Small readings of the machine and file writes shared by the loaders, probes, monitor and commands."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
 
 
 def available_cpus() -> int:
@@ -27,3 +31,28 @@ def read_proc_kib(path: str, key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durable: bool = False) -> None:
+    """Write ``path`` through ``write(file)`` so that it only ever holds a whole file: a temporary file
+    beside it, renamed over it when complete. ``durable`` also fsyncs the file and the rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        with contextlib.suppress(OSError):  # the rename itself, where the platform allows
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +27,7 @@ from .controller import BatchSizeController, oom_safe_step
 from .iterator import LoaderBase, cuda_usable
 from .models import build_model
 from .records import Reader
+from .system import atomic_write
 
 log = logging.getLogger(__name__)
 LOADERS = ("baseline", "torch", "dali")
@@ -122,19 +123,22 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed(timeout_s: float = 1800) -> tuple[DistContext, bool]:
-    """Join torchrun's process group when started with WORLD_SIZE > 1 (nccl on GPUs, gloo on CPUs).
+@contextlib.contextmanager
+def distributed_context(timeout_s: float = 1800) -> Iterator[DistContext]:
+    """This process's `DistContext`, joining torchrun's process group when started with WORLD_SIZE > 1
+    (nccl on GPUs, gloo on CPUs) and leaving it on exit; a group made by the caller is used and kept.
 
-    Returns the context and whether this call created the group (then the caller destroys it).
     Each process drives GPU ``LOCAL_RANK``; outside torchrun it is a single process.
     """
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     if dist.is_available() and dist.is_initialized():
-        return DistContext(dist.get_rank(), dist.get_world_size(), local, str(dist.get_backend())), False
+        yield DistContext(dist.get_rank(), dist.get_world_size(), local, str(dist.get_backend()))
+        return
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
-        return DistContext(local_rank=local), False
+        yield DistContext(local_rank=local)
+        return
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed; run one process")
     if cuda_usable():
@@ -148,7 +152,10 @@ def init_distributed(timeout_s: float = 1800) -> tuple[DistContext, bool]:
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return DistContext(dist.get_rank(), dist.get_world_size(), local, backend), True
+    try:
+        yield DistContext(dist.get_rank(), dist.get_world_size(), local, backend)
+    finally:
+        dist.destroy_process_group()
 
 
 class Trainer:
@@ -290,24 +297,7 @@ CHECKPOINT_VERSION = 1
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` so that ``path`` always holds a whole checkpoint: temp file, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable where the platform allows
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    atomic_write(path, lambda f: torch.save(state, f), durable=True)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -360,6 +350,12 @@ class IndexRecorder:
 
     def close(self) -> None:
         self._f.close()
+
+    def __enter__(self) -> IndexRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_index_records(path: str | Path) -> list[dict[str, Any]]:
@@ -435,205 +431,152 @@ def run_train(
         raise ValueError("resume needs a checkpoint folder: pass --checkpoint DIR with --resume")
     if record_indices is not None and loader == "baseline":
         raise ValueError("--record-indices needs --loader dali or torch (the plain DataLoader does not expose indices)")
-    ctx, owned = init_distributed()
-    try:
-        return _train(
-            reader,
-            ctx,
-            loader=loader,
-            epochs=epochs,
-            model=model,
-            batch_size=batch_size,
-            image_size=image_size,
-            lr=lr,
-            amp=amp,
-            controller=controller,
-            holdout=holdout,
-            seed=seed,
-            num_workers=num_workers,
-            drop_last=drop_last,
-            checkpoint=Path(checkpoint) if checkpoint is not None else None,
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            record_indices=record_indices,
-            out=Path(out) if out is not None else None,
-            emit=emit if ctx.is_main else (lambda _line: None),
-        )
-    finally:
-        if owned:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-def _train(
-    reader: Reader,
-    ctx: DistContext,
-    *,
-    loader: str,
-    epochs: int,
-    model: str,
-    batch_size: int,
-    image_size: int,
-    lr: float,
-    amp: bool,
-    controller: bool,
-    holdout: float,
-    seed: int,
-    num_workers: int | None,
-    drop_last: bool,
-    checkpoint: Path | None,
-    checkpoint_every: int,
-    resume: bool,
-    record_indices: str | Path | None,
-    out: Path | None,
-    emit: Callable[[str], None],
-) -> list[dict[str, Any]]:
     from .monitor import UtilizationMonitor
 
-    torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    train_set, val_set = split(reader, holdout, seed)
-    trainer = Trainer(model, len(reader.classes), lr=lr, amp=amp, dist_ctx=ctx)
-    ctrl = None
-    if controller:
-
-        def rescale_lr(old: int, new: int) -> None:
-            for g in trainer.opt.param_groups:
-                g["lr"] *= new / old
-
-        ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
-    kw = dict(image_size=image_size, seed=seed, num_workers=num_workers)
-    train_loader = make_loader_for(
-        loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
-    )
-    val_loader = make_loader_for(loader, val_set, batch_size, train=False, **kw)
-    resumable = isinstance(train_loader, LoaderBase)
-    config = {
-        "model": model,
-        "loader": loader,
-        "image_size": image_size,
-        "seed": seed,
-        "holdout": holdout,
-        "records": len(reader),
-        "world_size": ctx.world_size,
-        "controller": controller,
-        "drop_last": drop_last,
-    }
-    ckpt_path = checkpoint / CHECKPOINT_FILE if checkpoint is not None else None
-    if ckpt_path is not None and not resumable:
-        emit(f"note: --loader {loader} cannot resume mid-epoch; checkpoints are written at epoch ends only")
-
-    start_epoch, step, rows = 0, 0, []
-    partial = {"samples": 0, "loss_sum": 0.0}  # of the epoch a mid-epoch checkpoint cut
-    if resume and ckpt_path is not None:
-        found = ctx.is_main and ckpt_path.is_file()
-        state = _broadcast(load_checkpoint(ckpt_path) if found else None, ctx)
-        if state is None:
-            emit(f"no checkpoint in {checkpoint} yet: starting from the beginning")
-        else:
-            for key, value in config.items():
-                if state["config"].get(key) != value:
-                    raise ValueError(
-                        f"{ckpt_path}: saved with {key}={state['config'].get(key)!r}, this run has {key}={value!r}; "
-                        "resume with the same settings or use a new --checkpoint folder"
-                    )
-            trainer.load_state_dict(state["trainer"])
-            mine = state["ranks"][ctx.rank]
-            if mine["loader"] is not None:
-                train_loader.load_state_dict(mine["loader"])  # type: ignore[union-attr]
-            step, rows = int(state["step"]), list(state["rows"])
-            start_epoch = int(state["epoch"]) + (1 if state["epoch_done"] else 0)
-            partial = dict(mine["partial"])
-            torch.set_rng_state(state["torch_rng"])
-            emit(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {step}")
-            if resumable and ctrl is None and train_loader.batch_size != batch_size:  # type: ignore[union-attr]
-                # Positions count samples, so a new batch size resumes exactly too (e.g. after an OOM).
-                emit(f"batch size {train_loader.batch_size} → {batch_size} as given")  # type: ignore[union-attr]
-                train_loader.batch_size = batch_size  # type: ignore[union-attr]
-
-    def save(epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
-        mine = {
-            "loader": _plain(train_loader.state_dict()) if resumable else None,
-            "partial": {"samples": samples, "loss_sum": loss_sum},
-        }
-        ranks = _gather(mine, ctx)
+    checkpoint = Path(checkpoint) if checkpoint is not None else None
+    out = Path(out) if out is not None else None
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(distributed_context())
         if not ctx.is_main:
-            return
-        save_checkpoint(
-            ckpt_path,  # type: ignore[arg-type]
-            {
-                "version": CHECKPOINT_VERSION,
-                "config": config,
-                "step": step,
-                "epoch": epoch,
-                "epoch_done": epoch_done,
-                "ranks": ranks,
-                "trainer": trainer.state_dict(),
-                "rows": _plain(rows),
-                "torch_rng": torch.get_rng_state(),
-            },
-        )
-        log.debug("checkpoint at epoch %d step %d → %s", epoch, step, ckpt_path)
+            emit = lambda _line: None  # noqa: E731 - only rank 0 talks
+        torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+        train_set, val_set = split(reader, holdout, seed)
+        trainer = Trainer(model, len(reader.classes), lr=lr, amp=amp, dist_ctx=ctx)
+        ctrl = None
+        if controller:
 
-    recorder = IndexRecorder(record_indices, ctx.rank, ctx.world_size) if record_indices is not None else None
-    subset = train_set.indices
-    emit(
-        f"training {model} on {len(train_set)} images ({len(val_set)} held out), loader={loader}, "
-        f"device={trainer.device}" + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
-    )
-    try:
-        with UtilizationMonitor(device_index=ctx.local_rank) as mon:
-            for epoch in range(start_epoch, epochs):
-                _set_epoch(train_loader, epoch)
-                bs = getattr(train_loader, "batch_size", batch_size)
-                t0, n, loss_sum = time.perf_counter(), 0, 0.0
-                with mon.phase(f"epoch{epoch}"):
-                    for images, labels in train_loader:
-                        loss_sum += trainer.step(images, labels, ctrl) * len(labels)
-                        n += len(labels)
-                        step += 1
-                        if recorder is not None:
-                            recorder.write(epoch, step, subset[train_loader.last_indices])  # type: ignore[union-attr]
-                        if ckpt_path is not None and resumable and step % checkpoint_every == 0:
-                            save(epoch, False, partial["samples"] + n, partial["loss_sum"] + loss_sum)
-                    if trainer.device.type == "cuda":
-                        torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                n_all, loss_all = trainer.all_sum(n, loss_sum)
-                done, done_loss = trainer.all_sum(partial["samples"], partial["loss_sum"])
-                partial = {"samples": 0, "loss_sum": 0.0}
-                val_loss, val_acc = trainer.evaluate(val_loader)
-                util = mon.summary(f"epoch{epoch}")
-                row = {
+            def rescale_lr(old: int, new: int) -> None:
+                for g in trainer.opt.param_groups:
+                    g["lr"] *= new / old
+
+            ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
+        kw = dict(image_size=image_size, seed=seed, num_workers=num_workers)
+        train_loader = make_loader_for(
+            loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
+        )
+        val_loader = make_loader_for(loader, val_set, batch_size, train=False, **kw)
+        resumable = isinstance(train_loader, LoaderBase)
+        config = {
+            "model": model,
+            "loader": loader,
+            "image_size": image_size,
+            "seed": seed,
+            "holdout": holdout,
+            "records": len(reader),
+            "world_size": ctx.world_size,
+            "controller": controller,
+            "drop_last": drop_last,
+        }
+        ckpt_path = checkpoint / CHECKPOINT_FILE if checkpoint is not None else None
+        if ckpt_path is not None and not resumable:
+            emit(f"note: --loader {loader} cannot resume mid-epoch; checkpoints are written at epoch ends only")
+
+        start_epoch, step, rows = 0, 0, []
+        partial = {"samples": 0, "loss_sum": 0.0}  # of the epoch a mid-epoch checkpoint cut
+        if resume and ckpt_path is not None:
+            found = ctx.is_main and ckpt_path.is_file()
+            state = _broadcast(load_checkpoint(ckpt_path) if found else None, ctx)
+            if state is None:
+                emit(f"no checkpoint in {checkpoint} yet: starting from the beginning")
+            else:
+                for key, value in config.items():
+                    if state["config"].get(key) != value:
+                        raise ValueError(
+                            f"{ckpt_path}: saved with {key}={state['config'].get(key)!r}, this run has {key}={value!r}; "
+                            "resume with the same settings or use a new --checkpoint folder"
+                        )
+                trainer.load_state_dict(state["trainer"])
+                mine = state["ranks"][ctx.rank]
+                if mine["loader"] is not None:
+                    train_loader.load_state_dict(mine["loader"])  # type: ignore[union-attr]
+                step, rows = int(state["step"]), list(state["rows"])
+                start_epoch = int(state["epoch"]) + (1 if state["epoch_done"] else 0)
+                partial = dict(mine["partial"])
+                torch.set_rng_state(state["torch_rng"])
+                emit(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {step}")
+                if resumable and ctrl is None and train_loader.batch_size != batch_size:  # type: ignore[union-attr]
+                    # Positions count samples, so a new batch size resumes exactly too (e.g. after an OOM).
+                    emit(f"batch size {train_loader.batch_size} → {batch_size} as given")  # type: ignore[union-attr]
+                    train_loader.batch_size = batch_size  # type: ignore[union-attr]
+
+        def save(epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
+            mine = {
+                "loader": _plain(train_loader.state_dict()) if resumable else None,
+                "partial": {"samples": samples, "loss_sum": loss_sum},
+            }
+            ranks = _gather(mine, ctx)
+            if not ctx.is_main:
+                return
+            save_checkpoint(
+                ckpt_path,  # type: ignore[arg-type]
+                {
+                    "version": CHECKPOINT_VERSION,
+                    "config": config,
+                    "step": step,
                     "epoch": epoch,
-                    "batch_size": bs,
-                    "train_loss": (loss_all + done_loss) / max(n_all + done, 1),
-                    "val_loss": val_loss,
-                    "val_acc": val_acc,
-                    "img_per_s": n_all / dt,
-                    "ranks": ctx.world_size,
-                    "resumed": done > 0,
-                    "util_kind": util["kind"],
-                    "util_mean": util["mean"],
-                    "decision": ctrl.history[-1] if ctrl is not None and ctrl.history else None,
-                }
-                rows.append(row)
-                emit(_epoch_line(row))
-                if ckpt_path is not None:
-                    save(epoch, True, 0, 0.0)
-        in_sync = trainer.replicas_in_sync()
-    finally:
+                    "epoch_done": epoch_done,
+                    "ranks": ranks,
+                    "trainer": trainer.state_dict(),
+                    "rows": _plain(rows),
+                    "torch_rng": torch.get_rng_state(),
+                },
+            )
+            log.debug("checkpoint at epoch %d step %d → %s", epoch, step, ckpt_path)
+
+        recorder = IndexRecorder(record_indices, ctx.rank, ctx.world_size) if record_indices is not None else None
         if recorder is not None:
-            recorder.close()
-    if ctx.distributed:
-        emit(f"replicas in sync after training: {'yes' if in_sync else 'NO'}")
-    if out is not None and ctx.is_main:
-        result = {"config": config, "rows": rows, "replicas_in_sync": in_sync, "steps": step}
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / ".train.json.tmp"
-        tmp.write_text(json.dumps(_plain(result), indent=2))
-        os.replace(tmp, out / "train.json")
-    return rows
+            stack.enter_context(recorder)
+        subset = train_set.indices
+        emit(
+            f"training {model} on {len(train_set)} images ({len(val_set)} held out), loader={loader}, "
+            f"device={trainer.device}" + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
+        )
+        mon = stack.enter_context(UtilizationMonitor(device_index=ctx.local_rank))
+        for epoch in range(start_epoch, epochs):
+            _set_epoch(train_loader, epoch)
+            bs = getattr(train_loader, "batch_size", batch_size)
+            t0, n, loss_sum = time.perf_counter(), 0, 0.0
+            with mon.phase(f"epoch{epoch}"):
+                for images, labels in train_loader:
+                    loss_sum += trainer.step(images, labels, ctrl) * len(labels)
+                    n += len(labels)
+                    step += 1
+                    if recorder is not None:
+                        recorder.write(epoch, step, subset[train_loader.last_indices])  # type: ignore[union-attr]
+                    if ckpt_path is not None and resumable and step % checkpoint_every == 0:
+                        save(epoch, False, partial["samples"] + n, partial["loss_sum"] + loss_sum)
+                if trainer.device.type == "cuda":
+                    torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            n_all, loss_all = trainer.all_sum(n, loss_sum)
+            done, done_loss = trainer.all_sum(partial["samples"], partial["loss_sum"])
+            partial = {"samples": 0, "loss_sum": 0.0}
+            val_loss, val_acc = trainer.evaluate(val_loader)
+            util = mon.summary(f"epoch{epoch}")
+            row = {
+                "epoch": epoch,
+                "batch_size": bs,
+                "train_loss": (loss_all + done_loss) / max(n_all + done, 1),
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "img_per_s": n_all / dt,
+                "ranks": ctx.world_size,
+                "resumed": done > 0,
+                "util_kind": util["kind"],
+                "util_mean": util["mean"],
+                "decision": ctrl.history[-1] if ctrl is not None and ctrl.history else None,
+            }
+            rows.append(row)
+            emit(_epoch_line(row))
+            if ckpt_path is not None:
+                save(epoch, True, 0, 0.0)
+        in_sync = trainer.replicas_in_sync()
+        if ctx.distributed:
+            emit(f"replicas in sync after training: {'yes' if in_sync else 'NO'}")
+        if out is not None and ctx.is_main:
+            result = {"config": config, "rows": rows, "replicas_in_sync": in_sync, "steps": step}
+            atomic_write(out / "train.json", lambda f: f.write(json.dumps(_plain(result), indent=2).encode()))
+        return rows
 
 
 def _epoch_line(row: dict[str, Any]) -> str:
