@@ -4,14 +4,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo test install lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# A CPU build of torch where one is available locally (CI machines); elsewhere pip's normal torch.
-	$(PIP) install --quiet --no-index torch==2.13.0 2>/dev/null || true
+	# torch first, pinned: on CPU-only machines (CI) pip resolves this to the local CPU wheel, so the
+	# project's `torch>=2.3` below installs nothing more. Any failure stops the build (no `|| true`).
+	$(PIP) install --quiet torch==$(TORCH_VERSION)
 	$(PIP) install --quiet -e '.[dev]'
 	touch $(STAMP)
 

@@ -33,11 +33,32 @@ def read_proc_kib(path: str, key: str) -> int | None:
     return None
 
 
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporary files that writers of ``path`` killed mid-write left beside it."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 : -4]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durable: bool = False) -> None:
     """Write ``path`` through ``write(file)`` so that it only ever holds a whole file: a temporary file
     beside it, renamed over it when complete. ``durable`` also fsyncs the file and the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:

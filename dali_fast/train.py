@@ -17,12 +17,21 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from .checkpoint import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_VERSION,
+    IndexRecorder,
+    check_resume_config,
+    load_checkpoint,
+    plain,
+    save_checkpoint,
+)
 from .controller import BatchSizeController, oom_safe_step
 from .iterator import LoaderBase, cuda_usable
 from .models import build_model
@@ -291,84 +300,6 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
 
 
-CHECKPOINT_FILE = "checkpoint.pt"
-CHECKPOINT_VERSION = 1
-
-
-def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` so that ``path`` always holds a whole checkpoint: temp file, fsync, rename."""
-    atomic_write(path, lambda f: torch.save(state, f), durable=True)
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint written by `save_checkpoint` (tensors and plain Python only)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no checkpoint there; train once with --checkpoint to write one")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
-        raise ValueError(
-            f"{path}: not a readable dali-fast checkpoint ({type(e).__name__}); delete it to start over"
-        ) from e
-    version = state.get("version") if isinstance(state, dict) else None
-    if version != CHECKPOINT_VERSION:
-        raise ValueError(
-            f"{path}: checkpoint version {version}, this dali-fast reads version {CHECKPOINT_VERSION}; "
-            "resume with the version that wrote it or start a new --checkpoint folder"
-        )
-    return state
-
-
-def _plain(obj: Any) -> Any:
-    """Rows and states as plain Python (numpy scalars become numbers), loadable with weights_only."""
-    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-
-
-class IndexRecorder:
-    """Appends one JSON line per batch (epoch, step, rank, data set indices): what training saw.
-
-    ``path`` may contain ``{rank}``; with several ranks and no placeholder, ``.rank<N>`` is appended.
-    Each line is flushed when written, so a killed run leaves every batch it trained on.
-    """
-
-    def __init__(self, path: str | Path, rank: int = 0, world_size: int = 1) -> None:
-        text = str(path)
-        if "{rank}" in text:
-            text = text.format(rank=rank)
-        elif world_size > 1:
-            text = f"{text}.rank{rank}"
-        self.path = Path(text)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
-        self._f: TextIO = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def write(self, epoch: int, step: int, indices: Sequence[int]) -> None:
-        line = {"epoch": epoch, "step": step, "rank": self.rank, "indices": [int(i) for i in indices]}
-        self._f.write(json.dumps(line) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self) -> IndexRecorder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def read_index_records(path: str | Path) -> list[dict[str, Any]]:
-    """The lines an `IndexRecorder` wrote; a last line cut short by a kill is left out."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def _set_epoch(loader: Any, epoch: int) -> None:
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
@@ -479,12 +410,7 @@ def run_train(
             if state is None:
                 emit(f"no checkpoint in {checkpoint} yet: starting from the beginning")
             else:
-                for key, value in config.items():
-                    if state["config"].get(key) != value:
-                        raise ValueError(
-                            f"{ckpt_path}: saved with {key}={state['config'].get(key)!r}, this run has {key}={value!r}; "
-                            "resume with the same settings or use a new --checkpoint folder"
-                        )
+                check_resume_config(ckpt_path, state["config"], config)
                 trainer.load_state_dict(state["trainer"])
                 mine = state["ranks"][ctx.rank]
                 if mine["loader"] is not None:
@@ -501,7 +427,7 @@ def run_train(
 
         def save(epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
             mine = {
-                "loader": _plain(train_loader.state_dict()) if resumable else None,
+                "loader": plain(train_loader.state_dict()) if resumable else None,
                 "partial": {"samples": samples, "loss_sum": loss_sum},
             }
             ranks = _gather(mine, ctx)
@@ -517,7 +443,7 @@ def run_train(
                     "epoch_done": epoch_done,
                     "ranks": ranks,
                     "trainer": trainer.state_dict(),
-                    "rows": _plain(rows),
+                    "rows": plain(rows),
                     "torch_rng": torch.get_rng_state(),
                 },
             )
@@ -575,7 +501,7 @@ def run_train(
             emit(f"replicas in sync after training: {'yes' if in_sync else 'NO'}")
         if out is not None and ctx.is_main:
             result = {"config": config, "rows": rows, "replicas_in_sync": in_sync, "steps": step}
-            atomic_write(out / "train.json", lambda f: f.write(json.dumps(_plain(result), indent=2).encode()))
+            atomic_write(out / "train.json", lambda f: f.write(json.dumps(plain(result), indent=2).encode()))
         return rows
 
 

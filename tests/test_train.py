@@ -13,14 +13,8 @@ import torch
 
 from dali_fast.records import open_dataset, pack
 from dali_fast.synthetic import make_synthetic
-from dali_fast.train import (
-    IndexRecorder,
-    load_checkpoint,
-    read_index_records,
-    run_train,
-    save_checkpoint,
-    split,
-)
+from dali_fast.checkpoint import read_index_records
+from dali_fast.train import run_train, split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,41 +79,17 @@ def test_split_disjoint_and_complete(learnable):
     assert len(b) == 30 and sorted(list(a.indices) + list(b.indices)) == list(range(120))
 
 
-# ---------------------------------------------------------------- checkpoint files
-
-
-def test_checkpoint_write_is_atomic_and_versioned(tmp_path):
-    path = tmp_path / "ck" / "checkpoint.pt"
-    save_checkpoint(path, {"version": 1, "w": torch.arange(4)})
-    assert torch.equal(load_checkpoint(path)["w"], torch.arange(4))
-    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]  # no temporary left
-    save_checkpoint(path, {"version": 7})
-    with pytest.raises(ValueError, match="checkpoint version 7, this dali-fast reads version 1"):
-        load_checkpoint(path)
-    path.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable dali-fast checkpoint"):
-        load_checkpoint(path)
-    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
-        load_checkpoint(tmp_path / "nothing.pt")
-
-
-def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):
-    rec = IndexRecorder(tmp_path / "idx.jsonl", rank=1, world_size=2)
-    rec.write(0, 1, [5, 3])
-    rec.close()
-    path = tmp_path / "idx.jsonl.rank1"
-    with open(path, "a") as f:
-        f.write('{"epoch": 0, "step": 2, "ra')  # what a SIGKILL mid-write leaves
-    assert read_index_records(path) == [{"epoch": 0, "step": 1, "rank": 1, "indices": [5, 3]}]
-    assert IndexRecorder(tmp_path / "r{rank}.jsonl", rank=3, world_size=4).path.name == "r3.jsonl"
-
-
 def test_resume_refuses_other_settings(learnable, tmp_path):
     pytest.importorskip("nvidia.dali")
     kw = dict(loader="dali", epochs=1, model="resnet_tiny", batch_size=16, image_size=32, checkpoint=tmp_path)
     run_train(learnable, **kw)
-    with pytest.raises(ValueError, match="saved with model='resnet_tiny', this run has model='resnet18'"):
-        run_train(learnable, **{**kw, "model": "resnet18"}, resume=True)
+    for key, other in (("model", "resnet18"), ("seed", 1), ("image_size", 48)):
+        with pytest.raises(ValueError) as e:
+            run_train(learnable, **{**kw, key: other}, resume=True)
+        assert str(e.value) == (
+            f"{tmp_path / 'checkpoint.pt'}: saved with {key}={kw.get(key, 0)!r}, this run has {key}={other!r}; "
+            "resume with the same settings or use a new --checkpoint folder"
+        )
     lines = []
     rows = run_train(learnable, **{**kw, "epochs": 2, "batch_size": 8}, resume=True, emit=lines.append)
     assert [r["epoch"] for r in rows] == [0, 1] and lines[0].startswith("resumed from")

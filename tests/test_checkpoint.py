@@ -1,0 +1,160 @@
+"""Checkpoint files: atomic writes (also under SIGKILL mid-write), versions, refused resumes, the index audit."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dali_fast.checkpoint import (
+    IndexRecorder,
+    check_resume_config,
+    load_checkpoint,
+    read_index_records,
+    save_checkpoint,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_checkpoint_write_is_atomic_and_versioned(tmp_path):
+    path = tmp_path / "ck" / "checkpoint.pt"
+    save_checkpoint(path, {"version": 1, "w": torch.arange(4)})
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(4))
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]  # no temporary left
+    save_checkpoint(path, {"version": 7})
+    with pytest.raises(ValueError, match="checkpoint version 7, this dali-fast reads version 1"):
+        load_checkpoint(path)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable dali-fast checkpoint"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
+        load_checkpoint(tmp_path / "nothing.pt")
+
+
+CONFIG = {
+    "model": "resnet_tiny",
+    "loader": "dali",
+    "image_size": 32,
+    "seed": 0,
+    "holdout": 0.2,
+    "records": 120,
+    "world_size": 1,
+    "controller": False,
+    "drop_last": True,
+}
+
+
+@pytest.mark.parametrize(
+    "key, other",
+    [
+        ("model", "resnet18"),
+        ("loader", "torch"),
+        ("image_size", 64),
+        ("seed", 1),
+        ("holdout", 0.25),
+        ("records", 121),
+        ("world_size", 2),
+        ("controller", True),
+        ("drop_last", False),
+    ],
+)
+def test_resume_refused_for_each_setting_in_one_line(key, other):
+    with pytest.raises(ValueError) as e:
+        check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, key: other})
+    assert str(e.value) == (
+        f"ck/checkpoint.pt: saved with {key}={CONFIG[key]!r}, this run has {key}={other!r}; "
+        "resume with the same settings or use a new --checkpoint folder"
+    )
+
+
+def test_resume_accepted_with_the_same_settings():
+    check_resume_config("ck/checkpoint.pt", dict(CONFIG), dict(CONFIG))  # no error
+    with pytest.raises(ValueError, match="saved with fingerprint=None"):
+        check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, "fingerprint": "abc"})  # a key the old run lacks
+
+
+def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):
+    rec = IndexRecorder(tmp_path / "idx.jsonl", rank=1, world_size=2)
+    rec.write(0, 1, [5, 3])
+    rec.close()
+    path = tmp_path / "idx.jsonl.rank1"
+    with open(path, "a") as f:
+        f.write('{"epoch": 0, "step": 2, "ra')  # what a SIGKILL mid-write leaves
+    assert read_index_records(path) == [{"epoch": 0, "step": 1, "rank": 1, "indices": [5, 3]}]
+    assert IndexRecorder(tmp_path / "r{rank}.jsonl", rank=3, world_size=4).path.name == "r3.jsonl"
+    assert IndexRecorder(tmp_path / "one.jsonl", rank=0, world_size=1).path.name == "one.jsonl"
+
+
+# A child that writes a large checkpoint (version N: a header with the payload's digest, then
+# 24 MiB written in 256 KiB pieces) through the same atomic_write that save_checkpoint uses, and
+# says "begin" once the write has started. Importing dali_fast.system is quick (no torch).
+WRITER = """
+import hashlib, sys
+from dali_fast.system import atomic_write
+path, version = sys.argv[1], int(sys.argv[2])
+piece = hashlib.sha256(str(version).encode()).digest() * 8192
+payload = piece * 96
+def write(f):
+    sys.stdout.write("begin\\n"); sys.stdout.flush()
+    f.write(b"CKPT%08d" % version + hashlib.sha256(payload).digest())
+    for i in range(0, len(payload), len(piece)):
+        f.write(payload[i : i + len(piece)])
+atomic_write(path, write, durable=True)
+"""
+
+
+def _whole_version(path: Path) -> int:
+    """The version of the whole checkpoint at ``path``; fails the test if it is partial or corrupt."""
+    blob = path.read_bytes()
+    assert blob[:4] == b"CKPT", "the checkpoint file is not a checkpoint"
+    version = int(blob[4:12])
+    assert hashlib.sha256(blob[44:]).digest() == blob[12:44], f"checkpoint v{version} is partial or corrupt"
+    return version
+
+
+def _spawn(path: Path, version: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(version)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_during_atomic_write_leaves_the_previous_checkpoint_whole(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    first = _spawn(path, 0)
+    assert first.stdout.readline() == "begin\n"
+    t0 = time.perf_counter()
+    assert first.wait(60) == 0
+    write_time = time.perf_counter() - t0
+    assert _whole_version(path) == 0
+    rng = random.Random(12)
+    version, mid_write = 0, 0
+    for attempt in range(1, 21):
+        child = _spawn(path, attempt)
+        assert child.stdout.readline() == "begin\n"
+        time.sleep(rng.uniform(0, write_time))
+        child.send_signal(signal.SIGKILL)
+        code = child.wait(60)
+        child.stdout.close()
+        if code == -signal.SIGKILL:
+            mid_write += 1
+        else:
+            assert code == 0
+        got = _whole_version(path)
+        assert got in (version, attempt), f"attempt {attempt}: found v{got}, expected v{version} or v{attempt}"
+        version = got
+    assert mid_write >= 10, f"only {mid_write} of 20 kills landed during the write"
+    # a killed writer's temporary file is removed by the next write to that path
+    save_checkpoint(path, {"version": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
