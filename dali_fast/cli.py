@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 from pathlib import Path
 
 log = logging.getLogger("dali_fast")
@@ -14,6 +15,13 @@ log = logging.getLogger("dali_fast")
 
 class UserError(Exception):
     """Bad input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what is wrong and where the help is), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _cmd_make_synthetic(args: argparse.Namespace) -> int:
@@ -168,7 +176,7 @@ def _add_data_args(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dali-fast", description="Feed the GPU: DALI data loading for PyTorch.")
+    p = _Parser(prog="dali-fast", description="Feed the GPU: DALI data loading for PyTorch.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="command", required=True)
 

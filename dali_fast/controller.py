@@ -259,6 +259,7 @@ class BatchSizeController:
         self.observations: list[tuple[int, float]] = []  # (batch size, peak fraction)
         self.ceiling: int | None = None  # smallest batch size that went over the target
         self._oom = False
+        self._warned_unreadable = False
 
     @property
     def probe(self) -> MemoryProbe:
@@ -319,6 +320,14 @@ class BatchSizeController:
             reason = "out of memory during the epoch"
         elif frac is None:
             new, decision, reason = old, "hold", "memory could not be read"
+            if not self._warned_unreadable:
+                self._warned_unreadable = True
+                log.warning(
+                    "memory probe %r gave no reading at the end of epoch %d: batch size held at %d",
+                    getattr(self.probe, "name", type(self.probe).__name__),
+                    epoch,
+                    old,
+                )
         else:
             self.observations.append((old, frac))
             if frac > target:

@@ -96,3 +96,23 @@ def test_cached_reader_hits_and_copies():
     views, labels = r.read_batch([4, 1])
     assert [bytes(v) for v in views] == [bytes([4]) * 10, bytes([1]) * 10] and labels.tolist() == [4, 1]
     assert r.source(2) == "item2" and len(r) == 5
+
+
+def test_cached_values_are_private_copies_not_views_of_the_file(tmp_path):
+    """A hit must not depend on the memory map: the cache holds its own bytes."""
+    from conftest import jpeg_bytes, make_folder
+
+    from dali_fast.records import DATA_FILE, MemmapReader, pack
+
+    src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(40, 30), jpeg_bytes(30, 40)]})
+    pack(src, tmp_path / "p", progress=False)
+    reader = MemmapReader(tmp_path / "p")
+    original = bytes(reader[1][0])
+    cached = CachedReader(reader, LRUCache(10**6))
+    first, _ = cached[1]
+    assert not np.shares_memory(first, reader.data)
+    with open(tmp_path / "p" / DATA_FILE, "r+b") as f:  # the file changes under the map
+        f.write(b"\0" * reader.data_size)
+    assert bytes(reader[1][0]) != original  # the map sees the change...
+    hit, _ = cached[1]
+    assert bytes(hit) == original and cached.cache.stats()["hits"] == 1  # ...the cached copy does not

@@ -108,11 +108,39 @@ def test_hysteresis_no_flip_flop():
 
 
 def test_unreadable_probe_holds_and_logs_once(caplog):
-    c = BatchSizeController(8, 4096, probe=ScriptedProbe([None, None, 0.1]))
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe([None, None, 0.1, None]))
     c.attach(64)
-    assert run(c, 3) == [64, 64, 64]
+    with caplog.at_level(logging.WARNING, logger="dali_fast.controller"):
+        assert run(c, 4) == [64, 64, 64, 128]
     assert c.batch_size == 128
-    assert [h["decision"] for h in c.history] == ["hold", "hold", "grow"]
+    assert [h["decision"] for h in c.history] == ["hold", "hold", "grow", "hold"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["memory probe 'scripted' gave no reading at the end of epoch 0: batch size held at 64"]
+
+
+def test_never_regrows_to_a_size_that_ran_out_of_memory():
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe([0.10] * 6))
+    c.attach(512)
+    sizes = []
+    for e in range(6):
+        c.begin_epoch()
+        sizes.append(c.batch_size)
+        if e == 0:
+            c.report_oom(512)
+        c.end_epoch(e)
+    assert sizes == [512, 256, 256, 256, 256, 256]  # the peak reads low, but 512 ran out of memory
+    assert c.history[1]["reason"] == "peak 10% of 80 GiB; batch 512 went over 85% before"
+
+
+def test_never_regrows_to_a_size_that_went_over_the_target():
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe([0.90, 0.30, 0.30, 0.30]))
+    c.attach(128)
+    assert run(c, 4) == [128, 64, 64, 64]
+    c2 = BatchSizeController(8, 4096, probe=ScriptedProbe([0.30, 0.30]))
+    c2.attach(128)
+    c2.load_state_dict(c.state_dict())  # the ceiling survives a resume
+    c2.batch_size = 64
+    assert run(c2, 2) == [64, 64]
 
 
 def test_nvml_probe_unreadable_holds_once(caplog):

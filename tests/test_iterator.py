@@ -99,10 +99,15 @@ def test_exactly_once_per_epoch_shuffled(make, index_reader):
 
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_exactly_once_any_prefetch_depth(make, index_reader, prefetch):
-    loader = make(index_reader, 6, prefetch=prefetch)
+    # TorchIterator: worker processes, where prefetch_factor decides how far ahead batches are made
+    extra = {"num_workers": 2} if make.backend == "torch" else {}
+    loader = make(index_reader, 6, prefetch=prefetch, **extra)
     for epoch in range(2):
-        labels, _ = epoch_labels(loader, epoch)
-        assert sorted(labels) == list(range(37))
+        labels, sizes = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(37)) and sizes == [6] * 6 + [1]
+    labels, _ = epoch_labels(loader, 2, limit=2)  # leave with batches in flight
+    assert len(labels) == 12
+    assert sorted(epoch_labels(loader, 3)[0]) == list(range(37))
 
 
 def test_batch_size_changes_between_epochs(make, index_reader):
@@ -412,3 +417,47 @@ def test_no_dali_pipeline_outlives_its_epoch():
         epoch_labels(failing, 0)
     assert failure.value.__traceback__ is not None  # the traceback (and its frames) are still held here
     assert running_dali_pipelines() == 0
+
+
+# ----------------------------------------------------------------------------- resume edge cases
+
+
+def test_resume_in_skip_mode_neither_replays_nor_loses(make):
+    """The position counts planned samples consumed (skipped ones included), not labels delivered."""
+    reader = bad_reader()  # records 2, 5 and 7 are bad
+    good = [0, 1, 3, 4, 6, 8, 9]
+    reference, _ = epoch_labels(make(reader, 3, train=False, on_error="skip"), 0)
+    assert reference == good
+    loader = make(reader, 3, train=False, on_error="skip")
+    loader.set_epoch(0)
+    seen = []
+    for k, (_, labels) in enumerate(loader):
+        seen += labels.tolist()
+        if k == 1:  # batches [0 1 2] and [3 4 5]: two bad records already skipped
+            state = loader.state_dict()
+            break
+    assert seen == [0, 1, 3, 4] and state["sampler"]["position"] == 6
+    resumed = make(reader, 3, train=False, on_error="skip")
+    resumed.load_state_dict(state)
+    rest, _ = epoch_labels(resumed)
+    assert seen + rest == good  # each good record once, in order: nothing replayed, nothing lost
+    assert resumed.skipped == 1  # only record 7 is met again
+
+
+def test_resume_with_new_batch_size_and_drop_last_keeps_full_batches(make, index_reader):
+    loader = make(index_reader, 5, seed=2, drop_last=True)
+    loader.set_epoch(1)
+    seen = []
+    for k, (_, labels) in enumerate(loader):
+        seen += labels.tolist()
+        if k == 2:
+            state = loader.state_dict()
+            break
+    assert len(seen) == 15
+    resumed = make(index_reader, 5, seed=2, drop_last=True)
+    resumed.load_state_dict(state)
+    resumed.batch_size = 8  # e.g. after an out-of-memory: positions count samples, so this resumes exactly
+    rest, sizes = epoch_labels(resumed)
+    assert sizes == [8, 8]  # 22 samples left: two full batches, the 6-sample tail dropped (never a 1-sample batch)
+    reference, _ = epoch_labels(make(index_reader, 5, seed=2), 1)
+    assert seen + rest == reference[:31]

@@ -3,6 +3,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,30 @@ def test_check_encoded():
     png = png_bytes()
     assert check_encoded(png) is None
     assert "truncated PNG" in check_encoded(png[:-20])
+
+
+def test_reencoded_pack_passes_verify(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(300, 100), jpeg_bytes(50, 40)], "b": [jpeg_bytes(90, 400)]})
+    report = pack(src, tmp_path / "p", max_side=64, progress=False)
+    assert report.reencoded == 2  # 50x40 already fits
+    r = MemmapReader(tmp_path / "p")
+    assert r.verify() == []
+    assert [int(x) for x in r.records["crc32"]] == [zlib.crc32(bytes(r[i][0])) for i in range(3)]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_verify_finds_a_flipped_byte_anywhere_in_a_record(tmp_path, where):
+    src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(120, 90), jpeg_bytes(100, 80)]})
+    dst = tmp_path / "p"
+    pack(src, dst, progress=False)
+    r = MemmapReader(dst)
+    offset, length = int(r.records[1]["offset"]), int(r.records[1]["length"])
+    assert length > 1000
+    at = offset + {"first": 0, "middle": length // 2, "last": length - 1}[where]
+    del r
+    with open(dst / DATA_FILE, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert MemmapReader(dst).verify() == [1]

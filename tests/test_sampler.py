@@ -83,3 +83,20 @@ def test_rank_world_from_environment(monkeypatch):
     assert dist_rank_world(0, 1) == (0, 1)
     s = EpochSampler(9)
     assert (s.rank, s.world_size) == (2, 3)
+
+
+def test_padding_wraps_to_the_epochs_first_samples():
+    """Without drop_last the padded positions repeat the start of the epoch's order (as DistributedSampler)."""
+    n, world = 10, 4  # 12 positions: 2 padded
+    for epoch in range(3):
+        order = np.random.default_rng([5, epoch]).permutation(n)
+        shards = [EpochSampler(n, seed=5, rank=r, world_size=world).indices(epoch) for r in range(world)]
+        assert all(len(s) == 3 for s in shards)
+        assert [int(s[2]) for s in shards[2:]] == order[:2].tolist()  # positions 10 and 11 = order[0], order[1]
+        repeats = Counter(np.concatenate(shards).tolist()) - Counter(range(n))
+        assert sorted(repeats.elements()) == sorted(order[:2].tolist())
+
+
+def test_unshuffled_order_and_shards():
+    s = [EpochSampler(7, shuffle=False, rank=r, world_size=3) for r in range(3)]
+    assert [x.indices(4).tolist() for x in s] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
