@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger("dali_fast")
 

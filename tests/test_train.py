@@ -9,11 +9,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
+from dali_fast.checkpoint import load_checkpoint, read_index_records
 from dali_fast.records import open_dataset, pack
 from dali_fast.synthetic import make_synthetic
-from dali_fast.checkpoint import read_index_records
 from dali_fast.train import run_train, split
 
 ROOT = Path(__file__).resolve().parents[1]
