@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,17 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# Mutation testing of the core (not part of `make test`; about 10-20 minutes on 2 cores).
+# The scope and test selection are in pyproject.toml [tool.mutmut]; the report goes to build/mutation/.
+mutate: $(STAMP)
+	$(PIP) install --quiet -e '.[dev,mutate]'
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children $(or $(JOBS),2) > build-mutmut.log 2>&1 || (tail -c 2000 build-mutmut.log; exit 1)
+	mkdir -p build && mv build-mutmut.log build/mutmut.log
+	$(PY) benchmarks/mutation_report.py --out build/mutation
+
 demo: $(STAMP)
 	$(PY) -m dali_fast bench --images 1000 --epochs 2 --batch-size 64 --image-size 224 --out build/demo
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .ruff_cache
+	rm -rf $(VENV) build mutants .pytest_cache .ruff_cache

@@ -19,14 +19,26 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 
 
+# pragma: no mutate start (probes: readings of the machine, tested against fakes)
 class MemoryProbe(Protocol):
-    """Peak memory of one epoch, as a fraction of capacity."""
+    """Peak memory of one epoch, as a fraction of capacity.
 
-    name: str
-    capacity_bytes: int | None
+    The contract is two methods: ``reset_peak()`` at the epoch's start and ``peak_fraction()``
+    at its end (None when it cannot read). Everything else is optional: ``name`` (for messages;
+    the class name otherwise) and ``capacity_bytes`` (to say "of 80 GiB" in the reasons).
+    """
 
     def reset_peak(self) -> None: ...
     def peak_fraction(self) -> float | None: ...
+
+
+def probe_name(probe: object) -> str:
+    return str(getattr(probe, "name", type(probe).__name__))
+
+
+def probe_capacity(probe: object) -> int | None:
+    cap = getattr(probe, "capacity_bytes", None)
+    return int(cap) if cap else None
 
 
 class _Sampler:
@@ -179,11 +191,11 @@ class MaxProbe:
 
     def __init__(self, probes: Sequence[MemoryProbe]) -> None:
         self.probes = list(probes)
-        self.name = "+".join(p.name for p in self.probes)
+        self.name = "+".join(probe_name(p) for p in self.probes)
 
     @property
     def capacity_bytes(self) -> int | None:
-        return next((p.capacity_bytes for p in self.probes if p.capacity_bytes), None)
+        return next((c for c in map(probe_capacity, self.probes) if c), None)
 
     def reset_peak(self) -> None:
         for p in self.probes:
@@ -200,6 +212,9 @@ def default_probe(device: int | None = None) -> MemoryProbe:
         index = torch.cuda.current_device() if device is None else device
         return MaxProbe([NvmlProbe(index), TorchCudaProbe(index)])
     return HostProbe()
+
+
+# pragma: no mutate end
 
 
 class BatchSizeController:
@@ -311,7 +326,7 @@ class BatchSizeController:
         frac = self.probe.peak_fraction()
         if self.sync_ranks:
             frac, self._oom = agree_across_ranks(frac, self._oom)
-        cap = self.probe.capacity_bytes
+        cap = probe_capacity(self.probe)
         cap_s = f" of {cap / GiB:.0f} GiB" if cap else ""
         target = self.target_fraction
         if self._oom:
@@ -324,7 +339,7 @@ class BatchSizeController:
                 self._warned_unreadable = True
                 log.warning(
                     "memory probe %r gave no reading at the end of epoch %d: batch size held at %d",
-                    getattr(self.probe, "name", type(self.probe).__name__),
+                    probe_name(self.probe),
                     epoch,
                     old,
                 )
@@ -383,6 +398,7 @@ class BatchSizeController:
         self.ceiling = state.get("ceiling")
 
 
+# pragma: no mutate block (rank agreement and the OOM split: tested with real processes and fakes)
 def agree_across_ranks(frac: float | None, oom: bool) -> tuple[float | None, bool]:
     """The highest peak and any out-of-memory over all ranks of an initialized process group."""
     import torch.distributed as dist

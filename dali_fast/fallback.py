@@ -30,7 +30,7 @@ from .pipeline import (
     BadRecordError,
     bad_record_message,
 )
-from .records import Reader, check_encoded
+from .records import Reader, check_encoded, pillow_reason
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class _DecodeDataset(Dataset):
                 flip = bool(rng.random() < 0.5) if self.train else False
                 return index, label, image, flip, None
             except Exception as e:  # noqa: BLE001 - Pillow raises many types; the record is reported
-                reason = f"undecodable: {type(e).__name__}: {e}"
+                reason = pillow_reason(e)
         return index, label, None, False, reason
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ ON_ERROR = ("raise", "skip")
 DTYPES = (torch.float32, torch.float16)
 
 
+# pragma: no mutate start (device lookup)
 def cuda_usable() -> bool:
     """True when torch sees a CUDA device it can use."""
     try:
@@ -41,6 +43,9 @@ def local_device_index() -> int:
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
     return torch.cuda.current_device() if cuda_usable() else 0
+
+
+# pragma: no mutate end
 
 
 class LoaderBase:
@@ -122,6 +127,8 @@ class LoaderBase:
         self._skips = SkipLog()
         self._ctrl_epoch: int | None = None  # the epoch the controller is measuring
         self.last_indices: np.ndarray = np.empty(0, dtype=np.int64)
+        self._resumed = False  # load_state_dict() was called since the last iter()
+        self._active: weakref.ref | None = None  # the pass in progress, if any
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -133,7 +140,7 @@ class LoaderBase:
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if self._epoch_bs is not None:
+        if self._epoch_bs is not None or self._pass_running():
             raise ValueError("the batch size can change only between epochs; set it before iterating")
         if not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"batch_size={value!r}: must be a positive integer")
@@ -160,10 +167,23 @@ class LoaderBase:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order. Calling it with the epoch a resumed state is in keeps the position."""
+        self._refuse_during_pass("set_epoch()")
         epoch = int(epoch)
         if epoch != self.sampler.epoch or self._finished:
             self.sampler.set_epoch(epoch)
             self._finished = False
+            self._resumed = False
+
+    def _pass_running(self) -> bool:
+        gen = self._active() if self._active is not None else None
+        return gen is not None and gen.gi_frame is not None
+
+    def _refuse_during_pass(self, what: str) -> None:
+        if self._pass_running():
+            raise RuntimeError(
+                f"{what} while a pass over this loader is running; finish the loop, or close its iterator "
+                "(it.close() or del it), first"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epoch, samples yielded so far, and what must match to resume."""
@@ -179,19 +199,30 @@ class LoaderBase:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next batch starts at exactly the sample after the last one yielded."""
-        if "sampler" not in state:
-            raise ValueError("not a loader state_dict (no 'sampler' entry); pass loader.state_dict() as saved")
+        self._refuse_during_pass("load_state_dict()")
+        if not isinstance(state, dict) or not isinstance(state.get("sampler"), dict) or not {
+            "epoch",
+            "position",
+        } <= set(state["sampler"]):
+            raise ValueError("not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved")
         self.sampler.load_state_dict(state["sampler"])
         self._finished = bool(state.get("finished", False))
         self._batch_size = int(state.get("batch_size", self._batch_size))
         if self.controller is not None and "controller" in state:
             self.controller.load_state_dict(state["controller"])
+        self._resumed = True  # the next iter() continues from here instead of restarting the epoch
 
     def __iter__(self) -> Iterator[Batch]:
+        """A pass over the rest of the epoch: the whole current epoch, as a DataLoader does, unless
+        ``load_state_dict()`` was called since the last ``iter()`` (then from the saved position)."""
+        self._refuse_during_pass("iter()")
         if self._finished:
             # Looping again without set_epoch: move on to the next epoch's order.
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._finished = False
+        elif not self._resumed:
+            self.sampler.position = 0  # e.g. after a peek with next(iter(loader)) or a break
+        self._resumed = False
         bs = self.batch_size
         start = self.sampler.position
         shard = self.sampler.indices()
@@ -199,7 +230,9 @@ class LoaderBase:
         if self.drop_last:
             stop = start + (len(shard) - start) // bs * bs
         plan = [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)]
-        return self._epoch(plan, bs, start)
+        gen = self._epoch(plan, bs, start)
+        self._active = weakref.ref(gen)
+        return gen
 
     # ------------------------------------------------------------------ epoch driver
     def _epoch(self, plan: list[np.ndarray], bs: int, start: int) -> Iterator[Batch]:
@@ -227,6 +260,7 @@ class LoaderBase:
         raise NotImplementedError
 
 
+# pragma: no mutate block (the DALI backend: outside the epoch driver)
 class DALIIterator(LoaderBase):
     """Batches of decoded, augmented images from a DALI pipeline, as PyTorch tensors.
 
@@ -263,14 +297,62 @@ class DALIIterator(LoaderBase):
         return self.batch_size
 
     def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        if not plan:
-            return
+        """Run the plan through a pipeline; after a decode failure, find the record(s) that broke it.
+
+        DALI stops a pipeline at the first record it cannot decode. The records it had in flight are
+        then checked one by one on the CPU: ``on_error='raise'`` names the ones that fail;
+        ``on_error='skip'`` skips and counts them and continues with a new pipeline from the first
+        batch not yet yielded, so every other sample still comes exactly once.
+        """
+        from .pipeline import undecodable
+
+        bad: dict[int, str] = {}  # index -> reason, found after a pipeline failure
+        done = 0  # planned batches yielded so far
+        while done < len(plan):
+            source, failure = None, None
+            for item in self._run_pipeline(plan[done:], start, bad):
+                if isinstance(item, BaseException):
+                    source, failure = item.args[1], item.args[2]
+                    break
+                out_images, out_labels, consumed, batches = item
+                done += batches
+                start += consumed
+                yield out_images, out_labels, consumed
+            if failure is None:
+                return
+            in_flight = [i for fed in source.fed for i in fed.kept]
+            if is_memory_error(failure):
+                if self.controller is not None and hasattr(self.controller, "report_oom"):
+                    self.controller.report_oom(self.batch_size)
+                raise DALIMemoryError(
+                    f"DALI ran out of memory at batch size {self.batch_size}: {dali_message(failure)}; "
+                    "use a smaller batch size (or a BatchSizeController), fewer decode threads, or a smaller image_size"
+                ) from failure
+            culprits = undecodable(self.dataset, in_flight)
+            if not culprits or self.on_error == "raise":
+                named = list(culprits) or in_flight
+                names = ", ".join(f"{i} ({self.dataset.source(i)})" for i in named[:8])
+                more = f" and {len(named) - 8} more" if len(named) > 8 else ""
+                what = "record" if len(named) == 1 and culprits else "one of records" if not culprits else "records"
+                why = f": {culprits[named[0]]}" if culprits else ""
+                hint = "pass on_error='skip' (--on-error skip)" if culprits else "check them with `dali-fast inspect --verify`"
+                raise RuntimeError(
+                    f"DALI failed decoding {what} {names}{more}{why} ({dali_message(failure)}); {hint}"
+                ) from failure
+            bad.update(culprits)
+            log.warning("rebuilding the DALI pipeline after %d undecodable record(s)", len(culprits))
+
+    def _run_pipeline(
+        self, plan: list[np.ndarray], start: int, bad: dict[int, str]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int] | BaseException]:
+        """Yield (images, labels, samples consumed, plan batches consumed) per batch from one pipeline;
+        on a DALI failure, yield one exception carrying the source and the error, then stop."""
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
         from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed, shutdown_pipeline
 
-        source = BatchSource(self.dataset, plan, self.on_error, self._skips)
+        source = BatchSource(self.dataset, plan, self.on_error, self._skips, exclude=bad)
         pipe = build_pipeline(
             source,
             max_batch=self._max_batch(),
@@ -296,18 +378,13 @@ class DALIIterator(LoaderBase):
                 try:
                     out = next(it)[0]
                 except StopIteration:
-                    break
+                    source.finish()
+                    return
                 except RuntimeError as e:
-                    in_flight = [i for _, kept in source.fed for i in kept]
-                    names = ", ".join(f"{i} ({self.dataset.source(i)})" for i in in_flight[:8])
-                    more = f" and {len(in_flight) - 8} more" if len(in_flight) > 8 else ""
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise RuntimeError(
-                        f"DALI failed decoding one of records {names}{more}: {first}; "
-                        "check them with `dali-fast inspect --verify` or pass on_error='skip'"
-                    ) from e
-                consumed, _ = source.fed.popleft()
-                yield out["images"], out["labels"].reshape(-1), consumed
+                    yield _Failure("pipeline failed", source, e)
+                    return
+                fed = source.consume()
+                yield out["images"], out["labels"].reshape(-1), fed.consumed, fed.batches
         finally:
             source.stop()
             # Stop the pipeline's threads now, not when the garbage collector gets to it: a failed
@@ -315,3 +392,28 @@ class DALIIterator(LoaderBase):
             # one was still running were seen to crash.
             shutdown_pipeline(pipe)
             del it, pipe
+
+
+class _Failure(Exception):
+    """A pipeline's failure, handed from `_run_pipeline` to `_run` (args: text, source, error)."""
+
+
+class DALIMemoryError(RuntimeError):
+    """DALI could not allocate memory (device or host) for a batch; not a bad record."""
+
+
+_MEMORY_SIGNS = ("can't allocate", "cannot allocate", "out of memory", "bad_alloc", "memoryallocation", "cuda_error_out_of_memory")
+
+
+def is_memory_error(error: BaseException) -> bool:
+    """True when a DALI error is an allocation failure rather than a decode failure."""
+    text = str(error).lower().replace(" ", "")
+    return any(sign.replace(" ", "") in text for sign in _MEMORY_SIGNS)
+
+
+def dali_message(error: BaseException) -> str:
+    """The informative line of a DALI error (its first line is often just "Critical error in pipeline:")."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    useful = [x for x in lines if not x.startswith("Critical error in pipeline") and not x.startswith("Current pipeline object")]
+    text = (useful or lines or [type(error).__name__])[0]
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -9,15 +9,16 @@ changes cannot duplicate or lose samples.
 
 from __future__ import annotations
 
+import io
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .records import Reader, check_encoded
+from .records import Reader, check_encoded, pillow_reason
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
@@ -62,43 +63,101 @@ class BatchSource:
     consumer can advance its cursor exactly by what it received.
     """
 
-    def __init__(self, reader: Reader, plan: Sequence[np.ndarray], on_error: str, skips: SkipLog) -> None:
+    def __init__(
+        self,
+        reader: Reader,
+        plan: Sequence[np.ndarray],
+        on_error: str,
+        skips: SkipLog,
+        exclude: Mapping[int, str] | None = None,
+    ) -> None:
         self.reader = reader
         self.plan = list(plan)
         self.on_error = on_error
         self.skips = skips
+        self.exclude = exclude or {}  # records known to break the decoder: skipped and counted
         self.next = 0
         self.stopped = False
-        self.fed: deque[tuple[int, list[int]]] = deque()
+        self.fed: deque[Fed] = deque()  # batches handed to DALI, not yet delivered
+        self.tail_skipped: list[tuple[int, str]] = []
 
     def stop(self) -> None:
         """Hand out nothing more (the consumer has left the epoch)."""
         self.stopped = True
 
     def __call__(self) -> tuple[list[np.ndarray], np.ndarray]:
-        consumed = 0
+        consumed = batches = 0
+        skipped: list[tuple[int, str]] = []
         while not self.stopped and self.next < len(self.plan):
             indices = self.plan[self.next]
             self.next += 1
+            batches += 1
             consumed += len(indices)
             datas: list[np.ndarray] = []
             labels: list[int] = []
             kept: list[int] = []
             for i in indices.tolist():
-                data, label = self.reader[i]
-                reason = check_encoded(data)
+                reason = self.exclude.get(i)
+                if reason is None:
+                    data, label = self.reader[i]
+                    reason = check_encoded(data)
                 if reason is not None:
                     if self.on_error == "raise":
                         raise BadRecordError(bad_record_message(self.reader, i, reason))
-                    self.skips.add(i, self.reader.source(i), reason)
+                    skipped.append((i, reason))
                     continue
                 datas.append(data)
                 labels.append(label)
                 kept.append(i)
             if datas:
-                self.fed.append((consumed, kept))
+                self.fed.append(Fed(consumed, kept, batches, skipped))
                 return datas, np.asarray(labels, dtype=np.int64)
+        self.tail_skipped += skipped  # the plan ended on records that were all skipped
+        skipped = []
         raise StopIteration
+
+    def finish(self) -> None:
+        """The pipeline delivered everything: count the skipped records after its last batch."""
+        for i, reason in self.tail_skipped:
+            self.skips.add(i, self.reader.source(i), reason)
+        self.tail_skipped = []
+
+    def consume(self) -> Fed:
+        """The oldest batch handed to DALI, now delivered: its skipped records are counted here, so a
+        batch that was prefetched but never delivered (the pipeline failed first) counts nothing."""
+        fed = self.fed.popleft()
+        for i, reason in fed.skipped:
+            self.skips.add(i, self.reader.source(i), reason)
+        return fed
+
+
+@dataclass
+class Fed:
+    """One batch handed to DALI: planned samples and plan batches it accounts for, what it kept and skipped."""
+
+    consumed: int
+    kept: list[int]
+    batches: int
+    skipped: list[tuple[int, str]]
+
+
+def undecodable(reader: Reader, indices: Sequence[int]) -> dict[int, str]:
+    """The records among ``indices`` that do not decode on the CPU (Pillow), with the reason for each."""
+    from PIL import Image
+
+    out: dict[int, str] = {}
+    for i in indices:
+        data, _ = reader[i]
+        reason = check_encoded(data)
+        if reason is None:
+            try:
+                with Image.open(io.BytesIO(bytes(data))) as im:
+                    im.load()
+            except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
+                reason = pillow_reason(e)
+        if reason is not None:
+            out[int(i)] = reason
+    return out
 
 
 def shutdown_pipeline(pipe: Any) -> None:

@@ -328,3 +328,19 @@ def test_sync_ranks_off_without_process_group():
     ctrl = BatchSizeController(8, 256, probe=ScriptedProbe([0.95]))
     ctrl.attach(64)
     assert ctrl.end_epoch(0) == 32  # no process group: its own reading
+
+
+def test_a_probe_with_only_the_two_documented_methods_works():
+    class Minimal:  # the documented contract: reset_peak() and peak_fraction(), nothing else
+        def reset_peak(self):
+            pass
+
+        def peak_fraction(self):
+            return 0.2
+
+    c = BatchSizeController(8, 1024, probe=Minimal())
+    c.attach(64)
+    assert run(c, 2) == [64, 128]
+    assert c.history[0]["reason"] == "peak 20%, predicted 40% at 128 < 80%"
+    assert MaxProbe([Minimal(), ScriptedProbe([0.5])]).peak_fraction() == 0.5
+    assert MaxProbe([Minimal()]).capacity_bytes is None and MaxProbe([Minimal()]).name == "Minimal"

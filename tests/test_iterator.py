@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 
 import numpy as np
+import odd_images
 import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes, png_bytes
@@ -375,18 +376,41 @@ def test_gpu_mode_outputs_on_cuda_exactly_once(make, index_reader):
     assert np.allclose(images.float().mean(dim=(0, 2, 3)).cpu().numpy(), normalized(rgb), atol=1e-2)
 
 
-def test_record_that_passes_the_check_but_fails_to_decode_names_records(make):
-    good = jpeg_bytes(32, 24)
-    sneaky = good[:200] + bytes(range(256)) * 4 + b"\xff\xd9"  # JPEG markers intact, body garbage
-    reader = IndexReader([good, sneaky, good, good])
+def test_record_that_passes_the_check_but_fails_to_decode_is_named(make):
+    good = odd_images.good_jpeg()
+    sneaky = odd_images.corrupt()["bogus_huffman_table_jpeg"]
+    reader = IndexReader([good, sneaky, good, good, good])
     loader = make(reader, 2, train=False)
     with pytest.raises((RuntimeError, ValueError)) as e:
         epoch_labels(loader, 0)
-    assert "mem://1.jpg" in str(e.value) and "\n" not in str(e.value)
-    # the loader is usable again afterwards (a fresh pipeline): skip mode goes through
-    skipping = make(reader, 2, train=False, on_error="skip")
-    if loader_class(make.backend).__name__ == "TorchIterator":
-        assert sorted(epoch_labels(skipping, 0)[0]) == [0, 2, 3] and skipping.skipped == 1
+    msg = str(e.value)
+    assert "record 1 (mem://1.jpg)" in msg and "\n" not in msg
+    assert "mem://0.jpg" not in msg  # the good record decoded with it is not a suspect
+    assert "on_error='skip'" in msg
+    skipping = make(reader, 2, train=False, on_error="skip")  # the same records in skip mode go through
+    assert epoch_labels(skipping, 0)[0] == [0, 2, 3, 4] and skipping.skipped == 1
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_skip_mode_over_every_corrupt_kind(make, train, caplog):
+    """Every good image exactly once, every bad one counted and named once, in both loaders."""
+    bad = odd_images.corrupt()
+    items, good_ids, names = [], [], {}
+    for k, (name, data) in enumerate(bad.items()):
+        items += [odd_images.good_jpeg(), data]
+        good_ids.append(2 * k)
+        names[2 * k + 1] = name
+    items.append(odd_images.good_jpeg())
+    good_ids.append(len(items) - 1)
+    reader = IndexReader(items)
+    loader = make(reader, 4, train=train, on_error="skip")
+    with caplog.at_level(logging.WARNING):
+        for epoch in range(2):
+            labels, _ = epoch_labels(loader, epoch)
+            assert sorted(labels) == good_ids, f"epoch {epoch}"
+    assert loader.skipped == 2 * len(bad)
+    for index in names:
+        assert sum(f"record {index} " in r.getMessage() for r in caplog.records) == 1, names[index]
 
 
 def test_local_rank_picks_the_gpu(monkeypatch):
@@ -407,7 +431,7 @@ def test_no_dali_pipeline_outlives_its_epoch():
     (a live one inherited by forked DataLoader workers crashed them)."""
     cls = loader_class("dali")
     good = jpeg_bytes(32, 24)
-    reader = IndexReader([good, good[:200] + bytes(range(256)) * 4 + b"\xff\xd9", good, good])
+    reader = IndexReader([good, odd_images.corrupt()["undefined_table_jpeg"], good, good])
     loader = cls(IndexReader([good] * 6), 2, image_size=16, device="cpu", num_threads=2)
     epoch_labels(loader, 0)
     epoch_labels(loader, 1, limit=1)
@@ -461,3 +485,110 @@ def test_resume_with_new_batch_size_and_drop_last_keeps_full_batches(make, index
     assert sizes == [8, 8]  # 22 samples left: two full batches, the 6-sample tail dropped (never a 1-sample batch)
     reference, _ = epoch_labels(make(index_reader, 5, seed=2), 1)
     assert seen + rest == reference[:31]
+
+
+# ----------------------------------------------------------------------------- DataLoader's iter() rule
+
+
+def test_peek_then_train_loses_nothing(make, index_reader):
+    loader = make(index_reader, 8, seed=1)
+    images, labels = next(iter(loader))  # look at the shapes first
+    assert images.shape[0] == 8
+    labels0, sizes = epoch_labels(loader, 0)
+    assert sorted(labels0) == list(range(37)) and sizes == [8, 8, 8, 8, 5]
+    assert labels0[:8] == labels.tolist()  # the peeked batch comes again, in its place
+
+
+def test_break_then_iter_again_restarts_the_epoch(make, index_reader):
+    loader = make(index_reader, 8, seed=1)
+    loader.set_epoch(2)
+    first, _ = epoch_labels(loader, limit=2)
+    again, _ = epoch_labels(loader)
+    assert sorted(again) == list(range(37)) and again[:16] == first and loader.epoch == 2
+
+
+def test_load_state_dict_makes_the_next_iter_continue(make, index_reader):
+    loader = make(index_reader, 8, seed=1)
+    loader.set_epoch(1)
+    seen, _ = epoch_labels(loader, limit=2)
+    state = loader.state_dict()
+    loader.load_state_dict(state)  # on the same loader
+    rest, _ = epoch_labels(loader)
+    assert sorted(seen + rest) == list(range(37))
+    again, _ = epoch_labels(loader, 1)  # no load_state_dict since: the whole epoch
+    assert sorted(again) == list(range(37))
+
+
+def test_a_second_pass_while_one_runs_is_refused(make, index_reader):
+    loader = make(index_reader, 8)
+    it = iter(loader)
+    first = next(it)[1].tolist()
+    for call in (lambda: iter(loader), lambda: loader.set_epoch(1), lambda: loader.load_state_dict(loader.state_dict())):
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert "while a pass over this loader is running" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="between epochs"):
+        loader.batch_size = 4
+    rest = [x for _, lab in it for x in lab.tolist()]
+    assert sorted(first + rest) == list(range(37))  # the running pass was not disturbed
+    it2 = iter(loader)  # finished: a new pass is allowed (the next epoch)
+    next(it2)
+    it2.close()
+    assert sorted(epoch_labels(loader, 5)[0]) == list(range(37))
+
+
+def test_not_a_state_dict_is_one_line(make, index_reader):
+    loader = make(index_reader, 8)
+    for bad in ({}, {"sampler": {}}, {"sampler": {"epoch": 1}}, []):
+        with pytest.raises(ValueError) as e:
+            loader.load_state_dict(bad)
+        assert str(e.value).startswith("not a loader state_dict") and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- DALI's own failures
+
+
+def test_memory_and_decode_failures_are_told_apart():
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.iterator import dali_message, is_memory_error
+
+    oom = RuntimeError(
+        "Critical error in pipeline:\nError in GPU operator `nvidia.dali.fn.decoders.image`,\n"
+        "Can't allocate 2147483648 bytes on device 0.\nCurrent pipeline object is no longer valid."
+    )
+    host = RuntimeError("Critical error in pipeline:\nError in CPU operator `nvidia.dali.fn.resize`: std::bad_alloc")
+    decode = RuntimeError("Critical error in pipeline:\nError in CPU operator `decoders.image`: Bogus Huffman table")
+    assert is_memory_error(oom) and is_memory_error(host) and not is_memory_error(decode)
+    assert dali_message(decode) == "Error in CPU operator `decoders.image`: Bogus Huffman table"
+    assert dali_message(RuntimeError("")) == "RuntimeError"
+
+
+def test_injected_dali_out_of_memory_is_reported_as_memory(index_reader, monkeypatch):
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    from dali_fast import DALIIterator
+    from dali_fast.iterator import DALIMemoryError
+
+    class Ctrl(ScriptedController):
+        ooms: list[int] = []
+
+        def report_oom(self, batch_size):
+            self.ooms.append(batch_size)
+
+    calls = {"n": 0}
+    real_next = DALIGenericIterator.__next__
+
+    def failing_next(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("Critical error in pipeline:\nCan't allocate 1073741824 bytes on device 0.")
+        return real_next(self)
+
+    monkeypatch.setattr(DALIGenericIterator, "__next__", failing_next)
+    ctrl = Ctrl([8])
+    loader = DALIIterator(index_reader, 8, image_size=16, device="cpu", num_threads=2, controller=ctrl, on_error="skip")
+    with pytest.raises(DALIMemoryError) as e:
+        epoch_labels(loader, 0)
+    assert str(e.value).startswith("DALI ran out of memory at batch size 8: Can't allocate 1073741824 bytes")
+    assert "failed decoding" not in str(e.value) and ctrl.ooms == [8] and loader.skipped == 0

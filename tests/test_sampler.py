@@ -100,3 +100,106 @@ def test_padding_wraps_to_the_epochs_first_samples():
 def test_unshuffled_order_and_shards():
     s = [EpochSampler(7, shuffle=False, rank=r, world_size=3) for r in range(3)]
     assert [x.indices(4).tolist() for x in s] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
+
+
+def test_rank_world_defaults_and_partial_arguments(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert dist_rank_world() == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert dist_rank_world() == (0, 4)  # RANK unset: rank 0
+    assert dist_rank_world(rank=3) == (3, 4)  # the world from the environment, the rank as given
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError) as e:
+        dist_rank_world()  # RANK=1 with the default world of 1
+    assert str(e.value) == "rank=1: must be in [0, 1) for world_size=1"
+    assert dist_rank_world(world_size=2) == (1, 2)
+    with pytest.raises(ValueError) as e:
+        dist_rank_world(0, 0)
+    assert str(e.value) == "world_size=0: must be >= 1"
+
+
+def test_rank_world_from_an_initialized_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 5)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert dist_rank_world() == (2, 5)  # the process group wins over the environment
+
+
+def test_sizes_edges_and_messages():
+    empty = EpochSampler(0, rank=0, world_size=3)
+    assert len(empty) == 0 and empty.indices().tolist() == [] and empty.batches(4) == []
+    with pytest.raises(ValueError) as e:
+        EpochSampler(-1, rank=0, world_size=1)
+    assert str(e.value) == "n=-1: the number of samples must be >= 0"
+    assert len(EpochSampler(3, rank=2, world_size=3, drop_last=True)) == 1  # n == world is enough
+    with pytest.raises(ValueError) as e:
+        EpochSampler(2, rank=0, world_size=3, drop_last=True)
+    assert str(e.value) == (
+        "2 samples cannot give each of 3 ranks one with drop_last=True; use drop_last=False or fewer ranks"
+    )
+    exact = EpochSampler(12, seed=1, rank=1, world_size=4)  # divides evenly: no padding
+    assert len(exact) == 3 and exact.indices(0).dtype == np.int64
+    assert sorted(np.concatenate([EpochSampler(12, seed=1, rank=r, world_size=4).indices(0) for r in range(4)])) == list(
+        range(12)
+    )
+    with pytest.raises(ValueError) as e:
+        exact.next_batch(0)
+    assert str(e.value) == "batch_size=0: must be >= 1"
+
+
+def test_new_sampler_starts_at_epoch_zero_position_zero():
+    s = EpochSampler(20, seed=4, rank=0, world_size=1)
+    assert (s.epoch, s.position, s.remaining()) == (0, 0, 20)
+    assert np.array_equal(s.indices(), s.indices(0))
+    assert s.next_batch(1).tolist() == s.indices(0)[:1].tolist()  # a batch of one is allowed
+    assert (s.position, s.remaining()) == (1, 19)
+    assert s.next_batch(5).tolist() == s.indices(0)[1:6].tolist()
+    assert (s.position, s.remaining()) == (6, 14)
+    s.set_epoch(3)
+    assert (s.epoch, s.position) == (3, 0)
+
+
+def test_batches_keep_a_last_batch_that_is_exactly_full():
+    s = EpochSampler(8, shuffle=False, rank=0, world_size=1)
+    assert [b.tolist() for b in s.batches(4, drop_last=True)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    s.set_epoch(1)
+    assert [b.tolist() for b in s.batches(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert s.remaining() == 0
+
+
+def test_state_dict_is_exact_and_every_setting_is_checked_on_resume():
+    s = EpochSampler(30, seed=6, rank=1, world_size=2, drop_last=True)
+    s.set_epoch(2)
+    s.next_batch(4)
+    assert s.state_dict() == {
+        "epoch": 2,
+        "position": 4,
+        "seed": 6,
+        "n": 30,
+        "rank": 1,
+        "world_size": 2,
+        "shuffle": True,
+        "drop_last": True,
+    }
+    others = {"n": 31, "world_size": 3, "seed": 7, "shuffle": False, "drop_last": False}
+    for key, value in others.items():
+        kw = {"n": 30, "seed": 6, "rank": 1, "world_size": 2, "shuffle": True, "drop_last": True, key: value}
+        with pytest.raises(ValueError) as e:
+            EpochSampler(kw.pop("n"), **kw).load_state_dict(s.state_dict())
+        assert str(e.value) == (
+            f"cannot resume: the saved state has {key}={s.state_dict()[key]} but this sampler has {key}={value}; "
+            "resume with the same data set and settings"
+        )
+    t = EpochSampler(30, seed=6, rank=1, world_size=2, drop_last=True)
+    t.load_state_dict({"epoch": 2, "position": 15})  # a minimal state: nothing to compare
+    assert (t.epoch, t.position) == (2, 15)
+    for bad in (-1, 16):
+        with pytest.raises(ValueError) as e:
+            t.load_state_dict({"epoch": 2, "position": bad})
+        assert str(e.value) == f"cannot resume: position {bad} is outside this epoch's 15 samples"
