@@ -200,11 +200,18 @@ class LoaderBase:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next batch starts at exactly the sample after the last one yielded."""
         self._refuse_during_pass("load_state_dict()")
-        if not isinstance(state, dict) or not isinstance(state.get("sampler"), dict) or not {
-            "epoch",
-            "position",
-        } <= set(state["sampler"]):
-            raise ValueError("not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved")
+        if (
+            not isinstance(state, dict)
+            or not isinstance(state.get("sampler"), dict)
+            or not {
+                "epoch",
+                "position",
+            }
+            <= set(state["sampler"])
+        ):
+            raise ValueError(
+                "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
+            )
         self.sampler.load_state_dict(state["sampler"])
         self._finished = bool(state.get("finished", False))
         self._batch_size = int(state.get("batch_size", self._batch_size))
@@ -335,7 +342,11 @@ class DALIIterator(LoaderBase):
                 more = f" and {len(named) - 8} more" if len(named) > 8 else ""
                 what = "record" if len(named) == 1 and culprits else "one of records" if not culprits else "records"
                 why = f": {culprits[named[0]]}" if culprits else ""
-                hint = "pass on_error='skip' (--on-error skip)" if culprits else "check them with `dali-fast inspect --verify`"
+                hint = (
+                    "pass on_error='skip' (--on-error skip)"
+                    if culprits
+                    else "check them with `dali-fast inspect --verify`"
+                )
                 raise RuntimeError(
                     f"DALI failed decoding {what} {names}{more}{why} ({dali_message(failure)}); {hint}"
                 ) from failure
@@ -402,7 +413,14 @@ class DALIMemoryError(RuntimeError):
     """DALI could not allocate memory (device or host) for a batch; not a bad record."""
 
 
-_MEMORY_SIGNS = ("can't allocate", "cannot allocate", "out of memory", "bad_alloc", "memoryallocation", "cuda_error_out_of_memory")
+_MEMORY_SIGNS = (
+    "can't allocate",
+    "cannot allocate",
+    "out of memory",
+    "bad_alloc",
+    "memoryallocation",
+    "cuda_error_out_of_memory",
+)
 
 
 def is_memory_error(error: BaseException) -> bool:
@@ -414,6 +432,10 @@ def is_memory_error(error: BaseException) -> bool:
 def dali_message(error: BaseException) -> str:
     """The informative line of a DALI error (its first line is often just "Critical error in pipeline:")."""
     lines = [x.strip() for x in str(error).splitlines() if x.strip()]
-    useful = [x for x in lines if not x.startswith("Critical error in pipeline") and not x.startswith("Current pipeline object")]
+    useful = [
+        x
+        for x in lines
+        if not x.startswith("Critical error in pipeline") and not x.startswith("Current pipeline object")
+    ]
     text = (useful or lines or [type(error).__name__])[0]
     return text if len(text) <= 300 else text[:297] + "..."

@@ -267,7 +267,7 @@ class MemmapReader:
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(it, desc="verify", unit="rec")
+            it = tqdm(it, desc="verify", unit="rec")  # pragma: no mutate (display only)
         for i in it:
             view, _ = self[i]
             if zlib.crc32(view) != int(self.records[i]["crc32"]):
@@ -375,6 +375,7 @@ class PackReport:
         )
 
 
+# pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
 def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
     """(bytes to store, reason it was rejected, whether it was re-encoded)."""
     if not raw:
@@ -401,7 +402,6 @@ def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | No
     return raw, None, False
 
 
-# pragma: no mutate start (leftovers of killed packs)
 def _clean_stale(dst: Path) -> None:
     """Remove temporary folders of `pack` runs that were killed (their process is gone)."""
     for tmp in dst.parent.glob(f".{dst.name}.tmp-*"):

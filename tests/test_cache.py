@@ -116,3 +116,14 @@ def test_cached_values_are_private_copies_not_views_of_the_file(tmp_path):
     assert bytes(reader[1][0]) != original  # the map sees the change...
     hit, _ = cached[1]
     assert bytes(hit) == original and cached.cache.stats()["hits"] == 1  # ...the cached copy does not
+
+
+def test_evictions_counted_each_and_classes_passed_through():
+    c = LRUCache(10)
+    for k in range(6):
+        c.put(k, b"x" * 5, 5)
+    assert c.stats() == {"hits": 0, "misses": 0, "hit_rate": 0.0, "evictions": 4, "bytes": 10}
+    assert c.keys() == [4, 5]
+    base = ListReader([b"a"])
+    base.classes = ["only"]
+    assert CachedReader(base, LRUCache(10)).classes == ["only"]

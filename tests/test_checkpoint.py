@@ -158,3 +158,48 @@ def test_sigkill_during_atomic_write_leaves_the_previous_checkpoint_whole(tmp_pa
     # a killed writer's temporary file is removed by the next write to that path
     save_checkpoint(path, {"version": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_plain_turns_numpy_and_odd_values_into_plain_python(tmp_path):
+    import numpy as np
+
+    from dali_fast.checkpoint import plain
+
+    value = {"n": np.int64(7), "f": np.float32(0.5), "t": (1, 2), "p": Path("a/b"), "nested": [{"x": np.bool_(True)}]}
+    out = plain(value)
+    assert out == {"n": 7, "f": 0.5, "t": [1, 2], "p": "a/b", "nested": [{"x": True}]}
+    assert type(out["n"]) is int and type(out["f"]) is float
+    save_checkpoint(tmp_path / "c.pt", {"version": 1, "rows": out})
+    assert load_checkpoint(tmp_path / "c.pt")["rows"] == out  # loadable with weights_only
+
+
+def test_a_checkpoint_with_arbitrary_objects_is_refused(tmp_path):
+    path = tmp_path / "c.pt"
+    torch.save({"version": 1, "obj": Path("x")}, path)  # not plain data: loading it would run pickled code
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(path)
+    assert str(e.value) == f"{path}: not a readable dali-fast checkpoint (UnpicklingError); delete it to start over"
+    torch.save([1, 2], path)  # readable, but not a dali-fast checkpoint
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(path)
+    assert str(e.value) == (
+        f"{path}: checkpoint version None, this dali-fast reads version 1; "
+        "resume with the version that wrote it or start a new --checkpoint folder"
+    )
+
+
+def test_index_recorder_defaults_and_nested_folders(tmp_path):
+    rec = IndexRecorder(tmp_path / "a" / "b" / "idx.jsonl")  # rank 0 of 1 by default; folders are made
+    rec.write(2, 5, [1])
+    rec.close()
+    assert read_index_records(tmp_path / "a" / "b" / "idx.jsonl") == [
+        {"epoch": 2, "step": 5, "rank": 0, "indices": [1]}
+    ]
+
+
+def test_index_records_skip_a_cut_line_anywhere(tmp_path):
+    path = tmp_path / "idx.jsonl"
+    path.write_text(
+        '{"epoch": 0, "step": 1, "rank": 0, "indices": [1]}\n{"epo\n{"epoch": 0, "step": 2, "rank": 0, "indices": [2]}\n'
+    )
+    assert [r["step"] for r in read_index_records(path)] == [1, 2]

@@ -344,3 +344,143 @@ def test_a_probe_with_only_the_two_documented_methods_works():
     assert c.history[0]["reason"] == "peak 20%, predicted 40% at 128 < 80%"
     assert MaxProbe([Minimal(), ScriptedProbe([0.5])]).peak_fraction() == 0.5
     assert MaxProbe([Minimal()]).capacity_bytes is None and MaxProbe([Minimal()]).name == "Minimal"
+
+
+def test_every_decision_recorded_exactly(caplog):
+    c = BatchSizeController(8, 256, probe=ScriptedProbe([0.10, 0.30, 0.95, None, 0.50, 0.20]))
+    c.attach(64)
+    with caplog.at_level(logging.INFO, logger="dali_fast.controller"):
+        sizes = run(c, 3)
+        c.begin_epoch()
+        c.report_oom(64)
+        c.end_epoch(3)
+        sizes += run(c, 2)
+    assert sizes == [64, 128, 128, 32, 32]
+    cap = "of 80 GiB"
+    assert c.history == [
+        {"epoch": 0, "batch_size": 64, "peak_fraction": 0.10, "decision": "grow",
+         "reason": f"peak 10% {cap}, predicted 20% at 128 < 80%", "next_batch_size": 128},
+        {"epoch": 1, "batch_size": 128, "peak_fraction": 0.30, "decision": "hold",
+         "reason": f"peak 30% {cap}, predicted 80% at 256 too close to 85%", "next_batch_size": 128},
+        {"epoch": 2, "batch_size": 128, "peak_fraction": 0.95, "decision": "shrink",
+         "reason": f"peak 95% {cap} > 85%", "next_batch_size": 64},
+        {"epoch": 3, "batch_size": 64, "peak_fraction": None, "decision": "shrink",
+         "reason": "out of memory during the epoch", "next_batch_size": 32},
+        {"epoch": 0, "batch_size": 32, "peak_fraction": 0.50, "decision": "hold",
+         "reason": f"peak 50% {cap}; batch 64 went over 85% before", "next_batch_size": 32},
+        {"epoch": 1, "batch_size": 32, "peak_fraction": 0.20, "decision": "hold",
+         "reason": f"peak 20% {cap}; batch 64 went over 85% before", "next_batch_size": 32},
+    ]  # fmt: skip
+    assert c.ceiling == 64 and c.observations == [(64, 0.10), (128, 0.30), (128, 0.95), (32, 0.50), (32, 0.20)]
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("WARNING", "out of memory at batch 64: the batch size shrinks at the next epoch") in messages
+    assert ("INFO", f"epoch 2: peak 95% {cap} > 85% → batch 128 → 64 (shrink)") in messages
+
+
+def test_a_peak_at_exactly_the_target_holds():
+    c = BatchSizeController(8, 1024, target_fraction=0.5, probe=ScriptedProbe([0.5, 0.2]))
+    c.attach(64)
+    assert run(c, 2) == [64, 64]  # 0.5 is not over 0.5; growing would predict 1.0
+    assert c.history[0]["decision"] == "hold" and c.ceiling is None
+    edge = BatchSizeController(8, 1024, target_fraction=0.5, hysteresis=0.1, probe=ScriptedProbe([0.2]))
+    edge.attach(64)
+    edge.end_epoch(0)  # predicted 0.4 at 128: exactly target - hysteresis is not below it
+    assert edge.history[0]["decision"] == "hold"
+    assert edge.history[0]["reason"] == "peak 20% of 80 GiB, predicted 40% at 128 too close to 50%"
+
+
+def test_a_shrink_below_min_or_growth_past_max_says_so():
+    c = BatchSizeController(32, 64, probe=ScriptedProbe([0.95]))
+    c.attach(32)
+    c.end_epoch(0)
+    assert c.history[0]["decision"] == "hold" and c.history[0]["reason"].endswith("> 85% (already at min_batch)")
+    d = BatchSizeController(8, 15, multiple_of=8, probe=ScriptedProbe([0.1]))
+    d.attach(8)
+    d.end_epoch(0)
+    assert d.batch_size == 8 and d.history[0]["reason"] == "peak 10% of 80 GiB; at max_batch 15"
+
+
+def test_rounding_to_multiples_within_the_range():
+    odd = BatchSizeController(5, 7, multiple_of=8, probe=ScriptedProbe([0.95]))  # no multiple of 8 inside
+    odd.attach(7)
+    odd.end_epoch(0)
+    assert odd.batch_size == 5
+    tight = BatchSizeController(5, 8, multiple_of=8, probe=ScriptedProbe([0.95]))  # only 8 inside
+    tight.attach(8)
+    tight.end_epoch(0)
+    assert tight.batch_size == 8 and tight.history[0]["reason"].endswith("(already at max_batch)")
+    ones = BatchSizeController(1, 100, multiple_of=1, probe=ScriptedProbe([0.95, 0.95]))
+    ones.attach(3)
+    assert run(ones, 2) == [3, 1]
+
+
+def test_prediction_from_two_or_more_batch_sizes():
+    c = BatchSizeController(8, 4096, probe=ScriptedProbe([]))
+    assert c.predict(64) is None
+    c.observations = [(64, 0.30), (128, 0.50)]  # fixed 0.10 + 0.003125 per sample
+    assert c.predict(256) == pytest.approx(0.90)
+    c.observations = [(64, 0.30), (128, 0.30)]  # flat: no slope to trust; the cautious guess from the last
+    assert c.predict(256) == pytest.approx(0.60)
+    c.observations = [(64, 0.30), (128, 0.30), (256, 0.90)]
+    assert c.predict(512) == pytest.approx(12 / 7)  # least squares: 0.0 + 0.5 / 149.33 per sample
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"min_batch": 0, "max_batch": 8}, "min_batch=0, max_batch=8: need 1 <= min_batch <= max_batch"),
+        ({"min_batch": 9, "max_batch": 8}, "min_batch=9, max_batch=8: need 1 <= min_batch <= max_batch"),
+        ({"target_fraction": 0.0}, "target_fraction=0.0: must be in (0, 1]"),
+        ({"target_fraction": 1.01}, "target_fraction=1.01: must be in (0, 1]"),
+        ({"grow": 1.0}, "grow=1.0, shrink=0.5: need grow > 1 and 0 < shrink < 1"),
+        ({"shrink": 0.0}, "grow=2.0, shrink=0.0: need grow > 1 and 0 < shrink < 1"),
+        ({"shrink": 1.0}, "grow=2.0, shrink=1.0: need grow > 1 and 0 < shrink < 1"),
+        ({"multiple_of": 0}, "multiple_of=0: must be >= 1"),
+    ],
+)
+def test_bad_arguments_exact_message(kw, message):
+    kw = {"min_batch": 8, "max_batch": 64, **kw}
+    with pytest.raises(ValueError) as e:
+        BatchSizeController(**kw)
+    assert str(e.value) == message
+
+
+def test_edge_arguments_accepted():
+    for kw in ({"min_batch": 1, "max_batch": 1}, {"target_fraction": 1.0}, {"grow": 1.01, "shrink": 0.99}):
+        c = BatchSizeController(**{"min_batch": 8, "max_batch": 64, **kw})
+        assert c.batch_size == c.min_batch  # starts at min_batch until attached
+
+
+def test_ranks_are_asked_to_agree_unless_told_not_to(monkeypatch):
+    import dali_fast.controller as ctl
+
+    asked = []
+
+    def agree(frac, oom):
+        asked.append((frac, oom))
+        return 0.95, True  # another rank went over and ran out of memory
+
+    monkeypatch.setattr(ctl, "agree_across_ranks", agree)
+    c = BatchSizeController(8, 256, probe=ScriptedProbe([0.1]))
+    c.attach(64)
+    c.end_epoch(0)
+    assert asked == [(0.1, False)] and c.batch_size == 32  # the worst rank decides
+    alone = BatchSizeController(8, 256, probe=ScriptedProbe([0.1]), sync_ranks=False)
+    alone.attach(64)
+    alone.end_epoch(0)
+    assert len(asked) == 1 and alone.batch_size == 128
+
+
+def test_state_round_trip_and_minimal_state():
+    c = BatchSizeController(8, 256, probe=ScriptedProbe([0.95, 0.1]))
+    c.attach(128)
+    run(c, 2)
+    state = c.state_dict()
+    assert state == {"batch_size": 64, "history": c.history, "observations": [(128, 0.95), (64, 0.1)], "ceiling": 128}
+    d = BatchSizeController(8, 256, probe=ScriptedProbe([]))
+    d.load_state_dict(state)
+    assert (d.batch_size, d.history, d.observations, d.ceiling) == (64, c.history, c.observations, 128)
+    assert d.predict(64) == c.predict(64)
+    e = BatchSizeController(8, 256, probe=ScriptedProbe([]))
+    e.load_state_dict({"batch_size": 16})
+    assert (e.batch_size, e.history, e.observations, e.ceiling) == (16, [], [], None)

@@ -523,7 +523,11 @@ def test_a_second_pass_while_one_runs_is_refused(make, index_reader):
     loader = make(index_reader, 8)
     it = iter(loader)
     first = next(it)[1].tolist()
-    for call in (lambda: iter(loader), lambda: loader.set_epoch(1), lambda: loader.load_state_dict(loader.state_dict())):
+    for call in (
+        lambda: iter(loader),
+        lambda: loader.set_epoch(1),
+        lambda: loader.load_state_dict(loader.state_dict()),
+    ):
         with pytest.raises(RuntimeError) as e:
             call()
         assert "while a pass over this loader is running" in str(e.value) and "\n" not in str(e.value)
@@ -592,3 +596,156 @@ def test_injected_dali_out_of_memory_is_reported_as_memory(index_reader, monkeyp
         epoch_labels(loader, 0)
     assert str(e.value).startswith("DALI ran out of memory at batch size 8: Can't allocate 1073741824 bytes")
     assert "failed decoding" not in str(e.value) and ctrl.ooms == [8] and loader.skipped == 0
+
+
+# ----------------------------------------------------------------------------- arguments, defaults and state
+
+
+def test_defaults_are_the_documented_ones(index_reader):
+    from dali_fast import TorchIterator
+
+    loader = TorchIterator(index_reader, 8, num_workers=0)  # everything else default
+    assert (loader.image_size, loader.seed, loader.train, loader.drop_last) == (224, 0, True, False)
+    assert loader.gpu is False and loader.cache_stats() is None  # no CUDA here: CPU; no cache
+    images, labels = next(iter(loader))
+    assert images.shape == (8, 3, 224, 224) and images.device.type == "cpu" and images.dtype == torch.float32
+    same = TorchIterator(index_reader, 8, num_workers=0, seed=0, image_size=224)
+    assert epoch_labels(loader, 3)[0] == epoch_labels(same, 3)[0]
+    assert loader.last_indices.dtype == np.int64
+    fresh = TorchIterator(index_reader, 8, num_workers=0)
+    assert fresh.last_indices.tolist() == [] and fresh.last_indices.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"batch_size": 0}, "batch_size=0: must be a positive integer"),
+        ({"batch_size": 2.5}, "batch_size=2.5: must be a positive integer"),
+        ({"image_size": 0}, "image_size=0: must be a positive integer"),
+        ({"image_size": 32.0}, "image_size=32.0: must be a positive integer"),
+        ({"device": "tpu"}, "device='tpu': use 'auto' (GPU when CUDA is usable), 'cuda' or 'cpu'"),
+        ({"device": "cuda"}, "device='cuda' but CUDA is not usable here; use device='auto' or 'cpu'"),
+        ({"device": "gpu"}, "device='gpu' but CUDA is not usable here; use device='auto' or 'cpu'"),
+        ({"on_error": "ignore"}, "on_error='ignore': use 'raise' or 'skip'"),
+        ({"dtype": torch.int8}, "dtype=torch.int8: use torch.float32 or torch.float16"),
+        ({"cache_bytes": -1}, "cache_bytes=-1: must be >= 0 (0 disables the cache)"),
+        ({"num_threads": 0}, "num_threads=0: must be >= 1"),
+        ({"prefetch": 0}, "prefetch=0: must be >= 1"),
+        ({"rank": 3, "world_size": 2}, "rank=3: must be in [0, 2) for world_size=2"),
+    ],
+)
+def test_bad_arguments_exact_message(make, index_reader, kw, message):
+    kw = {"batch_size": 4, **kw}
+    bs = kw.pop("batch_size")
+    with pytest.raises(ValueError) as e:
+        make(index_reader, bs, **kw)
+    assert str(e.value) == message
+
+
+def test_smallest_valid_arguments(make, index_reader):
+    loader = make(index_reader, 1, image_size=1, num_threads=1, prefetch=1, cache_bytes=1)
+    images, labels = next(iter(loader))
+    assert images.shape == (1, 3, 1, 1) and labels.shape == (1,)
+    assert make(IndexReader([jpeg_bytes()]), 1).sampler.n == 1  # a data set of one record
+    with pytest.raises(ValueError) as e:
+        make(IndexReader([]), 1)
+    assert str(e.value) == "the data set is empty; nothing to load"
+
+
+def test_device_choice(monkeypatch, index_reader):
+    import dali_fast.fallback as fb
+    import dali_fast.iterator as it
+    from dali_fast import TorchIterator
+
+    monkeypatch.setattr(it, "cuda_usable", lambda: True)
+    monkeypatch.setattr(fb, "local_device_index", lambda: 0)  # no CUDA runtime to ask here
+    gpu = {d: TorchIterator(index_reader, 4, device=d, num_workers=0).gpu for d in ("auto", "cuda", "gpu", "cpu")}
+    assert gpu == {"auto": True, "cuda": True, "gpu": True, "cpu": False}
+    monkeypatch.setattr(it, "cuda_usable", lambda: False)
+    assert TorchIterator(index_reader, 4, device="auto", num_workers=0).gpu is False
+
+
+def test_state_dict_is_exact_and_round_trips_everything(make, index_reader):
+    ctrl = ScriptedController([8, 16])
+    loader = make(index_reader, 8, seed=4, controller=ctrl)
+    loader.set_epoch(2)
+    epoch_labels(loader, limit=1)
+    state = loader.state_dict()
+    assert state == {
+        "sampler": {
+            "epoch": 2,
+            "position": 8,
+            "seed": 4,
+            "n": 37,
+            "rank": 0,
+            "world_size": 1,
+            "shuffle": True,
+            "drop_last": False,
+        },
+        "finished": False,
+        "batch_size": 8,
+        "backend": make.backend,
+        "controller": {"epochs_ended": 0},
+    }
+    other = ScriptedController([8, 16])
+    resumed = make(index_reader, 5, seed=4, controller=other)
+    resumed.load_state_dict({**state, "controller": {"epochs_ended": 1}})
+    assert other.epochs_ended == 1 and resumed.epoch == 2
+    assert make(index_reader, 8).state_dict().keys() == {"sampler", "finished", "batch_size", "backend"}
+    plain = make(index_reader, 5, seed=4)
+    plain.load_state_dict(state)  # a controller's state is ignored by a loader without one
+    assert plain.batch_size == 8  # the saved batch size is restored
+    plain.load_state_dict({"sampler": state["sampler"]})  # minimal: the batch size is kept
+    assert plain.batch_size == 8
+
+
+def test_resume_of_a_finished_epoch_moves_to_the_next(make, index_reader):
+    loader = make(index_reader, 8, seed=4)
+    epoch_labels(loader, 3)
+    state = loader.state_dict()
+    assert state["finished"] is True and state["sampler"]["position"] == 37
+    resumed = make(index_reader, 8, seed=4)
+    resumed.load_state_dict(state)
+    labels, _ = epoch_labels(resumed)
+    assert resumed.epoch == 4 and labels == epoch_labels(make(index_reader, 8, seed=4), 4)[0]
+    not_finished = make(index_reader, 8, seed=4)
+    not_finished.load_state_dict({**state, "sampler": {**state["sampler"], "position": 0}, "finished": False})
+    assert epoch_labels(not_finished)[0] == epoch_labels(make(index_reader, 8, seed=4), 3)[0]
+    without_flag = make(index_reader, 8, seed=4)
+    without_flag.load_state_dict({"sampler": {"epoch": 3, "position": 0}})  # "finished" defaults to False
+    assert epoch_labels(without_flag)[0] == epoch_labels(make(index_reader, 8, seed=4), 3)[0]
+
+
+def test_last_indices_name_the_records_of_the_last_batch(make, index_reader):
+    loader = make(index_reader, 8, seed=2)
+    loader.set_epoch(1)
+    for _, labels in loader:
+        assert loader.last_indices.tolist() == labels.tolist()  # labels are the record indices here
+
+
+class CountingController(ScriptedController):
+    def __init__(self, sizes):
+        super().__init__(sizes)
+        self.begins = 0
+
+    def begin_epoch(self):
+        self.begins += 1
+
+
+def test_controller_measures_each_epoch_once_also_after_a_resume(make, index_reader):
+    ctrl = CountingController([8, 8, 8])
+    loader = make(index_reader, 8, controller=ctrl)
+    epoch_labels(loader, 0)
+    assert (ctrl.begins, ctrl.epochs_ended) == (1, 1)
+    loader.set_epoch(1)
+    epoch_labels(loader, limit=2)
+    state = loader.state_dict()
+    assert ctrl.begins == 2
+    loader.load_state_dict(state)
+    epoch_labels(loader)  # the rest of epoch 1 in the same process: still the same measurement
+    assert (ctrl.begins, ctrl.epochs_ended) == (2, 2)
+    fresh_ctrl = CountingController([8, 8, 8])
+    fresh = make(index_reader, 8, controller=fresh_ctrl)
+    fresh.load_state_dict(state)  # a new process resuming mid-epoch measures from there
+    epoch_labels(fresh)
+    assert (fresh_ctrl.begins, fresh_ctrl.epochs_ended) == (1, 2)  # its state came with the loader's

@@ -186,6 +186,7 @@ def test_pack_refuses_existing_dst(small_folder, tmp_path):
         pack(small_folder, tmp_path / "p", progress=False)
 
 
+@pytest.mark.slow
 def test_killed_pack_leaves_no_dst(tmp_path):
     src = tmp_path / "src"
     code = (
@@ -274,3 +275,24 @@ def test_verify_finds_a_flipped_byte_anywhere_in_a_record(tmp_path, where):
         f.seek(at)
         f.write(bytes([b[0] ^ 0x01]))
     assert MemmapReader(dst).verify() == [1]
+
+
+def test_reader_indexing_edges_and_batch_reads(small_folder, tmp_path):
+    report = pack(small_folder, tmp_path / "p", progress=False)
+    r = MemmapReader(tmp_path / "p")
+    n = len(r)
+    assert bytes(r[-1][0]) == bytes(r[n - 1][0]) and r.source(-1) == r.source(n - 1)
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError) as e:
+            r[bad]
+        assert str(e.value) == f"record {bad} out of range for a data set of {n} records"
+    views, labels = r.read_batch([4, 0, 4])
+    assert labels.dtype == np.int64 and labels.tolist() == [r[4][1], r[0][1], r[4][1]]
+    assert [bytes(v) for v in views] == [bytes(r[4][0]), bytes(r[0][0]), bytes(r[4][0])]
+    assert r.labels.dtype == np.int64 and r.labels.tolist() == [r[i][1] for i in range(n)]
+    assert repr(r) == f"MemmapReader({str(tmp_path / 'p')!r}, records={n}, classes=3)"
+    mib = report.data_bytes / 2**20
+    assert report.summary() == (
+        f"packed {n} records of 3 classes ({mib:.1f} MiB) into {tmp_path / 'p'} in {report.seconds:.1f}s; "
+        "re-encoded 0, left out 0"
+    )

@@ -145,9 +145,9 @@ def test_sizes_edges_and_messages():
     )
     exact = EpochSampler(12, seed=1, rank=1, world_size=4)  # divides evenly: no padding
     assert len(exact) == 3 and exact.indices(0).dtype == np.int64
-    assert sorted(np.concatenate([EpochSampler(12, seed=1, rank=r, world_size=4).indices(0) for r in range(4)])) == list(
-        range(12)
-    )
+    assert sorted(
+        np.concatenate([EpochSampler(12, seed=1, rank=r, world_size=4).indices(0) for r in range(4)])
+    ) == list(range(12))
     with pytest.raises(ValueError) as e:
         exact.next_batch(0)
     assert str(e.value) == "batch_size=0: must be >= 1"
@@ -203,3 +203,12 @@ def test_state_dict_is_exact_and_every_setting_is_checked_on_resume():
         with pytest.raises(ValueError) as e:
             t.load_state_dict({"epoch": 2, "position": bad})
         assert str(e.value) == f"cannot resume: position {bad} is outside this epoch's 15 samples"
+
+
+def test_default_seed_is_zero_and_position_zero_resumes():
+    assert np.array_equal(
+        EpochSampler(20, rank=0, world_size=1).indices(3), EpochSampler(20, seed=0, rank=0, world_size=1).indices(3)
+    )
+    s = EpochSampler(20, seed=1, rank=0, world_size=1)
+    s.load_state_dict({"epoch": 4, "position": 0})  # the start of an epoch is a valid position
+    assert (s.epoch, s.position) == (4, 0)
