@@ -8,12 +8,11 @@ tricks the typical script does not have either (no draft-mode decode, no GPU nor
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .decode import open_image, to_rgb
 from .fallback import random_resized_crop_box
 from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
 from .records import Reader
@@ -40,7 +39,7 @@ class BaselineDataset(Dataset):
         if self._rng is None:  # one generator per worker process, seeded by torch's worker seed
             self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
         data, label = self.reader[i]
-        im = Image.open(io.BytesIO(bytes(data))).convert("RGB")
+        im = to_rgb(open_image(data))  # the shared rule: EXIF orientation, 16-bit scaled
         S = self.image_size
         if self.train:
             left, top, w, h = random_resized_crop_box(self._rng, *im.size)
@@ -51,7 +50,7 @@ class BaselineDataset(Dataset):
             short = round(S / EVAL_CROP_FRACTION)
             scale = short / min(im.size)
             im = im.resize((max(S, round(im.width * scale)), max(S, round(im.height * scale))), Image.BILINEAR)
-            x0, y0 = (im.width - S) // 2, (im.height - S) // 2
+            x0, y0 = (im.width - S + 1) // 2, (im.height - S + 1) // 2  # round half up, as every loader here
             im = im.crop((x0, y0, x0 + S, y0 + S))
         x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
         return (x - _MEAN) / _STD, int(label)

@@ -10,7 +10,6 @@ number of workers, the batch size or a resume.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .decode import open_image, oriented_size, to_rgb
 from .iterator import LoaderBase, cuda_usable, local_device_index
 from .pipeline import (
     EVAL_CROP_FRACTION,
@@ -128,11 +128,11 @@ def random_resized_crop_box(
 
 
 def decode_crop(data: bytes | np.ndarray, *, train: bool, image_size: int, rng: np.random.Generator) -> np.ndarray:
-    """Decode, crop and resize one image with Pillow: uint8 (S, S, 3) RGB."""
+    """Decode, crop and resize one image with Pillow (by `decode.to_rgb`'s rule): uint8 (S, S, 3) RGB."""
     from PIL import Image
 
-    im = Image.open(io.BytesIO(data if isinstance(data, bytes) else data.tobytes()))
-    width, height = im.size
+    im = open_image(data)
+    width, height = oriented_size(im)
     S = image_size
     if train:
         left, top, w, h = random_resized_crop_box(rng, width, height)
@@ -144,8 +144,9 @@ def decode_crop(data: bytes | np.ndarray, *, train: bool, image_size: int, rng: 
     if im.format == "JPEG":
         # Decode at 1/2, 1/4 or 1/8 scale only where the result still has twice the output's
         # resolution: much faster, and the final resize hides the difference.
-        im.draft("RGB", (2 * need[0], 2 * need[1]))
-    im = im.convert("RGB")
+        stored = need if im.size == (width, height) else (need[1], need[0])
+        im.draft("RGB", (2 * stored[0], 2 * stored[1]))
+    im = to_rgb(im)
     fx, fy = im.size[0] / width, im.size[1] / height
     if train:
         box = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)

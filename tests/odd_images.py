@@ -41,33 +41,41 @@ def good_jpeg() -> bytes:
 
 def odd_valid() -> dict[str, bytes]:
     """Valid files that decoders treat differently unless a rule is chosen: each decodes to an RGB image."""
+    return {name: data for name, (data, _) in odd_valid_with_truth().items()}
+
+
+def odd_valid_with_truth() -> dict[str, tuple[bytes, np.ndarray]]:
+    """{name: (encoded bytes, the uint8 RGB image a viewer shows)}: the truth is made independently of
+    any decoder under test (from the pixels the file was written from)."""
     scene = _scene()
-    out: dict[str, bytes] = {"plain": good_jpeg()}
-    gray16 = (np.linspace(0, 65535, 64 * 48).reshape(48, 64)).astype(np.uint16)
+    gray = np.asarray(Image.fromarray(scene).convert("L"))
+    out: dict[str, tuple[bytes, np.ndarray]] = {"plain": (good_jpeg(), scene)}
+    ramp16 = (np.linspace(0, 65535, 64 * 48).reshape(48, 64)).astype(np.uint16)
     buf = io.BytesIO()
-    Image.fromarray(gray16).save(buf, "PNG")  # mode I;16
-    out["gray16_png"] = buf.getvalue()
-    rgb16 = io.BytesIO()
-    Image.fromarray(scene).convert("RGB").save(rgb16, "PNG")
-    out["rgb_png"] = rgb16.getvalue()
-    # EXIF orientation 6: the stored pixels are the scene rotated; a viewer turns it back.
-    stored = np.ascontiguousarray(np.rot90(scene, k=1))  # 90° counter-clockwise on disk
+    Image.fromarray(ramp16).save(buf, "PNG")  # mode I;16
+    out["gray16_png"] = (buf.getvalue(), np.repeat((ramp16 >> 8).astype(np.uint8)[..., None], 3, axis=2))
+    buf = io.BytesIO()
+    Image.fromarray(scene).save(buf, "PNG")
+    out["rgb_png"] = (buf.getvalue(), scene)
+    # EXIF orientation 6: the stored pixels are the scene turned; a viewer turns them back.
+    stored = np.ascontiguousarray(np.rot90(scene, k=1))  # 90 degrees counter-clockwise on disk
     exif = Image.Exif()
     exif[0x0112] = 6
-    out["exif_rotated"] = _jpeg(stored, exif=exif.tobytes())
-    cmyk = io.BytesIO()
-    Image.fromarray(scene).convert("CMYK").save(cmyk, "JPEG", quality=95)
-    out["cmyk_jpeg"] = cmyk.getvalue()
-    alpha = io.BytesIO()
-    Image.fromarray(np.dstack([scene, np.full(scene.shape[:2], 128, np.uint8)]), "RGBA").save(alpha, "PNG")
-    out["alpha_png"] = alpha.getvalue()
-    pal = io.BytesIO()
-    Image.fromarray(scene).convert("P", palette=Image.Palette.ADAPTIVE, colors=64).save(pal, "PNG")
-    out["palette_png"] = pal.getvalue()
-    out["gray_jpeg"] = _jpeg(np.asarray(Image.fromarray(scene).convert("L")))
-    out["progressive_jpeg"] = _jpeg(scene, progressive=True)
+    out["exif_rotated"] = (_jpeg(stored, exif=exif.tobytes()), scene)
+    buf = io.BytesIO()
+    Image.fromarray(scene).convert("CMYK").save(buf, "JPEG", quality=95)
+    out["cmyk_jpeg"] = (buf.getvalue(), scene)
+    buf = io.BytesIO()
+    Image.fromarray(np.dstack([scene, np.full(scene.shape[:2], 128, np.uint8)]), "RGBA").save(buf, "PNG")
+    out["alpha_png"] = (buf.getvalue(), scene)
+    pal = Image.fromarray(scene).convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
+    buf = io.BytesIO()
+    pal.save(buf, "PNG")
+    out["palette_png"] = (buf.getvalue(), np.asarray(pal.convert("RGB")))
+    out["gray_jpeg"] = (_jpeg(gray), np.repeat(gray[..., None], 3, axis=2))
+    out["progressive_jpeg"] = (_jpeg(scene, progressive=True), scene)
     # A motion photo / editor trailer: 4 KiB after the end-of-image marker.
-    out["trailing_data_jpeg"] = good_jpeg() + bytes(range(256)) * 16
+    out["trailing_data_jpeg"] = (good_jpeg() + bytes(range(256)) * 16, scene)
     return out
 
 

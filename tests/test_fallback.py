@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import builtins
+import importlib.util
 import logging
 
 import numpy as np
+import odd_images
 import pytest
 import torch
+from conftest import IndexReader
 
 from dali_fast.fallback import (
     TorchIterator,
@@ -172,3 +175,63 @@ def test_normalize_flip_one_batched_op():
     plain = normalize_flip(img, torch.tensor([False, False]), torch.float32)
     assert torch.equal(out[0].float(), plain[0].half().float())
     assert torch.equal(out[1].float(), plain[1].flip(-1).half().float())
+
+
+# ----------------------------------------------------------------------------- one decoding rule
+
+
+def _eval_reference(truth: np.ndarray, size: int) -> np.ndarray:
+    """The eval transform of the true image (shorter side to size/0.875, centre crop), CHW float."""
+    from PIL import Image
+
+    rgb = Image.fromarray(truth)
+    short = round(size / 0.875)
+    scale = short / min(rgb.size)
+    rw, rh = max(size, round(rgb.width * scale)), max(size, round(rgb.height * scale))
+    rgb = rgb.resize((rw, rh), Image.BILINEAR)
+    x0, y0 = (rw - size + 1) // 2, (rh - size + 1) // 2
+    return np.asarray(rgb.crop((x0, y0, x0 + size, y0 + size)), np.float32).transpose(2, 0, 1)
+
+
+def _denormalized(x: torch.Tensor) -> np.ndarray:
+    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+    return x.float().numpy() * np.array(IMAGENET_STD).reshape(3, 1, 1) + np.array(IMAGENET_MEAN).reshape(3, 1, 1)
+
+
+def test_the_shared_rule_on_16_bit_and_exif():
+    from dali_fast.decode import decode_rgb
+
+    odd = odd_images.odd_valid()
+    for name, (data, truth) in odd_images.odd_valid_with_truth().items():
+        assert np.abs(decode_rgb(data).astype(int) - truth).mean() < 3, name
+    gray16 = decode_rgb(odd["gray16_png"])
+    assert gray16.shape == (48, 64, 3) and gray16[0, 0].tolist() == [0, 0, 0] and gray16[-1, -1].tolist() == [255] * 3
+    assert 120 < gray16.mean() < 135  # a ramp from black to white, not all white
+    shown = decode_rgb(odd["exif_rotated"])
+    plain = decode_rgb(odd["plain"])
+    assert shown.shape == plain.shape == (48, 64, 3)  # turned back to the scene's landscape shape
+    assert np.abs(shown.astype(int) - plain.astype(int)).mean() < 3
+
+
+def test_odd_images_decode_alike_in_all_three_loaders():
+    """16-bit, EXIF-rotated, CMYK, alpha, palette, gray, progressive, trailing data: same pixels everywhere."""
+    from dali_fast.baseline import BaselineDataset
+
+    odd = odd_images.odd_valid_with_truth()
+    names = list(odd)
+    reader = IndexReader([data for data, _ in odd.values()])
+    size = 32
+    refs = [_eval_reference(truth, size) for _, truth in odd.values()]
+    got = {"baseline": [BaselineDataset(reader, train=False, image_size=size)[i][0] for i in range(len(names))]}
+    torch_it = TorchIterator(reader, len(names), train=False, image_size=size, device="cpu", num_workers=0)
+    got["torch"] = list(next(iter(torch_it))[0])
+    if importlib.util.find_spec("nvidia.dali") is not None:
+        from dali_fast import DALIIterator
+
+        dali_it = DALIIterator(reader, len(names), train=False, image_size=size, device="cpu", num_threads=2)
+        got["dali"] = list(next(iter(dali_it))[0])
+    for loader, images in got.items():
+        for name, ref, x in zip(names, refs, images, strict=True):
+            diff = np.abs(_denormalized(x) - ref).mean()
+            assert diff < 4.0, f"{loader} decodes {name} {diff:.1f} levels away from what a viewer shows"
