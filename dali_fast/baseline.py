@@ -8,17 +8,20 @@ tricks the typical script does not have either (no draft-mode decode, no GPU nor
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .decode import open_image, to_rgb
 from .fallback import random_resized_crop_box
-from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD
-from .records import Reader
+from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, BadRecordError, bad_record_message
+from .records import Reader, pillow_reason, read_checked
 from .sampler import dist_rank_world
 from .system import cpus_per_local_rank
 
+log = logging.getLogger(__name__)
 _MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) / 255
 _STD = torch.tensor(IMAGENET_STD).view(3, 1, 1) / 255
 
@@ -26,20 +29,32 @@ _STD = torch.tensor(IMAGENET_STD).view(3, 1, 1) / 255
 class BaselineDataset(Dataset):
     """Per-sample Pillow decode + transforms, like torchvision's ImageFolder with the usual transforms."""
 
-    def __init__(self, reader: Reader, train: bool = True, image_size: int = 224) -> None:
-        self.reader, self.train, self.image_size = reader, train, image_size
+    def __init__(self, reader: Reader, train: bool = True, image_size: int = 224, on_error: str = "raise") -> None:
+        self.reader, self.train, self.image_size, self.on_error = reader, train, image_size, on_error
         self._rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+        """The sample, or (``on_error='skip'``) None for a bad record, which `skip_bad` drops from the batch."""
         from PIL import Image
 
         if self._rng is None:  # one generator per worker process, seeded by torch's worker seed
             self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
-        data, label = self.reader[i]
-        im = to_rgb(open_image(data))  # the shared rule: EXIF orientation, 16-bit scaled
+        data, label, reason = read_checked(self.reader, i)
+        im = None
+        if reason is None:
+            try:
+                im = to_rgb(open_image(data))  # the shared rule: EXIF orientation, 16-bit scaled
+                im.load()
+            except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
+                reason = pillow_reason(e)
+        if im is None:
+            if self.on_error == "skip":
+                log.warning("skipping record %d (%s): %s", i, self.reader.source(i), reason)
+                return None
+            raise BadRecordError(bad_record_message(self.reader, i, reason or "unreadable"))
         S = self.image_size
         if self.train:
             left, top, w, h = random_resized_crop_box(self._rng, *im.size)
@@ -56,6 +71,16 @@ class BaselineDataset(Dataset):
         return (x - _MEAN) / _STD, int(label)
 
 
+def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DataLoader's default collate, without the samples `BaselineDataset` skipped (None)."""
+    from torch.utils.data import default_collate
+
+    good = [s for s in samples if s is not None]
+    if not good:
+        return torch.empty(0, 3, 0, 0), torch.empty(0, dtype=torch.int64)
+    return default_collate(good)
+
+
 def baseline_loader(
     reader: Reader,
     batch_size: int,
@@ -65,6 +90,7 @@ def baseline_loader(
     num_workers: int | None = None,
     drop_last: bool = False,
     seed: int = 0,
+    on_error: str = "raise",
 ) -> DataLoader:
     """DataLoader(shuffle=train, num_workers=cpus (per local rank), pin_memory when CUDA) over `BaselineDataset`.
 
@@ -73,7 +99,7 @@ def baseline_loader(
     """
     if num_workers is None:
         num_workers = cpus_per_local_rank()
-    dataset = BaselineDataset(reader, train=train, image_size=image_size)
+    dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error)
     sampler = None
     rank, world = dist_rank_world()
     if world > 1:
@@ -89,4 +115,5 @@ def baseline_loader(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         drop_last=drop_last,
+        collate_fn=skip_bad if on_error == "skip" else None,
     )

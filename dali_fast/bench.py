@@ -79,6 +79,7 @@ def bench_loader(
     controller: bool,
     monitor: Any,
     progress: bool,
+    on_error: str = "raise",
 ) -> dict[str, Any]:
     """Warm-up epoch, then ``epochs`` timed epochs of loading (+ a training step unless model='none')."""
     from .controller import BatchSizeController
@@ -97,6 +98,7 @@ def bench_loader(
         cache_bytes=cache_bytes,
         controller=ctrl,
         num_workers=workers,
+        on_error=on_error,
     )
     trainer = Trainer(model, len(reader.classes)) if model != "none" else None
     gpu = torch.cuda.is_available()
@@ -194,6 +196,14 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def one_line(error: BaseException) -> str:
+    """An error as one line; for a DataLoader worker's error, the worker's own last line, not the wrapper's."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    if len(lines) > 1 and "Original Traceback" in str(error):
+        return lines[-1]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def run_bench(
     dataset: str | None = None,
     *,
@@ -207,6 +217,7 @@ def run_bench(
     controller: bool = False,
     out: str | os.PathLike = "bench-results",
     progress: bool = True,
+    on_error: str = "raise",
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``."""
@@ -243,11 +254,13 @@ def run_bench(
                         controller=controller,
                         monitor=mon,
                         progress=progress,
+                        on_error=on_error,
                     )
                 )
-            except (ImportError, RuntimeError) as e:
-                log.error("%s failed: %s", kind, e)
-                rows.append({"loader": kind, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
+            except (ImportError, RuntimeError, ValueError, OSError) as e:
+                why = one_line(e)
+                log.error("%s failed: %s", kind, why)
+                rows.append({"loader": kind, "error": why})
     base = next((r["img_per_s"] for r in rows if r["loader"] == "baseline" and "error" not in r), None)
     for r in rows:
         if base and "error" not in r:

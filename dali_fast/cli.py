@@ -100,6 +100,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         cache_bytes=args.cache_bytes,
         controller=args.controller,
         out=args.out,
+        on_error=args.on_error,
         emit=log.info,
     )
     m = result["machine"]
@@ -143,6 +144,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         record_indices=args.record_indices,
         out=args.out,
+        on_error=args.on_error,
         emit=print,
     )
     return 0
@@ -173,6 +175,12 @@ def _add_data_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--image-size", type=int, default=224)
+    s.add_argument(
+        "--on-error",
+        choices=["raise", "skip"],
+        default="raise",
+        help="an undecodable or unreadable image: stop naming it (raise), or skip, count and log it (skip)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

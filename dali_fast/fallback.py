@@ -30,7 +30,7 @@ from .pipeline import (
     BadRecordError,
     bad_record_message,
 )
-from .records import Reader, check_encoded, pillow_reason
+from .records import Reader, pillow_reason, read_checked
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
@@ -178,10 +178,9 @@ class _DecodeDataset(Dataset):
     def __getitem__(self, key: tuple) -> tuple:
         index, epoch = key[0], key[1]
         if len(key) > 2:
-            data, label = key[2], key[3]
+            data, label, reason = key[2], key[3], key[4]  # read (and checked) in the main process
         else:
-            data, label = self.reader[index]
-        reason = check_encoded(data)
+            data, label, reason = read_checked(self.reader, index)
         if reason is None:
             rng = sample_rng(self.seed, epoch, index)
             try:
@@ -351,8 +350,8 @@ class _LazyCachedKeys:
         for batch in self.plan:
             keys = []
             for i in batch.tolist():
-                data, label = self.reader[i]
-                keys.append((i, self.epoch, np.asarray(data), label))
+                data, label, reason = read_checked(self.reader, i)
+                keys.append((i, self.epoch, None if data is None else np.asarray(data), label, reason))
             yield keys
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .records import Reader, check_encoded, pillow_reason
+from .records import Reader, pillow_reason, read_checked
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class SkipLog:
 def bad_record_message(reader: Reader, index: int, reason: str) -> str:
     return (
         f"record {index} ({reader.source(index)}): {reason}; remove or re-pack it, "
-        "or pass on_error='skip' to skip bad records"
+        "or skip bad records with on_error='skip' (dali-fast: --on-error skip)"
     )
 
 
@@ -99,8 +99,7 @@ class BatchSource:
             for i in indices.tolist():
                 reason = self.exclude.get(i)
                 if reason is None:
-                    data, label = self.reader[i]
-                    reason = check_encoded(data)
+                    data, label, reason = read_checked(self.reader, i)
                 if reason is not None:
                     if self.on_error == "raise":
                         raise BadRecordError(bad_record_message(self.reader, i, reason))
@@ -147,8 +146,7 @@ def undecodable(reader: Reader, indices: Sequence[int]) -> dict[int, str]:
 
     out: dict[int, str] = {}
     for i in indices:
-        data, _ = reader[i]
-        reason = check_encoded(data)
+        data, _, reason = read_checked(reader, i)
         if reason is None:
             try:
                 with Image.open(io.BytesIO(bytes(data))) as im:

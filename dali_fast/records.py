@@ -161,6 +161,13 @@ def pillow_reason(error: BaseException) -> str:
     return f"undecodable: {type(error).__name__}: {text}"
 
 
+def check_label(label: int, classes: int) -> str | None:
+    """Why ``label`` is not a class index of a data set with ``classes`` classes, or None."""
+    if 0 <= label < classes:
+        return None
+    return f"label {label} is not one of the data set's {classes} classes (0..{classes - 1})"
+
+
 # --------------------------------------------------------------------------- readers
 
 
@@ -258,7 +265,7 @@ class MemmapReader:
         """The path the record was packed from."""
         rec = self.records[_check_index(self, i)]
         off, n = int(rec["path_offset"]), int(rec["path_length"])
-        return bytes(self._paths[off : off + n]).decode("utf-8")
+        return bytes(self._paths[off : off + n]).decode("utf-8", errors="surrogateescape")
 
     def verify(self, progress: bool = False) -> list[int]:
         """Check every record's crc32; returns the indices whose bytes do not match."""
@@ -279,13 +286,19 @@ class MemmapReader:
 
 
 # pragma: no mutate start (ImageFolder reading)
-def _scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path]]:
-    """Classes (sorted sub-folders), (file, label) pairs, and files with other extensions."""
+def _scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path], list[tuple[str, str]]]:
+    """Classes (sorted sub-folders), (file, label) pairs, files with other extensions, and the folders
+    that could not be listed (with the reason): their files are left out, never silently."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items: list[tuple[Path, int]] = []
     other: list[Path] = []
+    unlisted: list[tuple[str, str]] = []
+
+    def failed(error: OSError) -> None:
+        unlisted.append((str(error.filename), f"folder cannot be listed: {error.strerror or error}"))
+
     for label, name in enumerate(classes):
-        for dirpath, dirnames, filenames in os.walk(root / name):
+        for dirpath, dirnames, filenames in os.walk(root / name, onerror=failed):
             dirnames.sort()
             for f in sorted(filenames):
                 p = Path(dirpath) / f
@@ -293,7 +306,25 @@ def _scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], l
                     items.append((p, label))
                 elif not f.startswith("."):
                     other.append(p)
-    return classes, items, other
+    return classes, items, other, unlisted
+
+
+def read_checked(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | None]:
+    """``reader[i]`` with the cheap checks: (bytes, label, None), or (bytes or None, label, why it is bad)."""
+    data, label, reason = read_record(reader, i)
+    if reason is None:
+        reason = check_label(label, len(reader.classes)) or check_encoded(data)
+    return data, label, reason
+
+
+def read_record(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | None]:
+    """``reader[i]`` as (bytes, label, None), or (None, -1, reason) when the record's file cannot be read
+    (permissions, a broken symlink, a file that vanished): a bad record, handled like any other."""
+    try:
+        data, label = reader[i]
+    except OSError as e:
+        return None, -1, f"unreadable: {e.strerror or e}"
+    return data, label, None
 
 
 class ImageFolderReader:
@@ -303,7 +334,9 @@ class ImageFolderReader:
         self.path = Path(root)
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: no such folder")
-        self.classes, items, _ = _scan_image_folder(self.path)
+        self.classes, items, _, self.skipped = _scan_image_folder(self.path)
+        for folder, reason in self.skipped:
+            log.warning("left out %s: %s", folder, reason)
         if not items:
             raise ValueError(
                 f"{self.path}: no .jpg/.jpeg/.png files under class sub-folders; expected ROOT/<class>/<image>"
@@ -441,10 +474,11 @@ def pack(
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
-    classes, items, other = _scan_image_folder(src)
+    classes, items, other, unlisted = _scan_image_folder(src)
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
+    report.skipped += unlisted
     for p in other:
         report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
 
@@ -473,7 +507,7 @@ def pack(
                     report.skipped.append((str(path), reason or "rejected"))
                     continue
                 report.reencoded += reencoded
-                pbytes = str(path.relative_to(src)).encode("utf-8")
+                pbytes = os.fsencode(path.relative_to(src))  # any name the file system allows
                 rows[n] = (offset, len(payload), label, zlib.crc32(payload), len(pbytes), path_offset)
                 data_f.write(payload)
                 paths_f.write(pbytes)

@@ -82,8 +82,11 @@ def make_loader_for(
     controller: BatchSizeController | None = None,
     num_workers: int | None = None,
     drop_last: bool = False,
+    on_error: str = "raise",
 ) -> Iterable:
     """One line swaps the loader: 'baseline' (plain DataLoader), 'torch' (TorchIterator) or 'dali'."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
     if kind == "baseline":
         from .baseline import baseline_loader
 
@@ -95,6 +98,7 @@ def make_loader_for(
             num_workers=num_workers,
             seed=seed,
             drop_last=drop_last,
+            on_error=on_error,
         )
     if kind not in LOADERS:
         raise ValueError(f"loader {kind!r}: choose one of {', '.join(LOADERS)}")
@@ -111,6 +115,7 @@ def make_loader_for(
         seed=seed,
         cache_bytes=cache_bytes,
         controller=controller,
+        on_error=on_error,
     )
 
 
@@ -348,6 +353,7 @@ def run_train(
     resume: bool = False,
     record_indices: str | Path | None = None,
     out: str | Path | None = None,
+    on_error: str = "raise",
     emit: Callable[[str], None] = log.info,
 ) -> list[dict[str, Any]]:
     """Train ``model`` on ``reader`` with the chosen loader; returns one row per epoch.
@@ -381,7 +387,7 @@ def run_train(
                     g["lr"] *= new / old
 
             ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
-        kw = dict(image_size=image_size, seed=seed, num_workers=num_workers)
+        kw = dict(image_size=image_size, seed=seed, num_workers=num_workers, on_error=on_error)
         train_loader = make_loader_for(
             loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
         )

@@ -100,3 +100,22 @@ def test_default_dataset_made_once_when_ranks_race(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
     assert {o.strip() for o, _ in outs} == {f"{tmp_path / 'synthetic-24x3' / 'packed'} 24"}
+
+
+def test_bench_on_a_folder_with_a_bad_image_names_it_in_one_line_or_skips_it(tmp_path, capsys):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.cli import main
+
+    make_synthetic(tmp_path / "images", images=24, classes=2, progress=False)
+    bad = sorted((tmp_path / "images").rglob("*.jpg"))[5]
+    bad.write_bytes(bad.read_bytes()[:300])  # truncated: no decoder can read it
+    argv = ["bench", str(tmp_path / "images"), "--epochs", "1", "--batch-size", "8", "--image-size", "32"]
+    assert main([*argv, "--out", str(tmp_path / "raise")]) == 1
+    rows = json.loads((tmp_path / "raise" / "results.json").read_text())["rows"]
+    assert all("error" in r for r in rows)
+    for r in rows:
+        assert "\n" not in r["error"] and str(bad) in r["error"], r  # the record is named, in one line
+    assert main([*argv, "--out", str(tmp_path / "skip"), "--on-error", "skip"]) == 0
+    rows = json.loads((tmp_path / "skip" / "results.json").read_text())["rows"]
+    assert [r.get("error") for r in rows] == [None, None, None]
+    assert "Traceback" not in capsys.readouterr().err

@@ -749,3 +749,23 @@ def test_controller_measures_each_epoch_once_also_after_a_resume(make, index_rea
     fresh.load_state_dict(state)  # a new process resuming mid-epoch measures from there
     epoch_labels(fresh)
     assert (fresh_ctrl.begins, fresh_ctrl.epochs_ended) == (1, 2)  # its state came with the loader's
+
+
+def test_unreadable_files_in_a_folder_are_bad_records(make, tmp_path):
+    from dali_fast.records import ImageFolderReader
+
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    for k in range(6):
+        (root / "a" / f"{k}.jpg").write_bytes(jpeg_bytes(32, 24))
+    (root / "a" / "1.jpg").unlink()
+    (root / "a" / "1.jpg").symlink_to(root / "gone.jpg")  # a broken symlink
+    reader = ImageFolderReader(root)
+    assert len(reader) == 6
+    (root / "a" / "3.jpg").unlink()  # a file that vanished after the listing
+    with pytest.raises(ValueError) as e:
+        epoch_labels(make(reader, 3, train=False), 0)
+    assert f"record 1 ({root / 'a' / '1.jpg'}): unreadable: No such file or directory" in str(e.value)
+    loader = make(reader, 3, train=False, on_error="skip")
+    labels, sizes = epoch_labels(loader, 0)
+    assert sizes == [2, 2] and loader.skipped == 2

@@ -296,3 +296,53 @@ def test_reader_indexing_edges_and_batch_reads(small_folder, tmp_path):
         f"packed {n} records of 3 classes ({mib:.1f} MiB) into {tmp_path / 'p'} in {report.seconds:.1f}s; "
         "re-encoded 0, left out 0"
     )
+
+
+def test_a_class_folder_that_cannot_be_listed_is_named_not_dropped(tmp_path, monkeypatch, caplog):
+    src = make_folder(tmp_path / "src", {"a": [jpeg_bytes()], "b": [jpeg_bytes(), jpeg_bytes(40, 30)]})
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if Path(path).name == "b":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with caplog.at_level("WARNING"):
+        reader = ImageFolderReader(src)
+    assert reader.classes == ["a", "b"] and len(reader) == 1  # labels keep their meaning
+    assert reader.skipped == [(str(src / "b"), "folder cannot be listed: Permission denied")]
+    assert any(str(src / "b") in r.getMessage() for r in caplog.records)
+    report = pack(src, tmp_path / "p", progress=False)
+    assert (str(src / "b"), "folder cannot be listed: Permission denied") in report.skipped
+
+
+def test_non_utf8_file_names_are_packed_and_named(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    name = os.fsdecode(b"caf\xe9.jpg")  # Latin-1 bytes, not UTF-8
+    (src / "a" / name).write_bytes(jpeg_bytes())
+    report = pack(src, tmp_path / "p", progress=False)
+    r = MemmapReader(tmp_path / "p")
+    assert report.records == 1 and r.source(0) == os.path.join("a", name)
+
+
+def test_labels_outside_the_classes_are_bad_records():
+    from dali_fast.records import read_checked
+
+    class Labelled:
+        classes = ["a", "b"]
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return np.frombuffer(jpeg_bytes(), np.uint8), [0, 2, -1][i]
+
+        def source(self, i):
+            return f"mem://{i}"
+
+    r = Labelled()
+    assert read_checked(r, 0)[2] is None
+    assert read_checked(r, 1)[2] == "label 2 is not one of the data set's 2 classes (0..1)"
+    assert read_checked(r, 2)[2] == "label -1 is not one of the data set's 2 classes (0..1)"
