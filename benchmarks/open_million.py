@@ -9,6 +9,7 @@ import argparse
 import json
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def write_fake(root: Path, n: int, rec_len: int = 110_000) -> None:
     rows["length"] = rec_len
     rows["label"] = np.arange(n) % 1000
     header = np.zeros(1, HEADER_DTYPE)
-    header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, n * rec_len, 0, (0, 0, 0))
+    header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, n * rec_len, 0, zlib.crc32(rows.tobytes()), 1000, (0, 0))
     root.mkdir()
     with open(root / INDEX_FILE, "wb") as f:
         f.write(header.tobytes())

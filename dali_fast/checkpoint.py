@@ -8,31 +8,56 @@ line; `check_resume_config` refuses a resume whose settings differ from the save
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import torch
 
 from .system import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.pt"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: a checksummed payload, and the data set's fingerprint in the saved settings
+CHECKPOINT_MAGIC = b"DFCKPT\x00\x02"  # then the payload's sha256, then the torch.save payload
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` so that ``path`` always holds a whole checkpoint: temp file, fsync, rename."""
-    atomic_write(path, lambda f: torch.save(state, f), durable=True)
+    """Write ``state`` so that ``path`` always holds a whole, checksummed checkpoint: temp file, fsync, rename.
+
+    The file is ``CHECKPOINT_MAGIC``, the sha256 of the payload, then the payload (``torch.save``).
+    """
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getbuffer()
+
+    def write(f: BinaryIO) -> None:
+        f.write(CHECKPOINT_MAGIC)
+        f.write(hashlib.sha256(payload).digest())
+        f.write(payload)
+
+    atomic_write(path, write, durable=True)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint written by `save_checkpoint` (tensors and plain Python only)."""
+    """A checkpoint written by `save_checkpoint`: checksum verified, tensors and plain Python only."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint there; train once with --checkpoint to write one")
+    blob = path.read_bytes()
+    head = len(CHECKPOINT_MAGIC)
+    if blob[:head] != CHECKPOINT_MAGIC:
+        raise ValueError(
+            f"{path}: not a dali-fast checkpoint of this version (no {CHECKPOINT_MAGIC[:6].decode()} header); "
+            "resume with the version that wrote it, or delete it to start over"
+        )
+    digest, payload = blob[head : head + 32], memoryview(blob)[head + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError(f"{path}: checksum mismatch, the checkpoint is damaged; delete it to start over")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
         raise ValueError(
             f"{path}: not a readable dali-fast checkpoint ({type(e).__name__}); delete it to start over"

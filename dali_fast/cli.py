@@ -36,9 +36,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .records import pack
 
     report = pack(args.src, args.dst, verify=not args.no_verify, max_side=args.max_side)
-    print(report.summary())
-    for path, reason in report.skipped:
-        print(f"  left out {path}: {reason}")
+    print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
 
@@ -57,7 +55,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if isinstance(reader, MemmapReader):
         lengths = np.asarray(reader.records["length"], dtype=np.int64)
         total = int(lengths.sum())
-        counts = np.bincount(np.asarray(reader.records["label"], dtype=np.int64), minlength=len(reader.classes))
+        if args.verify and not reader.index_intact():
+            print(f"verify:   the index does not match its checksum (labels or offsets changed): {reader.path}")
+            return 1
+        counts = np.bincount(reader.labels, minlength=len(reader.classes))
     else:
         sizes = [Path(reader.source(i)).stat().st_size for i in range(n)]
         total = int(sum(sizes))

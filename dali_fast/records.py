@@ -34,7 +34,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MAGIC = b"DALIFAST"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header carries a crc32 of the index rows (labels included) and the class count
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 HEADER_DTYPE = np.dtype(
@@ -45,7 +45,9 @@ HEADER_DTYPE = np.dtype(
         ("count", "<u8"),
         ("data_size", "<u8"),
         ("paths_size", "<u8"),
-        ("reserved", "<u8", (3,)),
+        ("index_crc32", "<u4"),
+        ("classes", "<u4"),
+        ("reserved", "<u8", (2,)),
     ]
 )
 RECORD_DTYPE = np.dtype(
@@ -161,6 +163,18 @@ def pillow_reason(error: BaseException) -> str:
     return f"undecodable: {type(error).__name__}: {text}"
 
 
+def _read_classes(meta_path: Path) -> list[str]:
+    """The class names in a packed set's meta.json, or a one-line error naming the file."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{meta_path}: not valid JSON ({e}); pack the data set again") from None
+    classes = meta.get("classes") if isinstance(meta, dict) else None
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise ValueError(f"{meta_path}: has no 'classes' list of names; pack the data set again")
+    return classes
+
+
 def check_label(label: int, classes: int) -> str | None:
     """Why ``label`` is not a class index of a data set with ``classes`` classes, or None."""
     if 0 <= label < classes:
@@ -197,6 +211,11 @@ class MemmapReader:
         if bytes(header["magic"]) != MAGIC:
             raise ValueError(f"{index_path}: wrong magic {bytes(header['magic'])!r}; not a dali_fast index")
         version = int(header["version"])
+        if version == 1:
+            raise ValueError(
+                f"{index_path}: format version 1 (an older dali_fast, whose labels were not checksummed), "
+                f"this dali_fast reads version {FORMAT_VERSION}; pack the data set again with `dali-fast pack`"
+            )
         if version != FORMAT_VERSION:
             raise ValueError(
                 f"{index_path}: format version {version}, this dali_fast reads version {FORMAT_VERSION}; "
@@ -221,8 +240,13 @@ class MemmapReader:
         paths_size = int(header["paths_size"])
         if (root / PATHS_FILE).stat().st_size != paths_size:
             raise ValueError(f"{root / PATHS_FILE}: size does not match the index; pack the data set again")
-        meta = json.loads((root / META_FILE).read_text())
-        self.classes: list[str] = list(meta["classes"])
+        self.classes: list[str] = _read_classes(root / META_FILE)
+        if len(self.classes) != int(header["classes"]):
+            raise ValueError(
+                f"{root / META_FILE}: lists {len(self.classes)} classes, the index was written for "
+                f"{int(header['classes'])}; pack the data set again"
+            )
+        self.index_crc32 = int(header["index_crc32"])
         self.count = count
         self.data_size = data_size
         self.records = (
@@ -246,8 +270,25 @@ class MemmapReader:
 
     @property
     def labels(self) -> np.ndarray:
-        """All labels as an int64 array (reads the index column)."""
-        return np.asarray(self.records["label"], dtype=np.int64)
+        """All labels as an int64 array (reads the index column); refuses labels outside the classes."""
+        labels = np.asarray(self.records["label"], dtype=np.int64)
+        if len(labels) and int(labels.max()) >= len(self.classes):
+            bad = int(np.argmax(labels >= len(self.classes)))
+            raise ValueError(
+                f"{self.path / INDEX_FILE}: record {bad} has label {int(labels[bad])}, but there are "
+                f"{len(self.classes)} classes; check it with `dali-fast inspect --verify` and pack the data set again"
+            )
+        return labels
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data set's contents (record count, data size, index checksum), e.g. for resuming."""
+        return f"packed:{self.count}:{self.data_size}:{self.index_crc32:08x}"
+
+    def index_intact(self) -> bool:
+        """True when the index rows (offsets, lengths, labels, checksums) are as `pack` wrote them."""
+        rows = self.records.tobytes() if self.count else b""
+        return zlib.crc32(rows) == self.index_crc32
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         rec = self.records[_check_index(self, i)]
@@ -268,7 +309,7 @@ class MemmapReader:
         return bytes(self._paths[off : off + n]).decode("utf-8", errors="surrogateescape")
 
     def verify(self, progress: bool = False) -> list[int]:
-        """Check every record's crc32; returns the indices whose bytes do not match."""
+        """Check every record's crc32; returns the indices whose bytes do not match (see also `index_intact`)."""
         bad: list[int] = []
         it = range(self.count)
         if progress:
@@ -346,6 +387,19 @@ class ImageFolderReader:
 
     def __len__(self) -> int:
         return len(self._files)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the folder's contents: each file's path, label, size and modification time."""
+        h = zlib.crc32(b"")
+        for path, label in zip(self._files, self._labels.tolist(), strict=True):
+            try:
+                st = os.stat(path)
+                line = f"{path}\t{label}\t{st.st_size}\t{st.st_mtime_ns}\n"
+            except OSError:
+                line = f"{path}\t{label}\tunreadable\n"
+            h = zlib.crc32(line.encode("utf-8", "surrogateescape"), h)
+        return f"folder:{len(self._files)}:{h:08x}"
 
     @property
     def labels(self) -> np.ndarray:
@@ -519,7 +573,8 @@ def pack(
             paths_f.flush()
             os.fsync(paths_f.fileno())
         header = np.zeros(1, dtype=HEADER_DTYPE)
-        header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, offset, path_offset, (0, 0, 0))
+        index_crc = zlib.crc32(rows[:n].tobytes())
+        header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, offset, path_offset, index_crc, len(classes), (0, 0))
         with open(tmp / INDEX_FILE, "wb") as f:
             f.write(header.tobytes())
             f.write(rows[:n].tobytes())
@@ -542,5 +597,5 @@ def pack(
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
-    log.info(report.summary())
+    log.debug(report.summary())
     return report

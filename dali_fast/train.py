@@ -305,6 +305,12 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
 
 
+def data_fingerprint(reader: Reader) -> str:
+    """What identifies the data set's contents, so a resume on other data of the same size is refused."""
+    fp = getattr(reader, "fingerprint", None)
+    return str(fp) if fp is not None else f"{type(reader).__name__}:{len(reader)}"
+
+
 def _set_epoch(loader: Any, epoch: int) -> None:
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
@@ -403,6 +409,7 @@ def run_train(
             "world_size": ctx.world_size,
             "controller": controller,
             "drop_last": drop_last,
+            "fingerprint": data_fingerprint(reader),
         }
         ckpt_path = checkpoint / CHECKPOINT_FILE if checkpoint is not None else None
         if ckpt_path is not None and not resumable:

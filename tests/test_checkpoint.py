@@ -26,14 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_checkpoint_write_is_atomic_and_versioned(tmp_path):
     path = tmp_path / "ck" / "checkpoint.pt"
-    save_checkpoint(path, {"version": 1, "w": torch.arange(4)})
+    save_checkpoint(path, {"version": 2, "w": torch.arange(4)})
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(4))
     assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]  # no temporary left
     save_checkpoint(path, {"version": 7})
-    with pytest.raises(ValueError, match="checkpoint version 7, this dali-fast reads version 1"):
+    with pytest.raises(ValueError, match="checkpoint version 7, this dali-fast reads version 2"):
         load_checkpoint(path)
     path.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable dali-fast checkpoint"):
+    with pytest.raises(ValueError, match="not a dali-fast checkpoint of this version"):
         load_checkpoint(path)
     with pytest.raises(FileNotFoundError, match="no checkpoint there"):
         load_checkpoint(tmp_path / "nothing.pt")
@@ -49,6 +49,7 @@ CONFIG = {
     "world_size": 1,
     "controller": False,
     "drop_last": True,
+    "fingerprint": "packed:120:1234:0badcafe",
 }
 
 
@@ -64,6 +65,7 @@ CONFIG = {
         ("world_size", 2),
         ("controller", True),
         ("drop_last", False),
+        ("fingerprint", "packed:120:1234:00c0ffee"),
     ],
 )
 def test_resume_refused_for_each_setting_in_one_line(key, other):
@@ -77,8 +79,8 @@ def test_resume_refused_for_each_setting_in_one_line(key, other):
 
 def test_resume_accepted_with_the_same_settings():
     check_resume_config("ck/checkpoint.pt", dict(CONFIG), dict(CONFIG))  # no error
-    with pytest.raises(ValueError, match="saved with fingerprint=None"):
-        check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, "fingerprint": "abc"})  # a key the old run lacks
+    with pytest.raises(ValueError, match="saved with new_setting=None"):
+        check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, "new_setting": "abc"})  # a key the old run lacks
 
 
 def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):
@@ -169,23 +171,39 @@ def test_plain_turns_numpy_and_odd_values_into_plain_python(tmp_path):
     out = plain(value)
     assert out == {"n": 7, "f": 0.5, "t": [1, 2], "p": "a/b", "nested": [{"x": True}]}
     assert type(out["n"]) is int and type(out["f"]) is float
-    save_checkpoint(tmp_path / "c.pt", {"version": 1, "rows": out})
+    save_checkpoint(tmp_path / "c.pt", {"version": 2, "rows": out})
     assert load_checkpoint(tmp_path / "c.pt")["rows"] == out  # loadable with weights_only
 
 
 def test_a_checkpoint_with_arbitrary_objects_is_refused(tmp_path):
     path = tmp_path / "c.pt"
-    torch.save({"version": 1, "obj": Path("x")}, path)  # not plain data: loading it would run pickled code
+    save_checkpoint(path, {"version": 2, "obj": Path("x")})  # not plain data: loading it would run pickled code
     with pytest.raises(ValueError) as e:
         load_checkpoint(path)
     assert str(e.value) == f"{path}: not a readable dali-fast checkpoint (UnpicklingError); delete it to start over"
-    torch.save([1, 2], path)  # readable, but not a dali-fast checkpoint
+    save_checkpoint(path, [1, 2])  # readable, but not a dali-fast checkpoint
     with pytest.raises(ValueError) as e:
         load_checkpoint(path)
     assert str(e.value) == (
-        f"{path}: checkpoint version None, this dali-fast reads version 1; "
+        f"{path}: checkpoint version None, this dali-fast reads version 2; "
         "resume with the version that wrote it or start a new --checkpoint folder"
     )
+
+
+def test_a_checkpoint_with_a_flipped_byte_is_refused(tmp_path):
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, {"version": 2, "w": torch.arange(1000)})
+    blob = bytearray(path.read_bytes())
+    for at in (len(blob) // 2, len(blob) - 1):
+        damaged = bytearray(blob)
+        damaged[at] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(ValueError) as e:
+            load_checkpoint(path)
+        assert str(e.value) == f"{path}: checksum mismatch, the checkpoint is damaged; delete it to start over"
+    torch.save({"version": 2}, path)  # a plain torch file, e.g. from an older dali-fast
+    with pytest.raises(ValueError, match="not a dali-fast checkpoint of this version"):
+        load_checkpoint(path)
 
 
 def test_index_recorder_defaults_and_nested_folders(tmp_path):

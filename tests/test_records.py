@@ -15,6 +15,7 @@ from dali_fast.records import (
     FORMAT_VERSION,
     HEADER_DTYPE,
     INDEX_FILE,
+    RECORD_DTYPE,
     ImageFolderReader,
     MemmapReader,
     check_encoded,
@@ -346,3 +347,88 @@ def test_labels_outside_the_classes_are_bad_records():
     assert read_checked(r, 0)[2] is None
     assert read_checked(r, 1)[2] == "label 2 is not one of the data set's 2 classes (0..1)"
     assert read_checked(r, 2)[2] == "label -1 is not one of the data set's 2 classes (0..1)"
+
+
+# ----------------------------------------------------------------------------- the index and labels are protected
+
+
+def _rewrite_label(dst: Path, record: int, label: int, fix_crc: bool) -> None:
+    header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)
+    rows = np.fromfile(dst / INDEX_FILE, dtype=RECORD_DTYPE, offset=HEADER_DTYPE.itemsize)
+    rows["label"][record] = label
+    if fix_crc:
+        header["index_crc32"] = zlib.crc32(rows.tobytes())
+    with open(dst / INDEX_FILE, "wb") as f:
+        f.write(header.tobytes() + rows.tobytes())
+
+
+def test_a_changed_label_fails_verify(small_folder, tmp_path, capsys):
+    from dali_fast.cli import main
+
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    assert MemmapReader(dst).index_intact()
+    _rewrite_label(dst, 2, 1, fix_crc=False)  # record 2 is a "cat" (0); now it says "dog"
+    assert not MemmapReader(dst).index_intact()
+    assert main(["inspect", str(dst), "--verify"]) == 1
+    assert "the index does not match its checksum" in capsys.readouterr().out
+
+
+def test_a_label_outside_the_classes_is_refused_in_one_line(small_folder, tmp_path):
+    from dali_fast.cli import main
+
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    _rewrite_label(dst, 4, 4_000_000_000, fix_crc=True)  # even with a matching checksum
+    r = MemmapReader(dst)
+    with pytest.raises(ValueError) as e:
+        _ = r.labels
+    assert _one_line(e) == (
+        f"{dst / INDEX_FILE}: record 4 has label 4000000000, but there are 3 classes; "
+        "check it with `dali-fast inspect --verify` and pack the data set again"
+    )
+    assert main(["inspect", str(dst)]) == 2  # one line, no 30 GiB bincount
+    from dali_fast.records import read_checked
+
+    assert read_checked(r, 4)[2] == "label 4000000000 is not one of the data set's 3 classes (0..2)"
+
+
+@pytest.mark.parametrize(
+    "meta, says",
+    [
+        ('{"classes": ["cat", "dog"]}', "lists 2 classes, the index was written for 3"),
+        ("{}", "has no 'classes' list of names"),
+        ("not json at all", "not valid JSON"),
+        ('{"classes": [1, 2, 3]}', "has no 'classes' list of names"),
+    ],
+)
+def test_meta_json_must_match_the_index(small_folder, tmp_path, meta, says):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    (dst / "meta.json").write_text(meta)
+    with pytest.raises(ValueError) as e:
+        MemmapReader(dst)
+    assert _one_line(e).startswith(f"{dst / 'meta.json'}: ") and says in str(e.value)
+
+
+def test_a_version_1_pack_is_refused_with_what_to_do(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)
+    header["version"] = 1
+    with open(dst / INDEX_FILE, "r+b") as f:
+        f.write(header.tobytes())
+    with pytest.raises(ValueError) as e:
+        MemmapReader(dst)
+    assert _one_line(e) == (
+        f"{dst / INDEX_FILE}: format version 1 (an older dali_fast, whose labels were not checksummed), "
+        "this dali_fast reads version 2; pack the data set again with `dali-fast pack`"
+    )
+
+
+def test_fingerprint_tells_data_sets_apart(small_folder, tmp_path):
+    pack(small_folder, tmp_path / "a", progress=False)
+    pack(small_folder, tmp_path / "b", progress=False)
+    assert MemmapReader(tmp_path / "a").fingerprint == MemmapReader(tmp_path / "b").fingerprint
+    _rewrite_label(tmp_path / "b", 0, 1, fix_crc=True)  # same size, one label different
+    assert MemmapReader(tmp_path / "a").fingerprint != MemmapReader(tmp_path / "b").fingerprint

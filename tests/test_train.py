@@ -89,6 +89,13 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
             f"{tmp_path / 'checkpoint.pt'}: saved with {key}={kw.get(key, 0)!r}, this run has {key}={other!r}; "
             "resume with the same settings or use a new --checkpoint folder"
         )
+    other_root = tmp_path / "other"
+    make_synthetic(other_root / "images", images=120, classes=3, seed=7, progress=False)
+    pack(other_root / "images", other_root / "packed", progress=False)
+    other = open_dataset(other_root / "packed")  # the same size, other images
+    with pytest.raises(ValueError) as e:
+        run_train(other, **kw, resume=True)
+    assert "saved with fingerprint='packed:120:" in str(e.value) and "\n" not in str(e.value)
     lines = []
     rows = run_train(learnable, **{**kw, "epochs": 2, "batch_size": 8}, resume=True, emit=lines.append)
     assert [r["epoch"] for r in rows] == [0, 1] and lines[0].startswith("resumed from")
