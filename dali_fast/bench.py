@@ -37,7 +37,8 @@ def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tu
         except ImportError:  # no flock (Windows): one process at a time is then the user's affair
             pass
         if not packed.exists():
-            make_synthetic(folder, images=images, classes=classes, progress=progress)
+            if not folder.exists():  # complete if it exists (written atomically)
+                make_synthetic(folder, images=images, classes=classes, progress=progress)
             pack(folder, packed, progress=progress, verify=False)
     return folder, packed
 

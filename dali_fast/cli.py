@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -81,15 +82,49 @@ def _size(text: str) -> int:
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
+        value = float(t[:-1] if mult > 1 else t) * mult
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G") from None
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G")
+    return int(value)
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its message)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small; use {minimum} or more")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    if not loaders:
+        raise UserError("--loaders is empty; name one or more of baseline,torch,dali")
+    twice = sorted({x for x in loaders if loaders.count(x) > 1})
+    if twice:
+        raise UserError(f"--loaders lists {', '.join(twice)} more than once; name each loader once")
     result = run_bench(
         args.dataset,
         images=args.images,
@@ -173,9 +208,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _add_data_args(s: argparse.ArgumentParser) -> None:
     """The data and batch arguments `bench` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
-    s.add_argument("--images", type=int, default=2000, help="size of the default synthetic set")
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--image-size", type=int, default=224)
+    s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
+    s.add_argument("--batch-size", type=_count(1), default=64)
+    s.add_argument("--image-size", type=_count(1), default=224)
     s.add_argument(
         "--on-error",
         choices=["raise", "skip"],
@@ -191,16 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("make-synthetic", help="write a synthetic ImageNet-like ImageFolder of JPEGs")
     s.add_argument("out", help="output folder (OUT/<class>/<image>.jpg)")
-    s.add_argument("--images", type=int, default=1000)
-    s.add_argument("--classes", type=int, default=10)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--images", type=_count(1), default=1000)
+    s.add_argument("--classes", type=_count(1), default=10)
+    s.add_argument("--seed", type=_count(0), default=0)
     s.set_defaults(func=_cmd_make_synthetic)
 
     s = sub.add_parser("pack", help="pack an ImageFolder into one memory-mappable data set")
     s.add_argument("src", help="ImageFolder root SRC/<class>/<image>")
     s.add_argument("dst", help="destination folder (must not exist)")
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
-    s.add_argument("--max-side", type=int, default=None, help="re-encode images whose longer side exceeds N pixels")
+    s.add_argument(
+        "--max-side", type=_count(1), default=None, help="re-encode images whose longer side exceeds N pixels"
+    )
     s.set_defaults(func=_cmd_pack)
 
     s = sub.add_parser("inspect", help="describe a data set (packed or ImageFolder)")
@@ -211,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
     s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
-    s.add_argument("--epochs", type=int, default=2, help="timed epochs after one warm-up epoch")
+    s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
     s.add_argument("--model", default="none", choices=["none", "resnet_tiny", "resnet18", "resnet50"])
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
@@ -221,13 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
     _add_data_args(s)
     s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"])
-    s.add_argument("--epochs", type=int, default=5)
+    s.add_argument("--epochs", type=_count(1), default=5)
     s.add_argument("--model", default="resnet18", choices=["resnet_tiny", "resnet18", "resnet50"])
-    s.add_argument("--lr", type=float, default=0.05)
+    s.add_argument("--lr", type=_positive, default=0.05)
     s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
     s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--num-workers", type=int, default=None, help="decode workers (torch/baseline loaders)")
+    s.add_argument("--seed", type=_count(0), default=0)
+    s.add_argument("--num-workers", type=_count(0), default=None, help="decode workers (torch/baseline loaders)")
     s.add_argument(
         "--drop-last",
         action=argparse.BooleanOptionalAction,
@@ -235,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out each epoch's incomplete last training batch",
     )
     s.add_argument("--checkpoint", metavar="DIR", default=None, help="save model/optimizer/loader state in DIR")
-    s.add_argument("--checkpoint-every", type=int, default=500, metavar="K", help="steps between checkpoints")
+    s.add_argument("--checkpoint-every", type=_count(1), default=500, metavar="K", help="steps between checkpoints")
     s.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch included")
     s.add_argument(
         "--record-indices",

@@ -293,6 +293,25 @@ class TorchIterator(LoaderBase):
     def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         if not plan:
             return
+        try:
+            yield from self._run_workers(plan)
+        except RuntimeError as e:
+            if "DataLoader worker" in str(e):
+                # A worker was killed (OOM killer, SIGKILL): the persistent pool is broken for good.
+                log.warning(
+                    "a decode worker died (%s); a new worker pool starts with the next pass", str(e).split("\n")[0]
+                )
+                self._discard_workers()
+            raise
+
+    def _discard_workers(self) -> None:
+        """Shut the worker pool down; the next pass starts a new one."""
+        loader, self._loader = self._loader, None
+        it = getattr(loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # noqa: SLF001 - DataLoader's own clean-up of a persistent pool
+
+    def _run_workers(self, plan: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         self._plan.keys = self._keys(plan)
         batches = iter(self._dataloader())
         stream = torch.cuda.Stream(self.device) if self.gpu else None
@@ -368,6 +387,16 @@ def dali_status() -> tuple[bool, str]:
     return True, "nvidia.dali imports"
 
 
+_said: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+    """Log the backend choice once per process (train makes a training and an evaluation loader)."""
+    if message not in _said:
+        _said.add(message)
+        log.log(level, message)
+
+
 def make_loader(dataset: Reader, batch_size: int, *, backend: str = "auto", **kw: Any) -> LoaderBase:
     """`DALIIterator` when DALI works here (``backend='auto'``), else `TorchIterator`; logs which and why."""
     if backend not in ("auto", "dali", "torch"):
@@ -378,11 +407,11 @@ def make_loader(dataset: Reader, batch_size: int, *, backend: str = "auto", **kw
             from .iterator import DALIIterator
 
             kw.pop("num_workers", None)
-            log.info("loader: DALI (%s)", why)
+            _say_once(logging.INFO, f"loader: DALI ({why})")
             return DALIIterator(dataset, batch_size, **kw)
         if backend == "dali":
             raise ImportError(f"backend='dali' but {why}; pip install nvidia-dali-cuda120 or use backend='auto'")
-        log.warning("loader: falling back to TorchIterator: %s", why)
+        _say_once(logging.WARNING, f"loader: falling back to TorchIterator: {why}")
     else:
-        log.info("loader: TorchIterator (asked for backend='torch')")
+        _say_once(logging.INFO, "loader: TorchIterator (asked for backend='torch')")
     return TorchIterator(dataset, batch_size, **kw)

@@ -97,8 +97,13 @@ class UtilizationMonitor:
         self.kind = "gpu" if self._nvml is not None else "cpu"
         self.ncpu = available_cpus()
         self._last: tuple[float, float] | None = None
+        self._lock = threading.Lock()  # the sampling thread and phase ends both read
 
     def _read(self) -> tuple[float, float] | None:
+        with self._lock:
+            return self._read_unlocked()
+
+    def _read_unlocked(self) -> tuple[float, float] | None:
         if self._nvml is not None:
             try:
                 util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
@@ -113,7 +118,9 @@ class UtilizationMonitor:
         if last is None or now <= last[0]:
             return None
         rss = read_proc_kib("/proc/self/status", "VmRSS")
-        return min(100.0, 100.0 * (cpu - last[1]) / (now - last[0]) / self.ncpu), float((rss or 0) * 1024)
+        # A child that exits takes its CPU time out of the tree's total: never below 0 %.
+        busy = max(0.0, min(100.0, 100.0 * (cpu - last[1]) / (now - last[0]) / self.ncpu))
+        return busy, float((rss or 0) * 1024)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -168,4 +175,9 @@ class _Phase:
         self.monitor._phase = self.name
 
     def __exit__(self, *exc: object) -> None:
+        # One reading at the end covers the phase's tail, so even a phase shorter than the sampling
+        # interval has a figure (CPU: the average since the last reading).
+        r = self.monitor._read()
+        if r is not None:
+            self.monitor.samples.setdefault(self.name, []).append(r)
         self.monitor._phase = None

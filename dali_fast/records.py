@@ -489,14 +489,14 @@ def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | No
     return raw, None, False
 
 
-def _clean_stale(dst: Path) -> None:
-    """Remove temporary folders of `pack` runs that were killed (their process is gone)."""
+def clean_stale(dst: Path) -> None:
+    """Remove the temporary folders that killed `pack` or `make-synthetic` runs left beside ``dst``."""
     for tmp in dst.parent.glob(f".{dst.name}.tmp-*"):
         try:
             pid = int(tmp.name.rsplit("-", 2)[-2])
             os.kill(pid, 0)
         except ProcessLookupError:
-            log.info("removing %s left by a killed pack", tmp)
+            log.info("removing %s left by a killed run", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
         except (ValueError, IndexError, PermissionError):
             continue
@@ -537,7 +537,7 @@ def pack(
         report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(dst)
+    clean_stale(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -574,7 +574,17 @@ def pack(
             os.fsync(paths_f.fileno())
         header = np.zeros(1, dtype=HEADER_DTYPE)
         index_crc = zlib.crc32(rows[:n].tobytes())
-        header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, offset, path_offset, index_crc, len(classes), (0, 0))
+        header[0] = (
+            MAGIC,
+            FORMAT_VERSION,
+            RECORD_DTYPE.itemsize,
+            n,
+            offset,
+            path_offset,
+            index_crc,
+            len(classes),
+            (0, 0),
+        )
         with open(tmp / INDEX_FILE, "wb") as f:
             f.write(header.tobytes())
             f.write(rows[:n].tobytes())
@@ -589,7 +599,14 @@ def pack(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        os.rename(tmp, dst)
+        try:
+            os.rename(tmp, dst)
+        except OSError as e:
+            if dst.exists():  # another pack to the same destination finished first
+                raise FileExistsError(
+                    f"{dst}: appeared while packing (another pack to the same place?); this pack is discarded"
+                ) from None
+            raise ValueError(f"{dst}: cannot be created ({e.strerror or e}); choose another destination") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

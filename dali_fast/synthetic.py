@@ -10,11 +10,13 @@ from __future__ import annotations
 import io
 import logging
 import os
+import secrets
+import shutil
 from pathlib import Path
 
 import numpy as np
 
-from .system import atomic_write
+from .records import clean_stale
 
 log = logging.getLogger(__name__)
 
@@ -51,30 +53,42 @@ def make_image(rng: np.random.Generator, label: int, classes: int) -> tuple[byte
 def make_synthetic(
     out: str | os.PathLike, images: int = 1000, classes: int = 10, seed: int = 0, progress: bool = True
 ) -> Path:
-    """Write an ImageFolder of ``images`` JPEGs in ``classes`` classes under ``out``; returns ``out``.
+    """Write an ImageFolder of ``images`` JPEGs in ``classes`` classes at ``out``; returns ``out``.
 
-    The same (images, classes, seed) always gives the same bytes. Files are written under a
-    temporary name and renamed, so an interrupted run leaves no partial image.
+    The same (images, classes, seed) always gives the same bytes. ``out`` must not exist (or be an
+    empty folder): the set is written into a temporary folder beside it and renamed into place when
+    complete, so two runs never mix and an interrupted run leaves nothing at ``out``.
     """
     if images < 1 or classes < 1:
         raise ValueError(f"images={images}, classes={classes}: both must be >= 1")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: is a file; make-synthetic writes a new folder, choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: already exists and is not empty; choose a new folder or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     width = len(str(classes - 1))
     names = [f"class_{c:0{width}d}" for c in range(classes)]
-    for name in names:
-        (out / name).mkdir(parents=True, exist_ok=True)
-    it = range(images)
-    if progress:
-        from tqdm import tqdm
+    try:
+        for name in names:
+            (tmp / name).mkdir(parents=True)
+        it = range(images)
+        if progress:
+            from tqdm import tqdm
 
-        it = tqdm(it, desc="make-synthetic", unit="img")
-    for i in it:
-        label = i % classes
-        path = out / names[label] / f"img_{i:07d}.jpg"
-        if path.exists():
-            continue
-        data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
-        atomic_write(path, lambda f, data=data: f.write(data))
+            it = tqdm(it, desc="make-synthetic", unit="img")
+        for i in it:
+            label = i % classes
+            data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
+            (tmp / names[label] / f"img_{i:07d}.jpg").write_bytes(data)
+        if out.is_dir():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
     return out
 

@@ -77,3 +77,17 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durab
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def check_writable_folder(path: str | Path, what: str) -> None:
+    """Fail now, in one line, if folder ``path`` could not be created or written later (``what`` names it)."""
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ValueError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: {probe} is not writable; choose another path")

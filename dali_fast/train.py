@@ -36,7 +36,7 @@ from .controller import BatchSizeController, oom_safe_step
 from .iterator import LoaderBase, cuda_usable
 from .models import build_model
 from .records import Reader
-from .system import atomic_write
+from .system import atomic_write, check_writable_folder
 
 log = logging.getLogger(__name__)
 LOADERS = ("baseline", "torch", "dali")
@@ -378,12 +378,25 @@ def run_train(
 
     checkpoint = Path(checkpoint) if checkpoint is not None else None
     out = Path(out) if out is not None else None
+    # Where results go is checked before any work, not found unwritable after the last epoch.
+    for folder, what in ((out, "--out"), (checkpoint, "--checkpoint")):
+        if folder is not None:
+            check_writable_folder(folder, what)
+    if record_indices is not None:
+        check_writable_folder(Path(record_indices).parent, "--record-indices")
     with contextlib.ExitStack() as stack:
         ctx = stack.enter_context(distributed_context())
         if not ctx.is_main:
             emit = lambda _line: None  # noqa: E731 - only rank 0 talks
         torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
         train_set, val_set = split(reader, holdout, seed)
+        per_rank = len(train_set) // ctx.world_size
+        if drop_last and batch_size > per_rank:
+            raise ValueError(
+                f"--batch-size {batch_size} is larger than the {per_rank} training images of each of "
+                f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {holdout:.0%}): every batch would be "
+                f"dropped; use --batch-size {max(1, per_rank)} or less, or more images"
+            )
         trainer = Trainer(model, len(reader.classes), lr=lr, amp=amp, dist_ctx=ctx)
         ctrl = None
         if controller:

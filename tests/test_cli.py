@@ -37,15 +37,21 @@ def test_help_from_the_real_command():
         ([], "the following arguments are required: command"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["make-synthetic"], "the following arguments are required: out"),
-        (["make-synthetic", "x", "--images", "many"], "argument --images: invalid int value: 'many'"),
+        (["make-synthetic", "x", "--images", "many"], "argument --images: 'many' is not a whole number"),
+        (["make-synthetic", "x", "--seed", "-1"], "argument --seed: -1 is too small; use 0 or more"),
         (["pack", "src"], "the following arguments are required: dst"),
-        (["pack", "a", "b", "--max-side", "big"], "argument --max-side: invalid int value: 'big'"),
+        (["pack", "a", "b", "--max-side", "big"], "argument --max-side: 'big' is not a whole number"),
         (["inspect"], "the following arguments are required: dataset"),
         (["inspect", "x", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["bench", "--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
         (["bench", "--cache-bytes", "lots"], "argument --cache-bytes: 'lots' is not a size"),
+        (["bench", "--cache-bytes", "inf"], "argument --cache-bytes: 'inf' is not a size"),
+        (["bench", "--epochs", "0"], "argument --epochs: 0 is too small; use 1 or more"),
+        (["bench", "--on-error", "ignore"], "argument --on-error: invalid choice: 'ignore'"),
         (["train", "--loader", "jax"], "argument --loader: invalid choice: 'jax'"),
-        (["train", "--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
+        (["train", "--epochs", "1.5"], "argument --epochs: '1.5' is not a whole number"),
+        (["train", "--batch-size", "0"], "argument --batch-size: 0 is too small; use 1 or more"),
+        (["train", "--lr", "nan"], "argument --lr: 'nan' is not a positive number"),
         (["doctor", "--fast"], "unrecognized arguments: --fast"),
     ],
 )
@@ -79,3 +85,30 @@ def test_bad_input_exit_2_one_line(tmp_path):
     assert len(lines) == 1 and "no such data set" in lines[0]
     r = run("pack", str(tmp_path / "missing"), str(tmp_path / "out"))
     assert r.returncode == 2 and "no such folder" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["bench", "--loaders", ""], "--loaders is empty"),
+        (["bench", "--loaders", "torch,torch"], "--loaders lists torch more than once"),
+        (["make-synthetic", "{file}"], "is a file"),
+        (["make-synthetic", "{full}"], "already exists and is not empty"),
+        (["train", "{data}", "--out", "{file}/sub", "--epochs", "1"], "is a file, not a folder"),
+        (["train", "{data}", "--checkpoint", "{file}/ck", "--epochs", "1"], "is a file, not a folder"),
+        (["train", "{data}", "--batch-size", "64", "--epochs", "1"], "--batch-size 64 is larger than the 7 training"),
+        (["pack", "{data}", "{full}"], "already exists"),
+    ],
+)
+def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):
+    from dali_fast.synthetic import make_synthetic
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old.jpg").write_text("x")
+    make_synthetic(tmp_path / "data", images=9, classes=3, progress=False)
+    names = {"file": str(tmp_path / "afile"), "full": str(tmp_path / "full"), "data": str(tmp_path / "data")}
+    assert main([a.format(**names) for a in argv]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
+    assert len(err) == 1 and says in err[0], err
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["old.jpg"]  # nothing mixed in

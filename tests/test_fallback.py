@@ -113,13 +113,16 @@ def test_make_loader_falls_back_without_dali(monkeypatch, caplog, index_reader):
             raise ImportError("No module named 'nvidia.dali'")
         return real_import(name, *args, **kwargs)
 
+    import dali_fast.fallback as fallback
+
+    monkeypatch.setattr(fallback, "_said", set())
     monkeypatch.setattr(builtins, "__import__", no_dali)
     with caplog.at_level(logging.INFO):
         loader = make_loader(index_reader, 4, backend="auto", image_size=16, num_workers=0, device="cpu")
+        make_loader(index_reader, 4, backend="auto", image_size=16, num_workers=0, device="cpu", train=False)
     assert isinstance(loader, TorchIterator)
-    assert any(
-        "falling back to TorchIterator" in r.getMessage() and "nvidia.dali" in r.getMessage() for r in caplog.records
-    )
+    said = [r.getMessage() for r in caplog.records if "falling back to TorchIterator" in r.getMessage()]
+    assert len(said) == 1 and "nvidia.dali" in said[0]  # a training and an evaluation loader: said once
     with pytest.raises(ImportError, match="backend='dali'"):
         make_loader(index_reader, 4, backend="dali")
 
@@ -235,3 +238,22 @@ def test_odd_images_decode_alike_in_all_three_loaders():
         for name, ref, x in zip(names, refs, images, strict=True):
             diff = np.abs(_denormalized(x) - ref).mean()
             assert diff < 4.0, f"{loader} decodes {name} {diff:.1f} levels away from what a viewer shows"
+
+
+def test_a_killed_worker_breaks_one_pass_not_every_later_one(index_reader, caplog):
+    import os
+    import signal
+
+    loader = TorchIterator(index_reader, 4, image_size=16, num_workers=2, device="cpu")
+    assert sorted(collect(loader, 0)) == list(range(37))
+    loader.set_epoch(1)
+    it = iter(loader)
+    next(it)
+    worker = loader._loader._iterator._workers[0]  # noqa: SLF001 - the test plays the OOM killer
+    os.kill(worker.pid, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="DataLoader worker"):
+        for _ in it:
+            pass
+    assert sum("a new worker pool starts" in r.getMessage() for r in caplog.records) == 1
+    for epoch in (1, 2):
+        assert sorted(collect(loader, epoch)) == list(range(37))

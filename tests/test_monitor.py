@@ -40,3 +40,16 @@ def test_missing_nvml_does_not_crash(monkeypatch):
     with mon, mon.phase("x"):
         time.sleep(0.1)
     assert mon.summary("x")["kind"] == "cpu"
+
+
+def test_a_phase_shorter_than_the_interval_still_has_a_figure():
+    mon = UtilizationMonitor(interval=5.0, gpu=False)
+    with mon:
+        for k in range(3):
+            with mon.phase(f"epoch{k}"):
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.05:
+                    pass
+    for k in range(3):
+        s = mon.summary(f"epoch{k}")
+        assert s["samples"] == 1 and 0 < s["mean"] <= 100, s
