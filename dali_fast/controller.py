@@ -428,26 +428,28 @@ def oom_safe_step(
     The caller steps the optimizer after it returns; gradients then equal the whole batch's.
     Returns the batch's loss. The OOM is reported to ``controller``, which shrinks at the next epoch.
     """
+    n = len(labels)
     try:
         return float(step(images, labels, 1.0))
     except torch.cuda.OutOfMemoryError:
-        n = len(labels)
         if n <= min_split:
             raise
-        zero_grad()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if controller is not None:
-            controller.report_oom(n)
-        log.warning("out of memory on a batch of %d: running it as two halves", n)
-        half = n // 2
-        total = 0.0
-        for lo, hi in ((0, half), (half, n)):
+    # Recover here, outside the `except` block: inside it, the exception's traceback would keep the
+    # failed step's frames, and with them its activations and graph, alive while the halves run.
+    zero_grad()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if controller is not None:
+        controller.report_oom(n)
+    log.warning("out of memory on a batch of %d: running it as two halves", n)
+    half = n // 2
+    total = 0.0
+    for lo, hi in ((0, half), (half, n)):
 
-            def part(x: torch.Tensor, y: torch.Tensor, w: float, _s: float = (hi - lo) / n) -> float:
-                return step(x, y, w * _s)
+        def part(x: torch.Tensor, y: torch.Tensor, w: float, _s: float = (hi - lo) / n) -> float:
+            return step(x, y, w * _s)
 
-            total += oom_safe_step(
-                part, images[lo:hi], labels[lo:hi], zero_grad=lambda: None, controller=None, min_split=min_split
-            ) * ((hi - lo) / n)
-        return total
+        total += oom_safe_step(
+            part, images[lo:hi], labels[lo:hi], zero_grad=lambda: None, controller=None, min_split=min_split
+        ) * ((hi - lo) / n)
+    return total

@@ -484,3 +484,21 @@ def test_state_round_trip_and_minimal_state():
     e = BatchSizeController(8, 256, probe=ScriptedProbe([]))
     e.load_state_dict({"batch_size": 16})
     assert (e.batch_size, e.history, e.observations, e.ceiling) == (16, [], [], None)
+
+
+def test_oom_retry_runs_after_the_failed_step_is_freed():
+    """The halves must not run while the failed step's activations are kept alive by the traceback."""
+    import weakref
+
+    refs, alive_when_halves_ran = [], []
+
+    def step(x, y, w):
+        if len(y) > 4:
+            activations = torch.ones(1000)  # what the failed forward had allocated
+            refs.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test double)")
+        alive_when_halves_ran.append(refs[0]() is not None)
+        return 0.0
+
+    oom_safe_step(step, torch.zeros(8, 1), torch.arange(8), zero_grad=lambda: None)
+    assert alive_when_halves_ran == [False, False]
