@@ -20,6 +20,21 @@ GiB = 2**30
 
 
 # pragma: no mutate start (probes: readings of the machine, tested against fakes)
+def release_unused_memory() -> None:
+    """Return cached GPU memory to the device: torch's caching allocator, and DALI's pool where the
+    installed DALI can (``nvidia.dali.backend.ReleaseUnusedMemory``). Nothing to do without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    try:
+        from nvidia.dali import backend
+    except ImportError:
+        return
+    release = getattr(backend, "ReleaseUnusedMemory", None)
+    if release is not None:
+        release()
+
+
 class MemoryProbe(Protocol):
     """Peak memory of one epoch, as a fraction of capacity.
 
@@ -230,6 +245,10 @@ class BatchSizeController:
     the highest peak of all ranks, so all ranks keep the same batch size and the same number of
     batches per epoch (DDP would hang otherwise).
 
+    Each epoch starts by ``release()`` (default: `release_unused_memory`, torch's and DALI's cached
+    GPU blocks back to the device), so a GPU reading is the epoch's own need, not what the caches
+    kept from a larger epoch before.
+
     ``on_change(old, new)`` runs when the size changes, e.g. to keep the learning rate linear
     in the batch size (Goyal et al., 2017)::
 
@@ -254,6 +273,7 @@ class BatchSizeController:
         probe: MemoryProbe | None = None,
         on_change: Callable[[int, int], None] | None = None,
         sync_ranks: bool = True,
+        release: Callable[[], None] | None = release_unused_memory,
     ) -> None:
         if not 1 <= min_batch <= max_batch:
             raise ValueError(f"min_batch={min_batch}, max_batch={max_batch}: need 1 <= min_batch <= max_batch")
@@ -269,6 +289,7 @@ class BatchSizeController:
         self._probe = probe
         self.on_change = on_change
         self.sync_ranks = bool(sync_ranks)
+        self.release = release
         self.batch_size = self.min_batch
         self.history: list[dict[str, Any]] = []
         self.observations: list[tuple[int, float]] = []  # (batch size, peak fraction)
@@ -296,6 +317,13 @@ class BatchSizeController:
         self.batch_size = int(min(self.max_batch, max(self.min_batch, batch_size)))
 
     def begin_epoch(self) -> None:
+        """Release what the caches hold, then start measuring: the reading is this epoch's own need.
+
+        Without the release, torch's caching allocator and DALI's memory pool keep the blocks of an
+        earlier, larger epoch, every later reading includes them, and the size could only shrink.
+        """
+        if self.release is not None:
+            self.release()
         self.probe.reset_peak()
 
     def report_oom(self, batch_size: int) -> None:

@@ -502,3 +502,68 @@ def test_oom_retry_runs_after_the_failed_step_is_freed():
 
     oom_safe_step(step, torch.zeros(8, 1), torch.arange(8), zero_grad=lambda: None)
     assert alive_when_halves_ran == [False, False]
+
+
+class CachingAllocatorProbe:
+    """Models a GPU reading under a caching allocator: what the epoch needed, or more if the cache still
+    holds an earlier epoch's larger blocks; the cache empties only when `release()` is called."""
+
+    name = "caching"
+    capacity_bytes = 80 * 2**30
+
+    def __init__(self, need):
+        self.need = need
+        self.controller = None
+        self.cached = 0.0
+        self.releases = 0
+
+    def release(self):
+        self.cached = 0.0
+        self.releases += 1
+
+    def reset_peak(self):
+        pass
+
+    def peak_fraction(self):
+        reading = max(self.need(self.controller.batch_size), self.cached)
+        self.cached = reading  # freed blocks stay cached
+        return reading
+
+
+def _settle(release_calls: bool) -> list[int]:
+    # Fits up to 96 samples; past that a larger workspace (another convolution algorithm) goes over.
+    probe = CachingAllocatorProbe(lambda b: 0.05 + 0.003 * b + (0.5 if b > 96 else 0.0))
+    c = BatchSizeController(8, 1024, probe=probe, release=probe.release if release_calls else None)
+    probe.controller = c
+    c.attach(32)
+    return run(c, 8)
+
+
+def test_controller_settles_under_a_caching_allocator_when_caches_are_released():
+    sizes = _settle(release_calls=True)
+    assert sizes[:4] == [32, 64, 128, 64]  # grow, grow, overshoot, shrink
+    assert all(64 <= b <= 96 for b in sizes[3:]), sizes  # and it stays there, not at min_batch
+    assert _settle(release_calls=False)[-1] == 8  # the bug this guards against: a stale cache only shrinks
+
+
+def test_default_release_empties_torch_and_dali_caches(monkeypatch):
+    import sys
+    import types
+
+    from dali_fast import controller as ctl
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("torch"))
+    fake_backend = types.SimpleNamespace(ReleaseUnusedMemory=lambda: calls.append("dali"))
+    fake_dali = types.ModuleType("nvidia.dali")
+    fake_dali.backend = fake_backend
+    monkeypatch.setitem(sys.modules, "nvidia.dali", fake_dali)
+    monkeypatch.setitem(sys.modules, "nvidia.dali.backend", fake_backend)
+    probe = ScriptedProbe([0.1])
+    c = BatchSizeController(8, 64, probe=probe)
+    c.begin_epoch()
+    assert calls == ["torch", "dali"] and probe.resets == 1  # released before the peak is reset
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ctl.release_unused_memory()
+    assert calls == ["torch", "dali"]  # nothing to release without CUDA
