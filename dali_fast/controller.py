@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .system import read_proc_kib
+from .system import nvml_handle, read_proc_kib
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -92,7 +92,10 @@ class _Sampler:
 
 
 class NvmlProbe:
-    """Device memory used (all processes) from NVML, sampled through the epoch; needs nvidia-ml-py."""
+    """Device memory used (all processes) from NVML, sampled through the epoch; needs nvidia-ml-py.
+
+    ``device_index`` is the CUDA index (as torch and DALI count); the NVML device is found by UUID.
+    """
 
     name = "nvml"
 
@@ -105,7 +108,7 @@ class NvmlProbe:
                 import pynvml as nvml  # provided by the nvidia-ml-py package
             nvml.nvmlInit()
             self._nvml = nvml
-            self._handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._handle = nvml_handle(nvml, device_index)  # by UUID: NVML's index is not CUDA's
             self.capacity_bytes = int(nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
         except Exception as e:  # noqa: BLE001 - no driver / no library: the probe cannot read
             self._why = f"{type(e).__name__}: {e}"

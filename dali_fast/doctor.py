@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .system import nvml_handle
+
 log = logging.getLogger(__name__)
 
 TORCH_CUDA12_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -217,7 +219,7 @@ def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> 
         if nvml is None:
             import pynvml as nvml
         nvml.nvmlInit()
-        h = nvml.nvmlDeviceGetHandleByIndex(device_id)
+        h = nvml_handle(nvml, device_id)  # the CUDA device DALI decodes on, found by UUID
         if not has_jpeg_engine(nvml, h):
             return {"jpeg_engine": False, "peak_util": None, "used": False}
         from .pipeline import shutdown_pipeline

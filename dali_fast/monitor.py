@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .system import available_cpus, read_proc_kib
+from .system import available_cpus, nvml_handle, read_proc_kib
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class UtilizationMonitor:
                 import pynvml
 
                 pynvml.nvmlInit()
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+                self._handle = nvml_handle(pynvml, device_index)  # CUDA's index, found by UUID
                 self._nvml = pynvml
                 self.gpu_name = str(pynvml.nvmlDeviceGetName(self._handle))
             except Exception as e:  # noqa: BLE001 - no GPU/driver: fall back to CPU utilization

@@ -6,7 +6,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 def available_cpus() -> int:
@@ -91,3 +91,37 @@ def check_writable_folder(path: str | Path, what: str) -> None:
         raise ValueError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {probe} is not writable; choose another path")
+
+
+def cuda_device_uuid(cuda_index: int) -> str | None:
+    """The UUID torch reports for CUDA device ``cuda_index`` (as NVML spells it, "GPU-…"), or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+    except Exception:  # noqa: BLE001 - no CUDA, an old torch without .uuid: fall back to the environment
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def nvml_handle(nvml: Any, cuda_index: int) -> Any:
+    """NVML's handle for the GPU that CUDA calls ``cuda_index``.
+
+    NVML's index is not CUDA's: with ``CUDA_VISIBLE_DEVICES=5,6`` CUDA device 1 is NVML device 6, and
+    a MIG slice has no NVML index at all. So the device is looked up by UUID (from torch when CUDA is
+    up, else from CUDA_VISIBLE_DEVICES when it names UUIDs), by the index CUDA_VISIBLE_DEVICES gives,
+    and only without either by ``cuda_index`` itself.
+    """
+    uuid = cuda_device_uuid(cuda_index)
+    if uuid is not None:
+        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and 0 <= cuda_index < len(visible):
+        entry = visible[cuda_index]
+        if entry.startswith(("GPU-", "MIG-")):
+            return nvml.nvmlDeviceGetHandleByUUID(entry)
+        if entry.isdigit():
+            return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return nvml.nvmlDeviceGetHandleByIndex(cuda_index)

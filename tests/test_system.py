@@ -63,3 +63,46 @@ def test_atomic_write_removes_temporaries_of_dead_writers_only(tmp_path):
     live_tmp.write_bytes(b"in progress")
     atomic_write(path, lambda f: f.write(b"x"))
     assert not dead_tmp.exists() and live_tmp.exists()
+
+
+class EightGpuNvml:
+    """NVML at its boundary on an 8-GPU node: handles are NVML indices; UUIDs GPU-uuid-0 ... GPU-uuid-7."""
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return int(i)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return int(uuid.rsplit("-", 1)[1])
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("Mem", (), {"total": 80 * 2**30, "used": (h + 1) * 2**30})()
+
+
+def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
+    from dali_fast.controller import NvmlProbe
+    from dali_fast.system import nvml_handle
+
+    nvml = EightGpuNvml()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    assert nvml_handle(nvml, 1) == 6  # rank 1 (LOCAL_RANK=1, CUDA device 1) is NVML device 6
+    assert nvml_handle(nvml, 0) == 5
+    probe = NvmlProbe(1, nvml=nvml)
+    assert probe._used() == 7 * 2**30  # noqa: SLF001 - it reads GPU 6, not GPU 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-uuid-3,MIG-uuid-4")
+    assert nvml_handle(nvml, 0) == 3 and nvml_handle(nvml, 1) == 4
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert nvml_handle(nvml, 2) == 2
+
+
+def test_nvml_device_by_the_uuid_torch_reports(monkeypatch):
+    import torch
+
+    from dali_fast.system import nvml_handle
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # would say index 1; the UUID is what counts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"uuid": f"uuid-{5 + i}"})())
+    assert nvml_handle(EightGpuNvml(), 1) == 6
