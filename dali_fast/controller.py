@@ -445,14 +445,14 @@ def agree_across_ranks(frac: float | None, oom: bool) -> tuple[float | None, boo
 
 
 def oom_safe_step(
-    step: Callable[[torch.Tensor, torch.Tensor, float], float],
+    step: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | float],
     images: torch.Tensor,
     labels: torch.Tensor,
     *,
     zero_grad: Callable[[], None],
     controller: BatchSizeController | None = None,
     min_split: int = 1,
-) -> float:
+) -> torch.Tensor | float:
     """Run ``step(images, labels, weight)`` (forward + backward, loss scaled by ``weight``); on CUDA
     out-of-memory, empty the cache and run the batch as two halves (each sample once), recursively.
 
@@ -461,7 +461,7 @@ def oom_safe_step(
     """
     n = len(labels)
     try:
-        return float(step(images, labels, 1.0))
+        return step(images, labels, 1.0)  # as the step returns it: a device tensor is not synced here
     except torch.cuda.OutOfMemoryError:
         if n <= min_split:
             raise
@@ -474,10 +474,10 @@ def oom_safe_step(
         controller.report_oom(n)
     log.warning("out of memory on a batch of %d: running it as two halves", n)
     half = n // 2
-    total = 0.0
+    total: torch.Tensor | float = 0.0
     for lo, hi in ((0, half), (half, n)):
 
-        def part(x: torch.Tensor, y: torch.Tensor, w: float, _s: float = (hi - lo) / n) -> float:
+        def part(x: torch.Tensor, y: torch.Tensor, w: float, _s: float = (hi - lo) / n) -> torch.Tensor | float:
             return step(x, y, w * _s)
 
         total += oom_safe_step(

@@ -10,6 +10,7 @@ number of workers, the batch size or a resume.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -221,14 +222,29 @@ class _PlanSampler(Sampler):
         return len(self.keys)
 
 
-def normalize_flip(images: torch.Tensor, flips: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 NHWC → normalized NCHW ``dtype``, mirrored where ``flips``; batched ops on the tensor's device."""
-    flips = flips.to(images.device)
-    if bool(flips.any()):
-        images = torch.where(flips.view(-1, 1, 1, 1), images.flip(2), images)  # mirror on uint8: 4x less memory
-    x = images.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
-    inv_std = 1.0 / torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+@functools.lru_cache(maxsize=16)
+def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet mean and 1/std as (1, 3, 1, 1) float32 tensors on ``device``, made once per device."""
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+    inv_std = 1.0 / torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+    return mean, inv_std
+
+
+def normalize_flip(
+    images: torch.Tensor,
+    flips: torch.Tensor,
+    dtype: torch.dtype,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:
+    """uint8 NHWC → normalized NCHW ``dtype``, mirrored where ``flips``; batched ops on the tensor's device.
+
+    No host synchronization: the mirror is a `torch.where` whether or not any sample flips.
+    ``memory_format=torch.channels_last`` keeps the NHWC storage (the NCHW result is a view of it).
+    """
+    flips = flips.to(images.device, non_blocking=True)
+    images = torch.where(flips.view(-1, 1, 1, 1), images.flip(2), images)  # mirror on uint8: 4x less memory
+    x = images.permute(0, 3, 1, 2).to(torch.float32, memory_format=memory_format)
+    mean, inv_std = _normalization(x.device)
     x.sub_(mean).mul_(inv_std)
     return x if dtype == torch.float32 else x.to(dtype)
 
@@ -236,13 +252,16 @@ def normalize_flip(images: torch.Tensor, flips: torch.Tensor, dtype: torch.dtype
 class _Collate:
     """Stacks a batch; on CPU also normalizes it in the worker (on GPU that happens after the copy)."""
 
-    def __init__(self, normalize_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, normalize_dtype: torch.dtype | None, memory_format: torch.memory_format = torch.contiguous_format
+    ) -> None:
         self.normalize_dtype = normalize_dtype
+        self.memory_format = memory_format
 
     def __call__(self, samples: list[tuple]) -> dict[str, Any]:
         b = _collate(samples)
         if self.normalize_dtype is not None and len(b["labels"]):
-            b["images"] = normalize_flip(b["images"], b["flips"], self.normalize_dtype)
+            b["images"] = normalize_flip(b["images"], b["flips"], self.normalize_dtype, self.memory_format)
             b["normalized"] = True
         return b
 
@@ -279,7 +298,7 @@ class TorchIterator(LoaderBase):
                 num_workers=self.num_workers,
                 pin_memory=self.gpu,
                 prefetch_factor=self.prefetch if self.num_workers else None,
-                collate_fn=_Collate(None if self.gpu else self.dtype),
+                collate_fn=_Collate(None if self.gpu else self.dtype, self.memory_format),
             )
         return self._loader
 
@@ -346,7 +365,10 @@ class TorchIterator(LoaderBase):
                 for k in ("images", "labels", "flips"):
                     cur[k].record_stream(torch.cuda.current_stream(self.device))
             nxt = next_batch()  # the next copy overlaps this step
-            images = cur["images"] if cur.get("normalized") else normalize_flip(cur["images"], cur["flips"], self.dtype)
+            if cur.get("normalized"):
+                images = cur["images"]
+            else:
+                images = normalize_flip(cur["images"], cur["flips"], self.dtype, self.memory_format)
             yield images, cur["labels"], cur["consumed"]
 
     def _handle_bad(self, bad: list[tuple[int, str]]) -> None:

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 ON_ERROR = ("raise", "skip")
 DTYPES = (torch.float32, torch.float16)
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
 
 
 # pragma: no mutate start (device lookup)
@@ -77,6 +78,7 @@ class LoaderBase:
         world_size: int | None = None,
         on_error: str = "raise",
         prefetch: int = 2,
+        memory_format: torch.memory_format = torch.contiguous_format,
     ) -> None:
         if not isinstance(batch_size, int | np.integer) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
@@ -94,6 +96,8 @@ class LoaderBase:
             raise ValueError(f"num_threads={num_threads}: must be >= 1")
         if prefetch < 1:
             raise ValueError(f"prefetch={prefetch}: must be >= 1")
+        if memory_format not in MEMORY_FORMATS:
+            raise ValueError(f"memory_format={memory_format}: use torch.contiguous_format or torch.channels_last")
         if len(dataset) == 0:
             raise ValueError("the data set is empty; nothing to load")
         if device in ("cuda", "gpu") and not cuda_usable():
@@ -110,6 +114,7 @@ class LoaderBase:
         self.dtype = dtype
         self.on_error = on_error
         self.prefetch = int(prefetch)
+        self.memory_format = memory_format
         self.sampler = EpochSampler(
             len(dataset),
             seed=self.seed,
@@ -375,6 +380,7 @@ class DALIIterator(LoaderBase):
             num_threads=self.num_threads or default_num_threads(),
             fp16=self.dtype == torch.float16,
             prefetch=self.prefetch,
+            layout="HWC" if self.memory_format == torch.channels_last else "CHW",
         )
         self.pipelines_built += 1
         it = DALIGenericIterator(
@@ -395,7 +401,10 @@ class DALIIterator(LoaderBase):
                     yield _Failure("pipeline failed", source, e)
                     return
                 fed = source.consume()
-                yield out["images"], out["labels"].reshape(-1), fed.consumed, fed.batches
+                images = out["images"]
+                if self.memory_format == torch.channels_last:
+                    images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
+                yield images, out["labels"].reshape(-1), fed.consumed, fed.batches
         finally:
             source.stop()
             # Stop the pipeline's threads now, not when the garbage collector gets to it: a failed

@@ -175,7 +175,7 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool):
+def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool, layout: str = "CHW"):
     """The operators after the source, inside a pipeline definition: decode, crop, resize, normalize, flip.
 
     Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, random
@@ -205,7 +205,7 @@ def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool):
     return fn.crop_mirror_normalize(
         images,
         dtype=types.FLOAT16 if fp16 else types.FLOAT,
-        output_layout="CHW",
+        output_layout=layout,
         crop=(image_size, image_size),
         mean=list(IMAGENET_MEAN),
         std=list(IMAGENET_STD),
@@ -225,6 +225,7 @@ def build_pipeline(
     num_threads: int,
     fp16: bool,
     prefetch: int,
+    layout: str = "CHW",
 ):
     """Build the decode → (random-resized-)crop → normalize/flip pipeline, fed by ``source``."""
     from nvidia.dali import pipeline_def
@@ -241,7 +242,7 @@ def build_pipeline(
         import nvidia.dali.types as types
 
         jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
-        images = augment(jpegs, train=train, image_size=image_size, gpu=gpu, fp16=fp16)
+        images = augment(jpegs, train=train, image_size=image_size, gpu=gpu, fp16=fp16, layout=layout)
         if gpu:
             labels = labels.gpu()
         return images, labels

@@ -83,6 +83,7 @@ def make_loader_for(
     num_workers: int | None = None,
     drop_last: bool = False,
     on_error: str = "raise",
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> Iterable:
     """One line swaps the loader: 'baseline' (plain DataLoader), 'torch' (TorchIterator) or 'dali'."""
     if on_error not in ("raise", "skip"):
@@ -116,6 +117,7 @@ def make_loader_for(
         cache_bytes=cache_bytes,
         controller=controller,
         on_error=on_error,
+        memory_format=memory_format,
     )
 
 
@@ -194,6 +196,7 @@ class Trainer:
         self.module: nn.Module = build_model(model_name, num_classes).to(self.device)
         if self.device.type == "cuda":
             self.module = self.module.to(memory_format=torch.channels_last)
+            torch.backends.cudnn.benchmark = True  # fixed-size inputs: pick the fastest convolutions once
         self.model: nn.Module = self.module
         if self.ctx.distributed:
             from torch.nn.parallel import DistributedDataParallel
@@ -216,8 +219,11 @@ class Trainer:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels.to(self.device, non_blocking=True)
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor, controller: BatchSizeController | None = None) -> float:
-        """One SGD step on the batch; returns the loss.
+    def step(
+        self, images: torch.Tensor, labels: torch.Tensor, controller: BatchSizeController | None = None
+    ) -> torch.Tensor:
+        """One SGD step on the batch; returns the loss as a 0-d tensor on the device (no host sync:
+        the caller sums losses on the device and reads them once per epoch or checkpoint).
 
         On CUDA out-of-memory a single process runs the batch as two halves. Under DDP the OOM is
         raised instead: halving on one rank only would desynchronize the gradient all-reduce.
@@ -225,11 +231,11 @@ class Trainer:
         images, labels = self.to_device(images, labels)
         self.model.train()
 
-        def forward_backward(x: torch.Tensor, y: torch.Tensor, weight: float) -> float:
+        def forward_backward(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
             with self._autocast():
                 loss = self.loss_fn(self.model(x), y)
             self.scaler.scale(loss * weight).backward()
-            return float(loss.detach())
+            return loss.detach().float()
 
         self.opt.zero_grad(set_to_none=True)
         try:
@@ -407,6 +413,8 @@ def run_train(
 
             ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
         kw = dict(image_size=image_size, seed=seed, num_workers=num_workers, on_error=on_error)
+        if trainer.device.type == "cuda":
+            kw["memory_format"] = torch.channels_last  # what the model wants, straight from the loader
         train_loader = make_loader_for(
             loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
         )
@@ -487,7 +495,8 @@ def run_train(
         for epoch in range(start_epoch, epochs):
             _set_epoch(train_loader, epoch)
             bs = getattr(train_loader, "batch_size", batch_size)
-            t0, n, loss_sum = time.perf_counter(), 0, 0.0
+            t0, n = time.perf_counter(), 0
+            loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step
             with mon.phase(f"epoch{epoch}"):
                 for images, labels in train_loader:
                     loss_sum += trainer.step(images, labels, ctrl) * len(labels)
@@ -496,11 +505,11 @@ def run_train(
                     if recorder is not None:
                         recorder.write(epoch, step, subset[train_loader.last_indices])  # type: ignore[union-attr]
                     if ckpt_path is not None and resumable and step % checkpoint_every == 0:
-                        save(epoch, False, partial["samples"] + n, partial["loss_sum"] + loss_sum)
+                        save(epoch, False, partial["samples"] + n, partial["loss_sum"] + float(loss_sum))
                 if trainer.device.type == "cuda":
                     torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            n_all, loss_all = trainer.all_sum(n, loss_sum)
+            n_all, loss_all = trainer.all_sum(n, float(loss_sum))
             done, done_loss = trainer.all_sum(partial["samples"], partial["loss_sum"])
             partial = {"samples": 0, "loss_sum": 0.0}
             val_loss, val_acc = trainer.evaluate(val_loader)

@@ -257,3 +257,25 @@ def test_a_killed_worker_breaks_one_pass_not_every_later_one(index_reader, caplo
     assert sum("a new worker pool starts" in r.getMessage() for r in caplog.records) == 1
     for epoch in (1, 2):
         assert sorted(collect(loader, epoch)) == list(range(37))
+
+
+def test_normalize_flip_never_syncs_with_the_host(monkeypatch):
+    """On a GPU, converting a tensor to a Python value waits for the device; here any such conversion fails."""
+    from dali_fast.fallback import _normalization
+
+    img = torch.randint(0, 255, (4, 8, 8, 3), dtype=torch.uint8)
+    flips = torch.tensor([True, False, True, False])
+    expected = normalize_flip(img, flips, torch.float32)
+
+    def no_sync(*_a, **_k):
+        raise AssertionError("a host synchronization")
+
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    got = normalize_flip(img, flips, torch.float32)
+    got_last = normalize_flip(img, flips, torch.float32, torch.channels_last)
+    monkeypatch.undo()
+    assert torch.equal(got, expected) and torch.equal(got_last, expected)
+    assert got_last.is_contiguous(memory_format=torch.channels_last)
+    a, b = _normalization(torch.device("cpu")), _normalization(torch.device("cpu"))
+    assert a[0] is b[0] and a[1] is b[1]  # made once per device, not per batch

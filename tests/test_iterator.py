@@ -769,3 +769,15 @@ def test_unreadable_files_in_a_folder_are_bad_records(make, tmp_path):
     loader = make(reader, 3, train=False, on_error="skip")
     labels, sizes = epoch_labels(loader, 0)
     assert sizes == [2, 2] and loader.skipped == 2
+
+
+def test_channels_last_output_same_values_no_copy_needed(make, index_reader):
+    plain = make(index_reader, 8, train=False)
+    last = make(index_reader, 8, train=False, memory_format=torch.channels_last)
+    for (a, ya), (b, yb) in zip(plain, last, strict=True):
+        assert torch.equal(ya, yb) and a.shape == b.shape
+        assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
+        assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError) as e:
+        make(index_reader, 8, memory_format=torch.preserve_format)
+    assert str(e.value) == "memory_format=torch.preserve_format: use torch.contiguous_format or torch.channels_last"

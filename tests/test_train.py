@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from dali_fast.checkpoint import load_checkpoint, read_index_records
 from dali_fast.records import open_dataset, pack
@@ -263,3 +264,21 @@ def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loa
             for r in range(nproc)
         }
         _check_epoch_cover(per_rank, train, nproc)
+
+
+def test_a_training_step_does_not_sync_with_the_host(monkeypatch):
+    """The loss stays on the device (on a GPU, reading it each step would wait for the step to finish)."""
+    from dali_fast.train import Trainer
+
+    trainer = Trainer("resnet_tiny", 3)
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 1])
+
+    def no_sync(*_a, **_k):
+        raise AssertionError("a host synchronization in the training step")
+
+    for name in ("item", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    losses = [trainer.step(images, labels) for _ in range(3)]
+    monkeypatch.undo()
+    assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in losses)
+    assert float(losses[-1]) < float(losses[0]) * 1.5  # it trains (same batch three times)
