@@ -284,7 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("doctor", help="check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")
-    s.add_argument("--quick", action="store_true", help="leave out the hardware JPEG decoder measurement")
+    s.add_argument(
+        "--quick",
+        action="store_true",
+        help="NVML only (driver, GPUs): no CUDA context, no DALI pipeline; for health checks during training",
+    )
     s.add_argument("--json", action="store_true", help="print the readings as JSON")
     s.set_defaults(func=_cmd_doctor)
     return p

@@ -73,6 +73,8 @@ class Readings:
     cpu_decode: dict[str, Any] | None = None  # ok, mean_diff, error
     gpu_decode: dict[str, Any] | None = None
     hw_decoder: dict[str, Any] | None = None  # jpeg_engine, peak_util, used
+    decoder_preallocation: dict[str, int] | None = None  # what one GPU pipeline's decoder preallocates
+    quick: bool = False  # NVML only: no CUDA context, no DALI
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,7 +183,9 @@ def _decode_pipeline(data: bytes, device: str, device_id: int | None, batch: int
     @pipeline_def(batch_size=batch, num_threads=2, device_id=device_id, prefetch_queue_depth=1)
     def pipe() -> Any:
         jpegs = fn.external_source(source=lambda: [np.frombuffer(data, np.uint8)] * batch, batch=True, name="jpegs")
-        kw = {"hw_decoder_load": hw_load} if device == "mixed" else {}
+        # jpeg_fancy_upsampling: the mixed decoder upsamples chroma as libjpeg-turbo (and so Pillow) does;
+        # its default differs by a few levels, which is not a fault.
+        kw = {"hw_decoder_load": hw_load, "jpeg_fancy_upsampling": True} if device == "mixed" else {}
         return fn.decoders.image(jpegs, device=device, output_type=types.RGB, **kw)
 
     p = pipe()
@@ -238,12 +242,21 @@ def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> 
         return {"jpeg_engine": None, "peak_util": None, "used": None, "error": str(e).splitlines()[0]}
 
 
-def probe(quick: bool = False) -> Readings:
-    """Read this machine. ``quick`` leaves out the hardware-decoder measurement (about 2 s)."""
-    r = Readings(python=f"{platform.python_version()} ({sys.platform} {platform.machine()})")
+def probe(quick: bool = False, nvml: Any = None) -> Readings:
+    """Read this machine.
+
+    ``quick`` reads NVML only (driver and GPUs): it starts no CUDA context and builds no DALI
+    pipeline, so a health check during training takes no GPU memory and skews no memory reading.
+    """
+    r = Readings(python=f"{platform.python_version()} ({sys.platform} {platform.machine()})", quick=quick)
+    probe_nvml(r, nvml=nvml)
+    if quick:
+        return r
     probe_torch(r)
-    probe_nvml(r)
     probe_dali(r)
+    from .pipeline import decoder_preallocation, default_num_threads
+
+    r.decoder_preallocation = decoder_preallocation(default_num_threads(gpu=True))
     if r.dali:
         r.cpu_decode = decode_check("cpu", None)
         if r.cuda_available:
@@ -268,7 +281,9 @@ class Diagnosis:
 
 def _report(r: Readings) -> list[str]:
     lines = [f"python      {r.python}"]
-    if r.torch is None:
+    if r.quick:
+        lines.append("quick       NVML only: no CUDA context, no DALI pipeline")
+    elif r.torch is None:
         lines.append(f"torch       not importable ({r.cuda_error})")
     else:
         build = f"CUDA {r.torch_cuda} build" if r.torch_cuda else "CPU-only build"
@@ -282,6 +297,8 @@ def _report(r: Readings) -> list[str]:
         for g in r.gpus:
             engine = {True: "yes", False: "no", None: "unknown"}[g.get("jpeg_engine")]
             lines.append(f"gpu {g['index']:<7} {g['name']}, {g['memory_gib']} GiB, hardware JPEG engine: {engine}")
+    if r.quick:
+        return lines
     if r.dali is None:
         lines.append(f"DALI        not installed ({r.dali_error})")
     else:
@@ -312,15 +329,12 @@ def _report(r: Readings) -> list[str]:
 
 def _problem(r: Readings) -> str | None:
     gpu_seen = r.nvml_error is None and bool(r.gpus)
+    if r.quick:
+        return _visibility_problem(r) if not gpu_seen else None
     if r.torch is None:
         return f"torch does not import ({r.cuda_error}); install the project: pip install ."
     if not gpu_seen and not r.cuda_available:
-        if r.nvml_error is not None:
-            return (
-                f"no NVIDIA GPU visible (NVML: {r.nvml_error}): on a GPU host install the NVIDIA driver; "
-                "in Docker run with --gpus all (needs the NVIDIA Container Toolkit on the host)"
-            )
-        return "the NVIDIA driver reports no GPU: check CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES"
+        return _visibility_problem(r)
     if not r.torch_cuda:
         return (
             f"torch {r.torch} is a CPU-only build but a GPU is present: "
@@ -338,6 +352,15 @@ def _problem(r: Readings) -> str | None:
     if r.gpu_decode is not None and not r.gpu_decode["ok"]:
         return f'DALI cannot decode a JPEG with device="mixed": {r.gpu_decode["error"]}'
     return None
+
+
+def _visibility_problem(r: Readings) -> str:
+    if r.nvml_error is not None:
+        return (
+            f"no NVIDIA GPU visible (NVML: {r.nvml_error}): on a GPU host install the NVIDIA driver; "
+            "in Docker run with --gpus all (needs the NVIDIA Container Toolkit on the host)"
+        )
+    return "the NVIDIA driver reports no GPU: check CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES"
 
 
 def _older(a: str, b: str) -> bool:

@@ -377,7 +377,7 @@ class DALIIterator(LoaderBase):
             gpu=self.gpu,
             device_id=self.device_id,
             seed=derive_seed(self.seed, self.sampler.epoch, self.rank, start),
-            num_threads=self.num_threads or default_num_threads(),
+            num_threads=self.num_threads or default_num_threads(self.gpu),
             fp16=self.dtype == torch.float16,
             prefetch=self.prefetch,
             layout="HWC" if self.memory_format == torch.channels_last else "CHW",

@@ -165,9 +165,38 @@ def shutdown_pipeline(pipe: Any) -> None:
         shutdown()
 
 
-def default_num_threads() -> int:
-    """CPU threads for one pipeline: this process's cores, split between local ranks."""
-    return cpus_per_local_rank()
+# nvJPEG preallocates, for the `mixed` decoder, one device buffer and two pinned host buffers per
+# thread (DALI's decoders.image* docstring). Per-thread sizes are what DALI's ImageNet examples use,
+# but the totals are bounded: with every core of a 224-core node as a thread they would reach tens
+# of GB of GPU memory. So each pipeline spends at most these budgets, split between its threads.
+DEVICE_PADDING_PER_THREAD = 211_025_920
+HOST_PADDING_PER_THREAD = 140_544_512
+DECODER_DEVICE_BUDGET = 512 * 2**20  # all threads' device paddings together, per pipeline
+DECODER_PINNED_BUDGET = 1024 * 2**20  # all threads' pinned host paddings together (2 per thread)
+MIXED_MAX_THREADS = 8  # default threads for GPU decoding (DALI's ResNet-50 example uses 4 per GPU)
+
+
+def default_num_threads(gpu: bool = False) -> int:
+    """CPU threads for one pipeline: this process's cores, split between local ranks; at most
+    ``MIXED_MAX_THREADS`` when decoding on the GPU, where the threads only feed nvJPEG."""
+    cpus = cpus_per_local_rank()
+    return min(cpus, MIXED_MAX_THREADS) if gpu else cpus
+
+
+def decoder_preallocation(num_threads: int, gpu: bool = True) -> dict[str, int]:
+    """What one pipeline's decoder preallocates with ``num_threads`` threads: the per-thread paddings
+    passed to DALI, and the device and pinned-host totals, both within their budgets."""
+    if not gpu:
+        return {"threads": num_threads, "device_padding": 0, "host_padding": 0, "device_total": 0, "pinned_total": 0}
+    device = min(DEVICE_PADDING_PER_THREAD, DECODER_DEVICE_BUDGET // num_threads)
+    host = min(HOST_PADDING_PER_THREAD, DECODER_PINNED_BUDGET // (2 * num_threads))
+    return {
+        "threads": num_threads,
+        "device_padding": device,
+        "host_padding": host,
+        "device_total": device * num_threads,
+        "pinned_total": 2 * host * num_threads,
+    }
 
 
 def derive_seed(*parts: int) -> int:
@@ -175,7 +204,7 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool, layout: str = "CHW"):
+def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool, layout: str = "CHW", num_threads: int = 1):
     """The operators after the source, inside a pipeline definition: decode, crop, resize, normalize, flip.
 
     Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, random
@@ -185,7 +214,8 @@ def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool, layou
     import nvidia.dali.types as types
 
     decode_device = "mixed" if gpu else "cpu"
-    extra = {"device_memory_padding": 211_025_920, "host_memory_padding": 140_544_512} if gpu else {}
+    pre = decoder_preallocation(num_threads, gpu)
+    extra = {"device_memory_padding": pre["device_padding"], "host_memory_padding": pre["host_padding"]} if gpu else {}
     if train:
         images = fn.decoders.image_random_crop(
             jpegs,
@@ -242,7 +272,9 @@ def build_pipeline(
         import nvidia.dali.types as types
 
         jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
-        images = augment(jpegs, train=train, image_size=image_size, gpu=gpu, fp16=fp16, layout=layout)
+        images = augment(
+            jpegs, train=train, image_size=image_size, gpu=gpu, fp16=fp16, layout=layout, num_threads=num_threads
+        )
         if gpu:
             labels = labels.gpu()
         return images, labels

@@ -206,14 +206,46 @@ def test_real_cpu_decode_of_the_embedded_jpeg():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU answer")
 def test_doctor_without_a_gpu_exits_non_zero_with_one_line(capsys):
-    r = probe(quick=True)
+    r = probe(quick=False)
     assert not r.cuda_available and r.gpu_decode is None
-    assert main(["doctor", "--quick"]) == 1
+    assert r.decoder_preallocation["device_total"] > 0  # what one GPU pipeline would preallocate
+    assert main(["doctor"]) == 1
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("dali-fast doctor: the GPU path cannot run: ")
     assert "python      " in out and "torch       " in out
     if r.dali:
         assert f"DALI        {r.dali}" in out and 'decode cpu  ok (device="cpu"' in out
+    assert main(["doctor", "--quick"]) == 1  # no GPU visible to NVML either
+    assert capsys.readouterr().err.startswith("dali-fast doctor: the GPU path cannot run: no NVIDIA GPU visible")
+
+
+def test_quick_reads_nvml_only_no_cuda_no_dali(monkeypatch, capsys):
+    """The container health check runs during training: it must not start a CUDA context or a DALI pipeline."""
+    import builtins
+
+    import torch
+
+    import dali_fast.doctor as doctor
+
+    def touched(*_a, **_k):
+        raise AssertionError("--quick touched CUDA or DALI")
+
+    monkeypatch.setattr(torch.cuda, "is_available", touched)
+    monkeypatch.setattr(torch.cuda, "init", touched)
+    monkeypatch.setattr(doctor, "_decode_pipeline", touched)
+    real_import = builtins.__import__
+
+    def no_dali(name, *args, **kwargs):
+        if name.startswith("nvidia.dali"):
+            touched()
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_dali)
+    r = probe(quick=True, nvml=FakeNvml())
+    result = diagnose(r)
+    assert result.problem is None and r.quick and r.dali is None and r.gpu_decode is None
+    assert result.lines[1] == "quick       NVML only: no CUDA context, no DALI pipeline"
+    assert any("NVIDIA H200" in line for line in result.lines)
 
 
 @pytest.mark.gpu
@@ -223,3 +255,23 @@ def test_doctor_on_a_gpu_host(capsys):
     assert main(["doctor"]) == 0
     out, _ = capsys.readouterr()
     assert 'decode gpu  ok (device="mixed"' in out and "the GPU path works" in out
+
+
+def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.fn as fn
+
+    import dali_fast.doctor as doctor
+
+    seen = []
+
+    def image(jpegs, **kwargs):
+        seen.append(kwargs)
+        return jpegs  # stand-in: lets the pipeline build without a GPU
+
+    monkeypatch.setattr(fn.decoders, "image", image)
+    p = doctor._decode_pipeline(TEST_JPEG, "mixed", None, 1, 0.65)  # noqa: SLF001
+    from dali_fast.pipeline import shutdown_pipeline
+
+    shutdown_pipeline(p)
+    assert seen[0]["device"] == "mixed" and seen[0]["jpeg_fancy_upsampling"] is True

@@ -781,3 +781,45 @@ def test_channels_last_output_same_values_no_copy_needed(make, index_reader):
     with pytest.raises(ValueError) as e:
         make(index_reader, 8, memory_format=torch.preserve_format)
     assert str(e.value) == "memory_format=torch.preserve_format: use torch.contiguous_format or torch.channels_last"
+
+
+# ----------------------------------------------------------------------------- GPU decoding memory, computed here
+
+
+@pytest.mark.parametrize("threads", [1, 4, 28, 224])
+def test_decoder_preallocation_stays_within_its_budget(threads):
+    from dali_fast.pipeline import DECODER_DEVICE_BUDGET, DECODER_PINNED_BUDGET, decoder_preallocation
+
+    pre = decoder_preallocation(threads)
+    assert 0 < pre["device_total"] <= DECODER_DEVICE_BUDGET and 0 < pre["pinned_total"] <= DECODER_PINNED_BUDGET
+    assert pre["device_total"] == pre["device_padding"] * threads
+    assert pre["pinned_total"] == 2 * pre["host_padding"] * threads  # two pinned buffers per thread
+    assert decoder_preallocation(threads, gpu=False)["device_total"] == 0
+
+
+def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.fn as fn
+
+    from dali_fast import pipeline
+
+    seen = {}
+
+    def record(name):
+        def op(*args, **kwargs):
+            seen[name] = kwargs
+            return object()
+
+        return op
+
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
+    monkeypatch.setattr(fn, "resize", record("resize"))
+    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
+    monkeypatch.setattr(fn, "crop_mirror_normalize", record("normalize"))
+    pipeline.augment(object(), train=True, image_size=224, gpu=True, fp16=False, num_threads=224)
+    assert seen["decode"]["device"] == "mixed"
+    assert seen["decode"]["device_memory_padding"] * 224 <= pipeline.DECODER_DEVICE_BUDGET
+    assert seen["decode"]["host_memory_padding"] * 2 * 224 <= pipeline.DECODER_PINNED_BUDGET
+    monkeypatch.setattr(pipeline, "cpus_per_local_rank", lambda: 224)
+    assert pipeline.default_num_threads(gpu=True) == pipeline.MIXED_MAX_THREADS
+    assert pipeline.default_num_threads(gpu=False) == 224
