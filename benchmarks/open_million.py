@@ -33,7 +33,17 @@ def write_fake(root: Path, n: int, rec_len: int = 110_000) -> None:
     rows["length"] = rec_len
     rows["label"] = np.arange(n) % 1000
     header = np.zeros(1, HEADER_DTYPE)
-    header[0] = (MAGIC, FORMAT_VERSION, RECORD_DTYPE.itemsize, n, n * rec_len, 0, zlib.crc32(rows.tobytes()), 1000, (0, 0))
+    header[0] = (
+        MAGIC,
+        FORMAT_VERSION,
+        RECORD_DTYPE.itemsize,
+        n,
+        n * rec_len,
+        0,
+        zlib.crc32(rows.tobytes()),
+        1000,
+        (0, 0),
+    )
     root.mkdir()
     with open(root / INDEX_FILE, "wb") as f:
         f.write(header.tobytes())

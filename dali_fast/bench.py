@@ -126,9 +126,13 @@ def bench_loader(
         if epoch > 0:
             times.append(time.perf_counter() - t0)
             counts.append(n)
+    if hasattr(loader, "close"):
+        loader.close()  # a DALI pipeline kept between epochs: none lingers into the next row
     util = monitor.summary(kind)
     cache = loader.cache_stats() if hasattr(loader, "cache_stats") else None
-    peak = torch.cuda.max_memory_allocated() if gpu else util["peak_mem"]
+    # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
+    # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
+    peak = util["peak_mem"]
     return {
         "loader": kind,
         "img_per_s": sum(counts) / sum(times),

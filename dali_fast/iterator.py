@@ -6,10 +6,12 @@ and the controller hooks); a backend only turns a planned list of index batches 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -302,10 +304,11 @@ class DALIIterator(LoaderBase):
             ) from e
         self.device_id = local_device_index() if self.gpu else None
         self.pipelines_built = 0
+        self._kept: _Kept | None = None  # the pipeline of the last epoch that ended normally
 
     def _max_batch(self) -> int:
-        if self.controller is not None:
-            return max(int(self.controller.max_batch), self.batch_size)
+        """The pipeline's batch size: this epoch's (a new size means a new pipeline, so DALI and the
+        hardware decoder preallocate for what is used, not for what a controller might reach)."""
         return self.batch_size
 
     def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -362,16 +365,63 @@ class DALIIterator(LoaderBase):
         self, plan: list[np.ndarray], start: int, bad: dict[int, str]
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int] | BaseException]:
         """Yield (images, labels, samples consumed, plan batches consumed) per batch from one pipeline;
-        on a DALI failure, yield one exception carrying the source and the error, then stop."""
+        on a DALI failure, yield one exception carrying the source and the error, then stop.
+
+        The pipeline of an epoch that ended normally is kept for the next one when the batch size is
+        the same: its source is re-armed with the new plan and the pipeline reset, so decoder setup and
+        preallocation happen once per run, not per epoch. A `break`, an error or a new batch size
+        shuts it down, and the next pass builds a new one.
+        """
+        from .pipeline import shutdown_pipeline
+
+        kept = self._kept if self._kept is not None and self._kept.batch_size == self._max_batch() else None
+        if kept is None:
+            self.close()
+            kept = self._build(plan, start, bad)
+        else:
+            kept.source.rearm(plan, bad)
+            kept.iterator.reset()
+        self._kept = None  # owned by this pass until it ends normally
+        source, it = kept.source, kept.iterator
+        ended = False
+        try:
+            while True:
+                try:
+                    out = next(it)[0]
+                except StopIteration:
+                    source.finish()
+                    ended = True
+                    return
+                except RuntimeError as e:
+                    yield _Failure("pipeline failed", source, e)
+                    return
+                fed = source.consume()
+                images = out["images"]
+                if self.memory_format == torch.channels_last:
+                    images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
+                yield images, out["labels"].reshape(-1), fed.consumed, fed.batches
+        finally:
+            if ended:
+                self._kept = kept
+            else:
+                source.stop()
+                # Stop the pipeline's threads now, not when the garbage collector gets to it: a failed
+                # epoch's traceback keeps the pipeline referenced, and DataLoader workers forked while
+                # one was still running were seen to crash.
+                shutdown_pipeline(kept.pipeline)
+            del it, kept
+
+    def _build(self, plan: list[np.ndarray], start: int, bad: dict[int, str]) -> _Kept:
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-        from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed, shutdown_pipeline
+        from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed
 
         source = BatchSource(self.dataset, plan, self.on_error, self._skips, exclude=bad)
+        batch_size = self._max_batch()
         pipe = build_pipeline(
             source,
-            max_batch=self._max_batch(),
+            max_batch=batch_size,
             train=self.train,
             image_size=self.image_size,
             gpu=self.gpu,
@@ -390,28 +440,30 @@ class DALIIterator(LoaderBase):
             prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.PARTIAL,
         )
-        try:
-            while True:
-                try:
-                    out = next(it)[0]
-                except StopIteration:
-                    source.finish()
-                    return
-                except RuntimeError as e:
-                    yield _Failure("pipeline failed", source, e)
-                    return
-                fed = source.consume()
-                images = out["images"]
-                if self.memory_format == torch.channels_last:
-                    images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
-                yield images, out["labels"].reshape(-1), fed.consumed, fed.batches
-        finally:
-            source.stop()
-            # Stop the pipeline's threads now, not when the garbage collector gets to it: a failed
-            # epoch's traceback keeps the pipeline referenced, and DataLoader workers forked while
-            # one was still running were seen to crash.
-            shutdown_pipeline(pipe)
-            del it, pipe
+        return _Kept(pipe, it, source, batch_size)
+
+    def close(self) -> None:
+        """Shut down the pipeline kept between epochs (also done when the iterator is collected)."""
+        kept, self._kept = getattr(self, "_kept", None), None
+        if kept is not None:
+            from .pipeline import shutdown_pipeline
+
+            kept.source.stop()
+            shutdown_pipeline(kept.pipeline)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+@dataclass
+class _Kept:
+    """A DALI pipeline kept between epochs, with its iterator and source, built for ``batch_size``."""
+
+    pipeline: Any
+    iterator: Any
+    source: Any
+    batch_size: int
 
 
 class _Failure(Exception):

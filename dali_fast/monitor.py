@@ -75,7 +75,7 @@ class UtilizationMonitor:
     then "cpu", and GPU figures read "n/a".
     """
 
-    def __init__(self, interval: float = 0.2, device_index: int = 0, gpu: bool | None = None) -> None:
+    def __init__(self, interval: float = 0.2, device_index: int = 0, gpu: bool | None = None, nvml: Any = None) -> None:
         self.interval = interval
         self.samples: dict[str, list[tuple[float, float]]] = {}
         self._phase: str | None = None
@@ -85,8 +85,10 @@ class UtilizationMonitor:
         self._handle: Any = None
         if gpu is not False:
             try:
-                import pynvml
-
+                if nvml is None:
+                    import pynvml
+                else:
+                    pynvml = nvml
                 pynvml.nvmlInit()
                 self._handle = nvml_handle(pynvml, device_index)  # CUDA's index, found by UUID
                 self._nvml = pynvml
@@ -107,8 +109,7 @@ class UtilizationMonitor:
         if self._nvml is not None:
             try:
                 util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
-                return float(util), float(mem)
+                return float(util), float(self._process_gpu_memory())
             except Exception:  # noqa: BLE001 - a failed reading is skipped, not fatal
                 return None
         now, cpu = time.perf_counter(), _proc_tree_cpu_seconds(os.getpid())
@@ -121,6 +122,18 @@ class UtilizationMonitor:
         # A child that exits takes its CPU time out of the tree's total: never below 0 %.
         busy = max(0.0, min(100.0, 100.0 * (cpu - last[1]) / (now - last[0]) / self.ncpu))
         return busy, float((rss or 0) * 1024)
+
+    def _process_gpu_memory(self) -> int:
+        """GPU memory this process uses (NVML's per-process figure: torch's and DALI's allocations,
+        caches and pools alike); the device's used memory where per-process figures are unavailable."""
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception:  # noqa: BLE001 - not supported (some containers, MIG): the device figure
+            procs = None
+        mine = [p for p in procs or [] if int(p.pid) == os.getpid()]
+        if mine and all(getattr(p, "usedGpuMemory", None) is not None for p in mine):
+            return sum(int(p.usedGpuMemory) for p in mine)
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -85,6 +85,15 @@ class BatchSource:
         """Hand out nothing more (the consumer has left the epoch)."""
         self.stopped = True
 
+    def rearm(self, plan: Sequence[np.ndarray], exclude: Mapping[int, str] | None = None) -> None:
+        """Start handing out a new plan (the next epoch's, in a pipeline kept from the last one)."""
+        self.plan = list(plan)
+        self.exclude = exclude or {}
+        self.next = 0
+        self.stopped = False
+        self.fed.clear()
+        self.tail_skipped = []
+
     def __call__(self) -> tuple[list[np.ndarray], np.ndarray]:
         consumed = batches = 0
         skipped: list[tuple[int, str]] = []

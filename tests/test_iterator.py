@@ -823,3 +823,22 @@ def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
     monkeypatch.setattr(pipeline, "cpus_per_local_rank", lambda: 224)
     assert pipeline.default_num_threads(gpu=True) == pipeline.MIXED_MAX_THREADS
     assert pipeline.default_num_threads(gpu=False) == 224
+
+
+def test_dali_keeps_one_pipeline_across_epochs_of_one_batch_size():
+    cls = loader_class("dali")
+    reader = IndexReader([jpeg_bytes(32 + i % 5, 24 + i % 3) for i in range(37)])
+    train = cls(reader, 8, image_size=16, device="cpu", num_threads=2)
+    val = cls(reader, 8, train=False, image_size=16, device="cpu", num_threads=2)
+    for epoch in range(5):
+        assert sorted(epoch_labels(train, epoch)[0]) == list(range(37))
+        assert epoch_labels(val, epoch)[0] == list(range(37))
+    assert (train.pipelines_built, val.pipelines_built) == (1, 1)
+    assert running_dali_pipelines() >= 2  # kept between epochs
+    train.batch_size = 16  # a new batch size: a new pipeline, sized for it
+    assert sorted(epoch_labels(train, 5)[0]) == list(range(37)) and train.pipelines_built == 2
+    epoch_labels(train, 6, limit=1)  # a break: the pipeline is shut down, the next pass builds one
+    assert sorted(epoch_labels(train, 7)[0]) == list(range(37)) and train.pipelines_built == 3
+    train.close()
+    val.close()
+    assert running_dali_pipelines() == 0

@@ -53,3 +53,49 @@ def test_a_phase_shorter_than_the_interval_still_has_a_figure():
     for k in range(3):
         s = mon.summary(f"epoch{k}")
         assert s["samples"] == 1 and 0 < s["mean"] <= 100, s
+
+
+class OneGpuNvml:
+    """NVML at its boundary: one GPU shared with another process."""
+
+    def __init__(self, per_process=True):
+        self.per_process = per_process
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return type("U", (), {"gpu": 87})()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("M", (), {"used": 100 * 2**30, "total": 141 * 2**30})()
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        import os
+
+        if not self.per_process:
+            raise RuntimeError("Not Supported")
+        P = type("P", (), {})
+        mine, other = P(), P()
+        mine.pid, mine.usedGpuMemory = os.getpid(), 7 * 2**30  # torch + DALI's pool + outputs
+        other.pid, other.usedGpuMemory = os.getpid() + 1, 93 * 2**30
+        return [mine, other]
+
+
+def test_gpu_memory_is_this_process_s_as_nvml_sees_it():
+    mon = UtilizationMonitor(interval=5.0, nvml=OneGpuNvml())
+    assert mon.kind == "gpu"
+    with mon, mon.phase("epoch0"):
+        pass
+    s = mon.summary("epoch0")
+    assert s["mean"] == 87 and s["peak_mem"] == 7 * 2**30  # not the other process's 93 GiB
+    fallback = UtilizationMonitor(interval=5.0, nvml=OneGpuNvml(per_process=False))
+    with fallback, fallback.phase("e"):
+        pass
+    assert fallback.summary("e")["peak_mem"] == 100 * 2**30  # no per-process figures: the device's
