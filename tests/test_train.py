@@ -106,6 +106,16 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
 # ---------------------------------------------------------------- real processes: torchrun and SIGKILL
 
 
+def _skip_without_enough_gpus(nproc: int) -> None:
+    """On a GPU host each rank needs its own GPU (nccl); on a CPU host ranks share the CPU (gloo)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        pytest.skip(f"{nproc} ranks need {nproc} GPUs; this host has {torch.cuda.device_count()}")
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def _command(nproc: int, args: list[str]) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "dali_fast", *args]
@@ -152,13 +162,14 @@ def _check_epoch_cover(per_rank: dict[int, list[int]], train: list[int], nproc: 
 def test_torchrun_two_ranks_shard_each_epoch_exactly_once(odd_set, tmp_path, loader):
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
+    _skip_without_enough_gpus(2)
     args = _train_args(odd_set, loader, tmp_path, "idx") + ["--out", str(tmp_path / "out")]
     proc = subprocess.run(_command(2, args), env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Only rank 0 prints and writes.
     lines = proc.stdout.splitlines()
     assert sum(x.startswith("epoch 0:") for x in lines) == 1 and sum(x.startswith("epoch 1:") for x in lines) == 1
-    assert "2 ranks (gloo)" in proc.stdout and "replicas in sync after training: yes" in proc.stdout
+    assert f"2 ranks ({_backend()})" in proc.stdout and "replicas in sync after training: yes" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.json"]
     recs, train = _records(tmp_path, "idx", 2), _train_indices(odd_set)
     orders = []
@@ -235,6 +246,7 @@ def _kill_at_first_checkpoint(cmd: list[str], ckpt: Path, timeout: float = 600) 
 def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loader):
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
+    _skip_without_enough_gpus(nproc)
     ck = tmp_path / "ck"
     extra = ["--checkpoint", str(ck), "--checkpoint-every", "3"]
     _kill_at_first_checkpoint(
