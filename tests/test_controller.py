@@ -567,3 +567,39 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     ctl.release_unused_memory()
     assert calls == ["torch", "dali"]  # nothing to release without CUDA
+
+
+@pytest.mark.gpu
+def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from dali_fast.controller import TorchCudaProbe, release_unused_memory
+
+    probe = TorchCudaProbe(torch.cuda.current_device())
+    probe.reset_peak()
+    big = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    del big
+    large = probe.peak_fraction()
+    release_unused_memory()
+    probe.reset_peak()
+    small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+    del small
+    assert probe.peak_fraction() < large / 10  # the cached 2 GiB no longer counts
+
+
+@pytest.mark.gpu
+def test_gpu_oom_split_frees_the_failed_step():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    free, _ = torch.cuda.mem_get_info()
+    calls = []
+
+    def step(x, y, w):
+        calls.append(len(y))
+        if len(y) > 2:
+            torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda")  # the forward's activations
+            torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda")  # ...out of memory here
+        return torch.zeros((), device="cuda")
+
+    oom_safe_step(step, torch.zeros(4, 1, device="cuda"), torch.arange(4, device="cuda"), zero_grad=lambda: None)
+    assert calls == [4, 2, 2]

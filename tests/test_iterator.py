@@ -842,3 +842,30 @@ def test_dali_keeps_one_pipeline_across_epochs_of_one_batch_size():
     train.close()
     val.close()
     assert running_dali_pipelines() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_one_pipeline_channels_last_and_bounded_decoder_memory(index_reader):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import pynvml
+
+    from dali_fast.pipeline import DECODER_DEVICE_BUDGET
+    from dali_fast.system import nvml_handle
+
+    pynvml.nvmlInit()
+    handle = nvml_handle(pynvml, torch.cuda.current_device())
+    before = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    cls = loader_class("dali")
+    loader = cls(index_reader, 8, device="cuda", memory_format=torch.channels_last)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        labels = []
+        for images, lab in loader:
+            assert images.is_cuda and images.is_contiguous(memory_format=torch.channels_last)
+            labels += lab.tolist()
+        assert sorted(labels) == list(range(37))
+    assert loader.pipelines_built == 1
+    grown = pynvml.nvmlDeviceGetMemoryInfo(handle).used - before
+    assert grown < DECODER_DEVICE_BUDGET + 2 * 2**30, f"{grown / 2**30:.1f} GiB for one small pipeline"
+    loader.close()

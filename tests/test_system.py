@@ -106,3 +106,19 @@ def test_nvml_device_by_the_uuid_torch_reports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"uuid": f"uuid-{5 + i}"})())
     assert nvml_handle(EightGpuNvml(), 1) == 6
+
+
+@pytest.mark.gpu
+def test_gpu_nvml_handle_is_the_cuda_device():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import pynvml
+
+    from dali_fast.system import cuda_device_uuid, nvml_handle
+
+    pynvml.nvmlInit()
+    for i in range(torch.cuda.device_count()):
+        uuid = pynvml.nvmlDeviceGetUUID(nvml_handle(pynvml, i))
+        assert (uuid.decode() if isinstance(uuid, bytes) else uuid) == cuda_device_uuid(i)
