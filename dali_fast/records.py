@@ -114,8 +114,8 @@ def _check_jpeg(buf: bytes) -> str | None:
     marker sits inside an APP segment that the walk skips, so it cannot pass for the image's.
     """
     n, pos = len(buf), 2
-    while True:
-        while pos < n and buf[pos] == 0xFF and pos + 1 < n and buf[pos + 1] == 0xFF:
+    for _ in range(n):  # each segment moves on by 2 bytes or more: bounded, whatever the bytes say
+        while pos + 1 < n and buf[pos] == 0xFF and buf[pos + 1] == 0xFF:
             pos += 1  # fill bytes
         if pos + 2 > n:
             return "truncated JPEG (ends inside its headers)"
@@ -138,12 +138,13 @@ def _check_jpeg(buf: bytes) -> str | None:
         if marker == 0xDA:  # start of scan: compressed data follows
             return None if buf.find(b"\xff\xd9", end) >= 0 else "truncated JPEG (no end-of-image marker)"
         pos = end
+    return "truncated JPEG (no scan)"
 
 
 def _check_png(buf: bytes) -> str | None:
     """Walk the chunks (length, type, data, crc) to IEND."""
     n, pos = len(buf), 8
-    while True:
+    for _ in range(n):  # each chunk moves on by 12 bytes or more: bounded
         if pos + 12 > n:
             return "truncated PNG (no IEND chunk)"
         length = int.from_bytes(buf[pos : pos + 4], "big")
@@ -155,6 +156,7 @@ def _check_png(buf: bytes) -> str | None:
             return "truncated PNG (a chunk runs past the end)"
         if kind == b"IEND":
             return None
+    return "truncated PNG (no IEND chunk)"
 
 
 def pillow_reason(error: BaseException) -> str:

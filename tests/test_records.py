@@ -432,3 +432,66 @@ def test_fingerprint_tells_data_sets_apart(small_folder, tmp_path):
     assert MemmapReader(tmp_path / "a").fingerprint == MemmapReader(tmp_path / "b").fingerprint
     _rewrite_label(tmp_path / "b", 0, 1, fix_crc=True)  # same size, one label different
     assert MemmapReader(tmp_path / "a").fingerprint != MemmapReader(tmp_path / "b").fingerprint
+
+
+def _seg(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
+
+
+SOI, EOI = b"\xff\xd8", b"\xff\xd9"
+APP0 = _seg(0xE0, b"JFIF\x00" + bytes(9))
+SOS = _seg(0xDA, bytes(10))
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (SOI + APP0 + SOS + b"\x12\x34" + EOI, None),
+        (SOI + APP0 + b"\xff\xff\xff" + SOS + b"\x12" + EOI, None),  # fill bytes before a marker
+        (SOI + b"\xff\x01" + b"\xff\xd0" + APP0 + SOS + EOI, None),  # TEM, RST0: markers without a length
+        (SOI + APP0 + SOS + b"\x12\x34" + EOI + b"trailer" * 300, None),  # data after the image
+        (SOI + _seg(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12", "truncated JPEG (no end-of-image marker)"),
+        (SOI + APP0 + SOS + b"\x12\x34", "truncated JPEG (no end-of-image marker)"),
+        (SOI + APP0 + EOI, "corrupt JPEG (end of image before any scan)"),
+        (SOI + APP0 + b"\x00\x11" + SOS + EOI, f"corrupt JPEG (no marker at byte {2 + len(APP0)})"),
+        (SOI + b"\xff\xe0\x00\x01" + SOS + EOI, "corrupt JPEG (segment length 1 at byte 2)"),
+        (SOI + b"\xff\xe0\x00\x40abc", "truncated JPEG (ends inside its headers)"),
+        (SOI + b"\xff\xe0\x00", "truncated JPEG (ends inside its headers)"),
+        (SOI + b"\xff", "truncated JPEG (ends inside its headers)"),
+        (SOI + APP0, "truncated JPEG (ends inside its headers)"),
+    ],
+)
+def test_jpeg_structure_check(data, reason):
+    assert check_encoded(data) == reason
+
+
+def _chunk(kind: bytes, body: bytes = b"") -> bytes:
+    return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+
+
+PNG_SIG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (PNG_SIG + _chunk(b"IHDR", bytes(13)) + _chunk(b"IDAT", b"xx") + _chunk(b"IEND"), None),
+        (PNG_SIG + _chunk(b"IHDR", bytes(13)) + _chunk(b"IEND") + b"trailer", None),
+        (PNG_SIG + _chunk(b"IHDR", bytes(13)) + _chunk(b"IDAT", b"xx"), "truncated PNG (no IEND chunk)"),
+        (PNG_SIG + _chunk(b"IHDR", bytes(13))[:-3], "truncated PNG (a chunk runs past the end)"),
+        (PNG_SIG + _chunk(b"IHDR", bytes(13)) + bytes(11), "truncated PNG (no IEND chunk)"),
+        (PNG_SIG + _chunk(b"IDAT", b"x" * 40)[:30] + _chunk(b"IEND"), "truncated PNG (a chunk runs past the end)"),
+        (PNG_SIG + _chunk(b"ID1T", b"x") + _chunk(b"IEND"), "corrupt PNG (bad chunk type b'ID1T' at byte 8)"),
+        (PNG_SIG, "truncated PNG (no IEND chunk)"),
+    ],
+)
+def test_png_structure_check(data, reason):
+    assert check_encoded(data) == reason
+
+
+def test_check_encoded_takes_every_buffer_kind():
+    good = jpeg_bytes()
+    for form in (good, bytearray(good), memoryview(good), np.frombuffer(good, np.uint8)):
+        assert check_encoded(form) is None
+    assert check_encoded(np.zeros(0, np.uint8)) == "empty record"
+    assert check_encoded(b"\xff\xd8\x00rest") == "not a JPEG or PNG (unknown signature)"
