@@ -495,3 +495,44 @@ def test_check_encoded_takes_every_buffer_kind():
         assert check_encoded(form) is None
     assert check_encoded(np.zeros(0, np.uint8)) == "empty record"
     assert check_encoded(b"\xff\xd8\x00rest") == "not a JPEG or PNG (unknown signature)"
+
+
+def test_two_packs_to_one_destination_say_so(small_folder, tmp_path, monkeypatch):
+    import dali_fast.records as records
+
+    dst = tmp_path / "p"
+    real_rename = os.rename
+
+    def rename(src, target):
+        if Path(target) == dst:  # another pack finished first
+            dst.mkdir()
+            (dst / "index.bin").write_bytes(b"theirs")
+            raise OSError(39, "Directory not empty")
+        return real_rename(src, target)
+
+    monkeypatch.setattr(records.os, "rename", rename)
+    with pytest.raises(FileExistsError) as e:
+        pack(small_folder, dst, progress=False)
+    assert _one_line(e) == f"{dst}: appeared while packing (another pack to the same place?); this pack is discarded"
+    assert (dst / "index.bin").read_bytes() == b"theirs" and list(tmp_path.glob(".p.tmp-*")) == []
+
+
+def test_damaged_paths_file_does_not_hide_the_real_error(small_folder, tmp_path):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    size = (dst / "paths.bin").stat().st_size
+    (dst / "paths.bin").write_bytes(b"\xff\xfe" * (size // 2) + b"\xff" * (size % 2))  # not UTF-8
+    r = MemmapReader(dst)
+    assert isinstance(r.source(0), str)  # readable for a message, no UnicodeDecodeError
+
+
+def test_pack_summary_is_printed_once(small_folder, tmp_path, capsys, caplog):
+    from dali_fast.cli import main
+
+    (small_folder / "cat" / "notes.txt").write_text("x")
+    with caplog.at_level("INFO"):
+        assert main(["pack", str(small_folder), str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    logged = [r.getMessage() for r in caplog.records]
+    assert out.count("packed 7 records") == 1 and not any("packed 7 records" in m for m in logged)
+    assert sum("notes.txt" in m for m in logged) == 1 and "notes.txt" not in out  # named once
