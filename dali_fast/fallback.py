@@ -303,7 +303,7 @@ class TorchIterator(LoaderBase):
         return self._loader
 
     def _keys(self, plan: Sequence[np.ndarray]) -> list[list[tuple]]:
-        epoch = self.sampler.epoch
+        epoch = self.order.epoch
         if self.cache is None:
             return [[(int(i), epoch) for i in batch] for batch in plan]
         # Shared cache: the main process reads the bytes (lazily, one batch at a time).

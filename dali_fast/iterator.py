@@ -7,6 +7,7 @@ and the controller hooks); a backend only turns a planned list of index batches 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import weakref
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Sampler
 
 from .cache import CachedReader, LRUCache
 from .pipeline import SkipLog
@@ -49,6 +51,12 @@ def local_device_index() -> int:
 
 
 # pragma: no mutate end
+
+
+_ABANDONED = (
+    "this pass over the loader was abandoned when another started (iter(), set_epoch() or load_state_dict()); "
+    "iterate one pass at a time"
+)
 
 
 class LoaderBase:
@@ -105,6 +113,7 @@ class LoaderBase:
         if device in ("cuda", "gpu") and not cuda_usable():
             raise ValueError(f"device={device!r} but CUDA is not usable here; use device='auto' or 'cpu'")
         self.gpu = device in ("cuda", "gpu") or (device == "auto" and cuda_usable())
+        self._rank_arg, self._world_arg = rank, world_size
         self.rank, self.world_size = dist_rank_world(rank, world_size)
         self.cache: LRUCache | None = LRUCache(cache_bytes) if cache_bytes else None
         self.dataset: Reader = CachedReader(dataset, self.cache) if self.cache is not None else dataset
@@ -117,7 +126,7 @@ class LoaderBase:
         self.on_error = on_error
         self.prefetch = int(prefetch)
         self.memory_format = memory_format
-        self.sampler = EpochSampler(
+        self.order = EpochSampler(
             len(dataset),
             seed=self.seed,
             shuffle=self.train,
@@ -136,8 +145,20 @@ class LoaderBase:
         self.last_indices: np.ndarray = np.empty(0, dtype=np.int64)
         self._resumed = False  # load_state_dict() was called since the last iter()
         self._active: weakref.ref | None = None  # the pass in progress, if any
+        self._current_pass: object | None = None  # the token of the pass allowed to deliver batches
 
     # ------------------------------------------------------------------ public surface
+    batch_sampler = None  # batches are cut inside the loader (DataLoader's attribute, for frameworks that read it)
+
+    @property
+    def sampler(self) -> LoaderSampler:
+        """This rank's order for the current epoch, as a `torch.utils.data.Sampler`.
+
+        Frameworks call ``loader.sampler.set_epoch(epoch)`` (Lightning does, each epoch): that goes
+        through ``loader.set_epoch``, so it keeps a resumed position and is refused during a pass.
+        """
+        return LoaderSampler(self)
+
     @property
     def batch_size(self) -> int:
         """The batch size of the epoch in progress, else of the next epoch."""
@@ -147,7 +168,7 @@ class LoaderBase:
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if self._epoch_bs is not None or self._pass_running():
+        if self._current_pass is not None and self._pass_running():
             raise ValueError("the batch size can change only between epochs; set it before iterating")
         if not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"batch_size={value!r}: must be a positive integer")
@@ -157,7 +178,7 @@ class LoaderBase:
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        return self.order.epoch
 
     @property
     def skipped(self) -> int:
@@ -167,35 +188,58 @@ class LoaderBase:
     def cache_stats(self) -> dict[str, float] | None:
         return self.cache.stats() if self.cache is not None else None
 
+    def _follow_process_group(self) -> None:
+        """Take rank and world size from a process group started after this loader was made (Lightning
+        and Accelerate start it after the user built the loader); explicit rank/world_size stay."""
+        rank, world = dist_rank_world(self._rank_arg, self._world_arg)
+        if (rank, world) == (self.rank, self.world_size):
+            return
+        if self.order.position not in (0, len(self.order)) or self._pass_running():
+            raise RuntimeError(
+                f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
+                f"{self.rank} of {self.world_size}; make the loader after the process group starts"
+            )
+        epoch = self.order.epoch
+        self.rank, self.world_size = rank, world
+        self.order = EpochSampler(
+            self.order.n, seed=self.seed, shuffle=self.train, rank=rank, world_size=world, drop_last=self.drop_last
+        )
+        self.order.set_epoch(epoch)
+        log.info("loader: now rank %d of %d (the process group started after the loader was made)", rank, world)
+
     def __len__(self) -> int:
         """Batches in this epoch on this rank, at this epoch's batch size."""
-        n, bs = len(self.sampler), self.batch_size
+        self._follow_process_group()
+        n, bs = len(self.order), self.batch_size
         return n // bs if self.drop_last else math.ceil(n / bs)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order. Calling it with the epoch a resumed state is in keeps the position."""
-        self._refuse_during_pass("set_epoch()")
+        self._supersede_pass("set_epoch()")
         epoch = int(epoch)
-        if epoch != self.sampler.epoch or self._finished:
-            self.sampler.set_epoch(epoch)
+        if epoch != self.order.epoch or self._finished:
+            self.order.set_epoch(epoch)
             self._finished = False
             self._resumed = False
 
     def _pass_running(self) -> bool:
+        """A pass has started (its first batch was asked for) and has not ended or been closed."""
         gen = self._active() if self._active is not None else None
-        return gen is not None and gen.gi_frame is not None
+        return gen is not None and inspect.getgeneratorstate(gen) in (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
 
-    def _refuse_during_pass(self, what: str) -> None:
-        if self._pass_running():
-            raise RuntimeError(
-                f"{what} while a pass over this loader is running; finish the loop, or close its iterator "
-                "(it.close() or del it), first"
-            )
+    def _supersede_pass(self, what: str) -> None:
+        """Start over from ``what`` (a new iter(), set_epoch, load_state_dict) while an earlier pass is
+        suspended: that pass is abandoned, as a DataLoader abandons its old iterator, and raises a
+        one-line error if it is asked for another batch, so no batch is ever delivered by two passes."""
+        if self._pass_running():  # started: abandon it (a pass not started yet plans when it starts)
+            log.debug("%s abandons the pass in progress", what)
+            self._current_pass = None
+            self._epoch_bs = None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epoch, samples yielded so far, and what must match to resume."""
         sd: dict[str, Any] = {
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.order.state_dict(),
             "finished": self._finished,
             "batch_size": self._batch_size,
             "backend": self.backend,
@@ -206,7 +250,7 @@ class LoaderBase:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next batch starts at exactly the sample after the last one yielded."""
-        self._refuse_during_pass("load_state_dict()")
+        self._supersede_pass("load_state_dict()")
         if (
             not isinstance(state, dict)
             or not isinstance(state.get("sampler"), dict)
@@ -219,7 +263,7 @@ class LoaderBase:
             raise ValueError(
                 "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
             )
-        self.sampler.load_state_dict(state["sampler"])
+        self.order.load_state_dict(state["sampler"])
         self._finished = bool(state.get("finished", False))
         self._batch_size = int(state.get("batch_size", self._batch_size))
         if self.controller is not None and "controller" in state:
@@ -228,46 +272,62 @@ class LoaderBase:
 
     def __iter__(self) -> Iterator[Batch]:
         """A pass over the rest of the epoch: the whole current epoch, as a DataLoader does, unless
-        ``load_state_dict()`` was called since the last ``iter()`` (then from the saved position)."""
-        self._refuse_during_pass("iter()")
-        if self._finished:
-            # Looping again without set_epoch: move on to the next epoch's order.
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-            self._finished = False
-        elif not self._resumed:
-            self.sampler.position = 0  # e.g. after a peek with next(iter(loader)) or a break
-        self._resumed = False
-        bs = self.batch_size
-        start = self.sampler.position
-        shard = self.sampler.indices()
-        stop = len(shard)
-        if self.drop_last:
-            stop = start + (len(shard) - start) // bs * bs
-        plan = [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)]
-        gen = self._epoch(plan, bs, start)
+        ``load_state_dict()`` was called since the last ``iter()`` (then from the saved position).
+
+        The pass decides what it covers when its first batch is asked for, so ``set_epoch`` between
+        ``iter()`` and the first ``next()`` (as Lightning calls them) still applies.
+        """
+        self._supersede_pass("iter()")
+        token = object()
+        gen = self._epoch(token)
+        self._current_pass = token
         self._active = weakref.ref(gen)
         return gen
 
+    def _plan_pass(self) -> tuple[list[np.ndarray], int, int]:
+        """(index batches, batch size, start position) of the pass that starts now."""
+        self._follow_process_group()
+        if self._finished:
+            # Looping again without set_epoch: move on to the next epoch's order.
+            self.order.set_epoch(self.order.epoch + 1)
+            self._finished = False
+        elif not self._resumed:
+            self.order.position = 0  # e.g. after a peek with next(iter(loader)) or a break
+        self._resumed = False
+        bs = self.batch_size
+        start = self.order.position
+        shard = self.order.indices()
+        stop = len(shard)
+        if self.drop_last:
+            stop = start + (len(shard) - start) // bs * bs
+        return [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)], bs, start
+
     # ------------------------------------------------------------------ epoch driver
-    def _epoch(self, plan: list[np.ndarray], bs: int, start: int) -> Iterator[Batch]:
+    def _epoch(self, token: object) -> Iterator[Batch]:
+        if self._current_pass is not token:
+            raise RuntimeError(_ABANDONED)
+        plan, bs, start = self._plan_pass()
         self._epoch_bs = bs
-        if self.controller is not None and (start == 0 or self._ctrl_epoch != self.sampler.epoch):
+        if self.controller is not None and (start == 0 or self._ctrl_epoch != self.order.epoch):
             # From the epoch's start, or from a resumed position when this process has not measured it yet.
             self.controller.begin_epoch()
-            self._ctrl_epoch = self.sampler.epoch
-        shard = self.sampler.indices()
+            self._ctrl_epoch = self.order.epoch
+        shard = self.order.indices()
         try:
             for images, labels, consumed in self._run(plan, start):
-                at = self.sampler.position
+                at = self.order.position
                 self.last_indices = shard[at : at + consumed]
-                self.sampler.position += consumed
+                self.order.position += consumed
                 yield images, labels
-            self.sampler.position = len(self.sampler)
+                if self._current_pass is not token:
+                    raise RuntimeError(_ABANDONED)
+            self.order.position = len(self.order)
             self._finished = True
             if self.controller is not None:
-                self.controller.end_epoch(self.sampler.epoch)
+                self.controller.end_epoch(self.order.epoch)
         finally:
-            self._epoch_bs = None
+            if self._current_pass is token:
+                self._epoch_bs = None
 
     def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         """Yield (images, labels, planned samples accounted for) for each planned batch, in order."""
@@ -275,6 +335,31 @@ class LoaderBase:
 
 
 # pragma: no mutate block (the DALI backend: outside the epoch driver)
+class LoaderSampler(Sampler[int]):
+    """A loader's order as a `torch.utils.data.Sampler`: iterates this rank's shard of the current epoch;
+    ``set_epoch`` is the loader's (safe to call from a framework)."""
+
+    def __init__(self, loader: LoaderBase) -> None:
+        self.loader = loader
+
+    @property
+    def shuffle(self) -> bool:
+        return self.loader.order.shuffle
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.order.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.loader.order.indices().tolist())
+
+    def __len__(self) -> int:
+        return len(self.loader.order)
+
+
 class DALIIterator(LoaderBase):
     """Batches of decoded, augmented images from a DALI pipeline, as PyTorch tensors.
 
@@ -426,7 +511,7 @@ class DALIIterator(LoaderBase):
             image_size=self.image_size,
             gpu=self.gpu,
             device_id=self.device_id,
-            seed=derive_seed(self.seed, self.sampler.epoch, self.rank, start),
+            seed=derive_seed(self.seed, self.order.epoch, self.rank, start),
             num_threads=self.num_threads or default_num_threads(self.gpu),
             fp16=self.dtype == torch.float16,
             prefetch=self.prefetch,
