@@ -529,7 +529,11 @@ def test_a_new_pass_abandons_the_running_one_which_then_refuses_in_one_line(make
     next(it)
     with pytest.raises(ValueError, match="between epochs"):
         loader.batch_size = 4
-    for start_over in (lambda: iter(loader), lambda: loader.set_epoch(0), lambda: loader.load_state_dict(loader.state_dict())):
+    for start_over in (
+        lambda: iter(loader),
+        lambda: loader.set_epoch(0),
+        lambda: loader.load_state_dict(loader.state_dict()),
+    ):
         new = start_over()
         with pytest.raises(RuntimeError) as e:
             next(it)
@@ -883,3 +887,18 @@ def test_gpu_one_pipeline_channels_last_and_bounded_decoder_memory(index_reader)
     grown = pynvml.nvmlDeviceGetMemoryInfo(handle).used - before
     assert grown < DECODER_DEVICE_BUDGET + 2 * 2**30, f"{grown / 2**30:.1f} GiB for one small pipeline"
     loader.close()
+
+
+def test_dataloader_attributes_tell_the_truth(make, index_reader):
+    from torch.utils.data import Sampler
+
+    loader = make(index_reader, 8, drop_last=False)
+    assert len(loader) == 5 and loader.batch_size == 8 and loader.drop_last is False
+    assert loader.batch_sampler is None and loader.dataset is index_reader and len(loader.dataset) == 37
+    assert isinstance(loader.sampler, Sampler) and len(loader.sampler) == 37
+    loader.batch_size = 16
+    assert len(loader) == 3  # len() follows the batch size
+    loader.sampler.set_epoch(3)  # what Lightning calls: the loader's own set_epoch
+    labels, sizes = epoch_labels(loader)
+    assert loader.epoch == 3 and sizes == [16, 16, 5] and labels == list(loader.sampler)
+    assert make(index_reader, 8, rank=1, world_size=2).sampler.__len__() == 19

@@ -1,0 +1,125 @@
+"""dali_fast with a real Hugging Face Accelerator (no mocks): prepare() leaves our loader as it is, and
+under `accelerate launch` with 2 processes each rank gets its own shard from the loader itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+ROOT = Path(__file__).resolve().parents[1]
+N = 37
+
+SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import torch
+from accelerate import Accelerator
+from test_lightning import loader, reader
+backend, out = sys.argv[1], sys.argv[2]
+acc = Accelerator(cpu=True)
+ld = loader(backend, reader(), batch_size=4)
+model = torch.nn.Linear(3 * 16 * 16, 37)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt, prepared = acc.prepare(model, opt, ld)
+assert prepared is ld  # not a torch DataLoader: Accelerate leaves it (and its sharding) alone
+seen = []
+for epoch in range(2):
+    prepared.set_epoch(epoch)
+    labels = []
+    for x, y in prepared:
+        loss = torch.nn.functional.cross_entropy(model(x.flatten(1)), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        labels += y.tolist()
+    seen.append(labels)
+with open(os.path.join(out, f"rank{{acc.process_index}}.json"), "w") as f:
+    json.dump({{"epochs": seen, "world": acc.num_processes}}, f)
+acc.wait_for_everyone()
+acc.end_training()
+"""
+
+
+def _launch(tmp_path: Path, backend: str, nproc: int) -> list[dict]:
+    script = tmp_path / "acc_run.py"
+    script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
+    if nproc == 1:
+        cmd = [sys.executable, str(script), backend, str(tmp_path)]
+    else:
+        # accelerate's torchrun launcher; `--cpu` with several processes would need MPI
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc)]
+        cmd = [*launcher, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        cmd += [str(script), backend, str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("backend", ["dali", "torch"])
+def test_prepare_in_one_process(backend):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from test_lightning import loader, reader
+
+    acc = Accelerator(cpu=True)
+    try:
+        ld = loader(backend, reader(), batch_size=8)
+        model = torch.nn.Linear(3 * 16 * 16, N)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, prepared = acc.prepare(model, opt, ld)
+        assert prepared is ld
+        epochs = []
+        for epoch in range(2):
+            prepared.set_epoch(epoch)
+            labels = []
+            for x, y in prepared:
+                acc.backward(torch.nn.functional.cross_entropy(model(x.flatten(1)), y))
+                opt.step()
+                opt.zero_grad()
+                labels += y.tolist()
+            epochs.append(labels)
+        assert all(sorted(e) == list(range(N)) for e in epochs) and epochs[0] != epochs[1]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # noqa: SLF001 - one Accelerator per test
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["dali", "torch"])
+def test_accelerate_launch_two_processes_each_rank_its_shard(backend, tmp_path):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    ranks = _launch(tmp_path, backend, 2)
+    assert [r["world"] for r in ranks] == [2, 2]
+    for e in (0, 1):
+        a, b = ranks[0]["epochs"][e], ranks[1]["epochs"][e]
+        assert len(a) == len(b) == 19
+        counts = Counter(a + b)
+        assert set(counts) == set(range(N)) and sum(counts.values()) == N + 1  # disjoint but for one padded sample
+
+
+def test_loader_state_round_trips_through_torch_save_weights_only(tmp_path):
+    from conftest import IndexReader, jpeg_bytes
+
+    from dali_fast import BatchSizeController, TorchIterator
+
+    ctrl = BatchSizeController(
+        4, 16, probe=type("P", (), {"reset_peak": lambda s: None, "peak_fraction": lambda s: 0.1})()
+    )
+    data = IndexReader([jpeg_bytes() for _ in range(N)])
+    ld = TorchIterator(data, 4, image_size=16, num_workers=0, controller=ctrl)
+    epoch = iter(ld)
+    next(epoch)
+    del epoch
+    state = {"loader": ld.state_dict()}
+    torch.save(state, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)  # what Lightning and torch load by default
+    assert loaded == state

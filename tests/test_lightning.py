@@ -1,0 +1,277 @@
+"""dali_fast under a real PyTorch Lightning Trainer (no mocks): both iterators, the DataModule, DDP, resume.
+
+The data set's label is the record index, so the labels a callback sees name the samples exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import IndexReader, jpeg_bytes
+
+pl = pytest.importorskip("pytorch_lightning")
+ROOT = Path(__file__).resolve().parents[1]
+N = 37
+BACKENDS = ["dali", "torch"]
+
+
+def reader() -> IndexReader:
+    return IndexReader([jpeg_bytes(32 + i % 5, 24 + i % 3) for i in range(N)])
+
+
+def loader(backend: str, data, batch_size: int = 8, train: bool = True, **kw):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+        from dali_fast import DALIIterator as cls
+
+        kw.setdefault("num_threads", 2)
+    else:
+        from dali_fast import TorchIterator as cls
+
+        kw.setdefault("num_workers", 0)
+    return cls(data, batch_size, train=train, image_size=16, device="cpu", seed=1, **kw)
+
+
+class Recorder(pl.Callback):
+    """What each stage saw: (epoch, labels) per training batch, labels per val/test/predict batch."""
+
+    def __init__(self):
+        self.train: list[tuple[int, list[int]]] = []
+        self.val: list[list[int]] = []
+        self.test: list[list[int]] = []
+        self.predict: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.train.append((trainer.current_epoch, batch[1].tolist()))
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val.append(batch[1].tolist())
+
+    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.test.append(batch[1].tolist())
+
+    def on_predict_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.predict.append(batch[1].tolist())
+
+    def epoch(self, e: int) -> list[int]:
+        return [i for ep, labels in self.train if ep == e for i in labels]
+
+
+class Model(pl.LightningModule):
+    def __init__(self, loaders=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(3 * 16 * 16, N)
+        self.loaders = loaders or {}
+
+    def forward(self, x):
+        return self.lin(x.flatten(1))
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        pass
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return self.loaders.get("train", list)()
+
+    def val_dataloader(self):
+        return self.loaders.get("val", list)()
+
+    def test_dataloader(self):
+        return self.loaders.get("test", list)()
+
+    def predict_dataloader(self):
+        return self.loaders.get("predict", list)()
+
+
+def trainer(recorder, **kw):
+    kw.setdefault("max_epochs", 2)
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, *kw.pop("callbacks", [])],
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fit_validate_test_predict(backend):
+    data = reader()
+    model = Model(
+        {
+            "train": lambda: loader(backend, data),
+            "val": lambda: loader(backend, data, train=False),
+            "test": lambda: loader(backend, data, train=False),
+            "predict": lambda: loader(backend, data, train=False),
+        }
+    )
+    rec = Recorder()
+    t = trainer(rec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(model)
+    assert not [w for w in caught if "shuffl" in str(w.message)]  # validation runs in order
+    first, second = rec.epoch(0), rec.epoch(1)
+    assert sorted(first) == sorted(second) == list(range(N))  # exactly once per epoch
+    assert first != second  # a new order each epoch
+    sanity, per_epoch = rec.val[:2], rec.val[2:]
+    assert [i for b in per_epoch for i in b] == list(range(N)) * 2  # in order, whole, after each epoch
+    assert [i for b in sanity for i in b] == list(range(16))
+    t.test(model)
+    preds = t.predict(model)
+    t.validate(model)
+    assert [i for b in rec.test for i in b] == list(range(N))
+    assert [i for b in rec.predict for i in b] == list(range(N)) and sum(len(p) for p in preds) == N
+    assert [i for b in rec.val[-5:] for i in b] == list(range(N))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_limits_val_check_interval_and_totals(backend):
+    data = reader()
+    model = Model({"train": lambda: loader(backend, data), "val": lambda: loader(backend, data, train=False)})
+    rec = Recorder()
+    t = trainer(rec, max_epochs=1, num_sanity_val_steps=0)
+    t.fit(model)
+    assert t.num_training_batches == 5 and t.num_val_batches == [5]  # len(loader): the progress bar's totals
+    rec = Recorder()
+    t = trainer(rec, max_epochs=2, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
+    t.fit(model)
+    assert [len(rec.epoch(e)) for e in (0, 1)] == [16, 16] and len(rec.val) == 2
+    rec = Recorder()
+    t = trainer(rec, max_epochs=1, val_check_interval=0.5, num_sanity_val_steps=0, limit_val_batches=1)
+    t.fit(model)
+    assert len(rec.val) == 2  # validation twice in the epoch
+
+
+class Preempted(Exception):
+    """The job dies here (a preempted node, an out-of-memory kill)."""
+
+
+class CrashAfter(pl.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise Preempted
+
+
+def _crash_and_resume(make_train, tmp_path) -> tuple[list[int], list[int], Recorder, Recorder]:
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    model = Model({"train": make_train})
+    first = Recorder()
+    t = trainer(first, max_epochs=2, callbacks=[ckpt, CrashAfter(7)], enable_checkpointing=True)
+    with pytest.raises(Preempted):
+        t.fit(model)  # epoch 0: 5 batches; epoch 1: stops after step 7, the last checkpoint is at step 6
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True, map_location="cpu")
+    assert saved["global_step"] == 6 and saved["epoch"] == 1
+    second = Recorder()
+    t2 = trainer(second, max_epochs=2, enable_checkpointing=True)
+    t2.fit(Model({"train": make_train}), ckpt_path=tmp_path / "last.ckpt")
+    before = [i for ep, labels in first.train[:6] if ep == 1 for i in labels]  # what the checkpoint covers
+    return before, second.epoch(1), first, second
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_crash_after_a_mid_epoch_checkpoint_then_resume_sees_each_sample_once(backend, tmp_path):
+    data = reader()
+    before, after, _, second = _crash_and_resume(lambda: loader(backend, data), tmp_path)
+    assert len(before) == 8  # one batch of epoch 1 was in the checkpoint
+    assert sorted(before + after) == list(range(N))  # the epoch, exactly once over both runs
+    assert second.epoch(0) == []  # epoch 0 was not run again
+
+
+def test_plain_dataloader_in_the_same_crash_repeats_and_skips(tmp_path):
+    """The yardstick: the same scenario with torch's DataLoader, measured, not assumed."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.zeros(N, 3, 16, 16), torch.arange(N))
+    before, after, _, _ = _crash_and_resume(lambda: DataLoader(data, batch_size=8, shuffle=True), tmp_path)
+    counts = Counter(before + after)
+    repeated = sum(c - 1 for c in counts.values() if c > 1)
+    skipped = N - len(counts)
+    (tmp_path / "plain.json").write_text(json.dumps({"repeated": repeated, "skipped": skipped}))
+    assert repeated > 0 or skipped > 0, "the plain DataLoader resumed exactly; the comparison no longer holds"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_datamodule_one_line(backend, tmp_path):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    from dali_fast import pack
+    from dali_fast.lightning import DaliFastDataModule
+    from dali_fast.synthetic import make_synthetic
+
+    make_synthetic(tmp_path / "img", images=24, classes=3, progress=False)
+    pack(tmp_path / "img", tmp_path / "packed", progress=False)
+    dm = DaliFastDataModule(
+        train=tmp_path / "packed", val=tmp_path / "img", batch_size=6, backend=backend, image_size=16, device="cpu"
+    )
+    model = Model()
+    model.lin = torch.nn.Linear(3 * 16 * 16, 3)
+    rec = Recorder()
+    trainer(rec, max_epochs=1, num_sanity_val_steps=0).fit(model, datamodule=dm)
+    assert len(rec.epoch(0)) == 24 and sum(len(b) for b in rec.val) == 24
+    with pytest.raises(ValueError, match="at least one data set"):
+        DaliFastDataModule()
+
+
+DDP_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import pytorch_lightning as pl, torch
+from test_lightning import Model, Recorder, loader, reader
+backend, out = sys.argv[1], sys.argv[2]
+data = reader()
+rec = Recorder()
+model = Model({{"train": lambda: loader(backend, data, batch_size=4)}})
+t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[rec])
+t.fit(model)
+with open(os.path.join(out, f"rank{{t.global_rank}}.json"), "w") as f:
+    json.dump({{"epochs": [rec.epoch(0), rec.epoch(1)], "world": t.world_size}}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ddp_two_processes_shard_each_epoch(backend, tmp_path):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    script = tmp_path / "ddp_run.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, str(script), backend, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    for e in (0, 1):
+        shards = [r["epochs"][e] for r in ranks]
+        assert len(shards[0]) == len(shards[1]) == 19  # equal: DDP must not hang
+        counts = Counter(shards[0] + shards[1])
+        assert set(counts) == set(range(N)) and sum(counts.values()) == N + 1  # one padded sample
+        assert not set(shards[0]) & set(shards[1]) - {i for i, c in counts.items() if c > 1}
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
