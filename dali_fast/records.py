@@ -513,7 +513,7 @@ def pack(
     *,
     verify: bool = True,
     max_side: int | None = None,
-    progress: bool = True,
+    progress: bool = True,  # pragma: no mutate (display only)
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
@@ -540,7 +540,7 @@ def pack(
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(dst)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # pragma: no mutate (any unique name)
     tmp.mkdir()
     try:
         rows = np.zeros(len(items), dtype=RECORD_DTYPE)
@@ -550,7 +550,7 @@ def pack(
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(items, desc=f"pack {src.name}", unit="img")
+            it = tqdm(items, desc=f"pack {src.name}", unit="img")  # pragma: no mutate (display only)
         with open(tmp / DATA_FILE, "wb") as data_f, open(tmp / PATHS_FILE, "wb") as paths_f:
             for path, label in it:
                 try:
@@ -600,7 +600,7 @@ def pack(
             "skipped": len(report.skipped),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
         try:
             os.rename(tmp, dst)
         except OSError as e:
@@ -616,5 +616,5 @@ def pack(
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
-    log.debug(report.summary())
+    log.debug(report.summary())  # pragma: no mutate (debug log)
     return report

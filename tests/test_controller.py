@@ -114,6 +114,7 @@ def test_unreadable_probe_holds_and_logs_once(caplog):
         assert run(c, 4) == [64, 64, 64, 128]
     assert c.batch_size == 128
     assert [h["decision"] for h in c.history] == ["hold", "hold", "grow", "hold"]
+    assert c.history[0]["reason"] == "memory could not be read" and c.history[0]["peak_fraction"] is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["memory probe 'scripted' gave no reading at the end of epoch 0: batch size held at 64"]
 

@@ -1,3 +1,5 @@
+import io
+import json
 import os
 import signal
 import subprocess
@@ -536,3 +538,124 @@ def test_pack_summary_is_printed_once(small_folder, tmp_path, capsys, caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert out.count("packed 7 records") == 1 and not any("packed 7 records" in m for m in logged)
     assert sum("notes.txt" in m for m in logged) == 1 and "notes.txt" not in out  # named once
+
+
+# ----------------------------------------------------------------------------- every damage, its exact line
+
+
+def _set_header(dst: Path, **fields) -> None:
+    header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)
+    for k, v in fields.items():
+        header[k] = v
+    with open(dst / INDEX_FILE, "r+b") as f:
+        f.write(header.tobytes())
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: os.truncate(d / INDEX_FILE, 63), "{d}/index.bin: truncated header (63 bytes); pack the data set again"),
+        (lambda d: os.truncate(d / INDEX_FILE, 64 + 32 * 7 - 1),
+         "{d}/index.bin: 287 bytes, expected 288 for 7 records (truncated?); pack the data set again"),
+        (lambda d: _set_header(d, record_size=40), "{d}/index.bin: record size 40 != 32"),
+        (lambda d: _set_header(d, count=8), "{d}/index.bin: 288 bytes, expected 320 for 8 records (truncated?); pack the data set again"),
+        (lambda d: _set_header(d, version=3),
+         "{d}/index.bin: format version 3, this dali_fast reads version 2; pack the data set again with this version"),
+        (lambda d: os.truncate(d / DATA_FILE, 10),
+         "{d}/data.bin: 10 bytes, the index says {size} (truncated or modified); pack the data set again"),
+        (lambda d: (d / "paths.bin").write_bytes(b"x"), "{d}/paths.bin: size does not match the index; pack the data set again"),
+        (lambda d: (d / "meta.json").unlink(),
+         "{d}/meta.json: missing; {d} is not a complete packed data set, pack it again with `dali-fast pack SRC {d}`"),
+    ],
+)  # fmt: skip
+def test_damaged_pack_exact_one_line(small_folder, tmp_path, damage, message):
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    size = (dst / DATA_FILE).stat().st_size
+    damage(dst)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        MemmapReader(dst)
+    assert _one_line(e) == message.format(d=dst, size=size)
+
+
+def test_index_and_data_maps_are_read_only(small_folder, tmp_path):
+    pack(small_folder, tmp_path / "p", progress=False)
+    r = MemmapReader(tmp_path / "p")
+    assert not r.records.flags.writeable and not r.data.flags.writeable
+    assert r.records.shape == (7,) and r.records.dtype == RECORD_DTYPE
+
+
+def test_a_pack_whose_every_image_is_bad_opens_empty(tmp_path):
+    src = make_folder(tmp_path / "src", {"a": [b"", b"junk"]})
+    report = pack(src, tmp_path / "p", progress=False)
+    assert report.records == 0 and report.data_bytes == 0 and len(report.skipped) == 2
+    r = MemmapReader(tmp_path / "p")
+    assert len(r) == 0 and r.records.dtype == RECORD_DTYPE and r.data.dtype == np.uint8
+    assert r.verify() == [] and r.index_intact() and r.labels.tolist() == []
+
+
+def test_pack_report_meta_and_header_exactly(tmp_path, caplog):
+    import datetime
+
+    src = make_folder(tmp_path / "src", {"b": [jpeg_bytes(40, 30)], "a": [jpeg_bytes(30, 40), b"junk"]})
+    (src / "a" / "readme.txt").write_text("x")
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        report = pack(src, tmp_path / "deep" / "er" / "p", progress=False)  # missing parents are made
+    elapsed = time.perf_counter() - t0
+    dst = tmp_path / "deep" / "er" / "p"
+    assert (report.records, report.classes, report.reencoded) == (2, 2, 0)
+    assert report.data_bytes == (dst / DATA_FILE).stat().st_size and 0 < report.seconds <= elapsed
+    assert report.skipped == [
+        (str(src / "a" / "readme.txt"), "not a .jpg/.jpeg/.png file"),
+        (str(src / "a" / "001.jpg"), "undecodable: UnidentifiedImageError: cannot identify image file the record"),
+    ]
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [f"left out {p}: {why}" for p, why in report.skipped]
+    meta = json.loads((dst / "meta.json").read_text())
+    created = meta.pop("created")
+    assert meta == {"format_version": 2, "classes": ["a", "b"], "source_root": str(src.resolve()), "records": 2, "skipped": 2}
+    assert datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z")
+    header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)[0]
+    assert header["reserved"].tolist() == [0, 0] and int(header["classes"]) == 2
+    assert [p.name for p in dst.parent.iterdir()] == ["p"]  # no temporary left beside it
+
+
+def test_pack_argument_messages(small_folder, tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        pack(tmp_path / "nope", tmp_path / "p", progress=False)
+    assert _one_line(e) == f"{tmp_path / 'nope'}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>"
+    with pytest.raises(ValueError) as e:
+        pack(small_folder, tmp_path / "p", max_side=0, progress=False)
+    assert _one_line(e) == "max_side=0: must be a positive number of pixels"
+    assert pack(small_folder, tmp_path / "p1", max_side=1, progress=False).reencoded == 7  # 1 pixel is allowed
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(ValueError) as e:
+        pack(tmp_path / "empty", tmp_path / "p2", progress=False)
+    assert _one_line(e) == (
+        f"{tmp_path / 'empty'}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>"
+    )
+
+
+def test_a_failing_pack_leaves_nothing(small_folder, tmp_path, monkeypatch):
+    import dali_fast.records as records
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(records.os, "fsync", boom)
+    with pytest.raises(OSError, match="No space left"):
+        pack(small_folder, tmp_path / "p", progress=False)
+    assert list(tmp_path.iterdir()) == [tmp_path / "imgs"]
+
+
+def test_pillow_reasons_name_the_error_not_a_buffer():
+    from PIL import Image, UnidentifiedImageError
+
+    from dali_fast.records import pillow_reason
+
+    try:
+        Image.open(io.BytesIO(b"junk"))
+    except UnidentifiedImageError as e:
+        assert pillow_reason(e) == "undecodable: UnidentifiedImageError: cannot identify image file the record"
+    assert pillow_reason(OSError("broken data stream")) == "undecodable: OSError: broken data stream"
