@@ -127,3 +127,14 @@ def test_evictions_counted_each_and_classes_passed_through():
     base = ListReader([b"a"])
     base.classes = ["only"]
     assert CachedReader(base, LRUCache(10)).classes == ["only"]
+
+
+def test_clear_and_reset_stats():
+    c = LRUCache(100)
+    c.put("a", b"x", 10)
+    c.get("a")
+    c.get("b")
+    c.reset_stats()
+    assert c.stats() == {"hits": 0, "misses": 0, "hit_rate": 0.0, "evictions": 0, "bytes": 10}
+    c.clear()
+    assert len(c) == 0 and c.bytes == 0 and c.get("a") is None and c.stats()["misses"] == 1
