@@ -116,8 +116,41 @@ def _positive(text: str) -> float:
     return value
 
 
+def _cmd_stages(args: argparse.Namespace) -> int:
+    from .stages import run_stages
+
+    result = run_stages(
+        args.dataset,
+        images=args.images,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        model=args.model,
+        cache_bytes=args.cache_bytes or None,
+        total_epochs=args.total_epochs,
+        total_images=args.total_images,
+        out=args.out,
+        emit=log.info,
+    )
+    s, m = result["settings"], result["machine"]
+    where = m["gpu"] or f"{m['cpu_count']} CPU cores, no GPU (DALI CPU-only mode)"
+    print(
+        f"\n{s['images']} images ({s['data_bytes'] / 2**20:.0f} MiB), cache {s['cache_bytes'] / 2**20:.0f} MiB, "
+        f"{s['epochs']} timed epochs after a warm-up ({s['controller_epochs']} for the controller), batch "
+        f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where}\n"
+    )
+    print(result["table"])
+    print(f"\nwrote {Path(args.out) / 'stages.json'} and {Path(args.out) / 'stages.png'}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
+
+    if args.stages:
+        return _cmd_stages(args)
+    if args.total_epochs != 90 or args.total_images != 1_281_167:
+        raise UserError("--total-epochs and --total-images project a whole run: use them with --stages")
 
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     if not loaders:
@@ -253,6 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
+    s.add_argument(
+        "--stages",
+        action="store_true",
+        help="measure the optimizations cumulatively, one row each (baseline, +cache, +factory, +device ops, "
+        "+DALI, +controller), with the projected time of a whole training run",
+    )
+    s.add_argument("--total-epochs", type=_count(1), default=90, help="with --stages: epochs of the projected run")
+    s.add_argument(
+        "--total-images", type=_count(1), default=1_281_167, help="with --stages: images per epoch of the projected run"
+    )
     s.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("train", help="train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")

@@ -614,7 +614,13 @@ def test_pack_report_meta_and_header_exactly(tmp_path, caplog):
     assert warned == [f"left out {p}: {why}" for p, why in report.skipped]
     meta = json.loads((dst / "meta.json").read_text())
     created = meta.pop("created")
-    assert meta == {"format_version": 2, "classes": ["a", "b"], "source_root": str(src.resolve()), "records": 2, "skipped": 2}
+    assert meta == {
+        "format_version": 2,
+        "classes": ["a", "b"],
+        "source_root": str(src.resolve()),
+        "records": 2,
+        "skipped": 2,
+    }
     assert datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z")
     header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)[0]
     assert header["reserved"].tolist() == [0, 0] and int(header["classes"]) == 2

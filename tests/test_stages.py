@@ -1,0 +1,96 @@
+"""`dali-fast bench --stages`: every row in order, cumulative settings, consistent projections, skipped stages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dali_fast.records import pack
+from dali_fast.stages import IMAGENET_IMAGES, STAGES, fmt_duration, run_stages
+from dali_fast.synthetic import make_synthetic
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    make_synthetic(root / "images", images=24, classes=3, progress=False)
+    return root / "images"
+
+
+def _run(tiny, out, **kw):
+    kw = {"epochs": 1, "batch_size": 8, "image_size": 32, "controller_epochs": 2, "progress": False, **kw}
+    return run_stages(tiny, out=out, **kw)
+
+
+@pytest.mark.slow
+def test_every_stage_in_order_cumulative_and_consistent(tiny, tmp_path):
+    pytest.importorskip("nvidia.dali")
+    result = _run(tiny, tmp_path, total_epochs=10, total_images=1000)
+    rows = result["rows"]
+    assert [r["stage"] for r in rows] == [s.name for s in STAGES]
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert set(before["settings"]) < set(after["settings"])  # each row contains the one above, plus one
+        assert after["settings"][-1] == after["adds"]
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["projected_s"] == pytest.approx(1000 * 10 / r["img_per_s"])
+        assert r["img_per_s"] > 0 and r["epoch_s"] > 0 and 0 < r["peak_mem_fraction"] < 1
+    assert rows[0]["x_baseline"] == 1.0 and rows[0]["cache_hit_rate"] is None
+    assert all(0 <= r["cache_hit_rate"] <= 1 for r in rows[1:])
+    assert rows[-1]["batch_decisions"] and rows[-1]["batch_size"] == rows[-1]["batch_decisions"][-1]["next_batch_size"]
+    saved = json.loads((tmp_path / "stages.json").read_text())
+    assert [r["stage"] for r in saved["rows"]] == [s.name for s in STAGES]
+    assert saved["settings"]["cache_bytes"] < saved["settings"]["data_bytes"]  # smaller than the data: honest
+    png = (tmp_path / "stages.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    table = result["table"].splitlines()
+    assert (
+        table[0].startswith("| stage | img/s | epoch s | projected run (10 epochs x 1,000 images)") and len(table) == 8
+    )
+
+
+def test_a_stage_that_cannot_run_is_named_with_its_reason(tiny, tmp_path, monkeypatch):
+    import dali_fast.stages as stages
+
+    monkeypatch.setattr(stages, "dali_status", lambda: (False, "nvidia.dali does not import (test)"))
+    monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1] + stages.STAGES[4:])  # baseline, then the DALI rows
+    rows = _run(tiny, tmp_path)["rows"]
+    assert [r["stage"] for r in rows] == ["baseline", "+ DALI", "+ controller"]
+    assert rows[1]["skipped"] == rows[2]["skipped"] == "DALI cannot run here: nvidia.dali does not import (test)"
+    assert "| + DALI | skipped: DALI cannot run here" in json.loads((tmp_path / "stages.json").read_text())["table"]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--total-epochs", "0"], "argument --total-epochs: 0 is too small; use 1 or more"),
+        (["--total-images", "-5"], "argument --total-images: -5 is too small; use 1 or more"),
+        (["--total-epochs", "many"], "argument --total-epochs: 'many' is not a whole number"),
+    ],
+)
+def test_bad_projection_arguments_one_line(argv, says, capsys):
+    from dali_fast.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--stages", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0]
+
+
+def test_projection_arguments_need_stages(capsys):
+    from dali_fast.cli import main
+
+    assert main(["bench", "--total-epochs", "10"]) == 2
+    assert "use them with --stages" in capsys.readouterr().err
+
+
+def test_library_refuses_bad_projection_in_one_line(tiny, tmp_path):
+    with pytest.raises(ValueError) as e:
+        run_stages(tiny, total_epochs=0, out=tmp_path, progress=False)
+    assert str(e.value) == "--total-epochs 0: must be a whole number of 1 or more"
+
+
+def test_durations_read_like_the_article():
+    assert fmt_duration(3600 * 5) == "5.0 h" and fmt_duration(3600 * 24 * 15) == "15.0 days"
+    assert IMAGENET_IMAGES == 1_281_167
