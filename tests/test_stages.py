@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from dali_fast.records import pack
 from dali_fast.stages import IMAGENET_IMAGES, STAGES, fmt_duration, run_stages
 from dali_fast.synthetic import make_synthetic
 
