@@ -36,7 +36,7 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .records import pack
 
-    report = pack(args.src, args.dst, verify=not args.no_verify, max_side=args.max_side)
+    report = pack(args.src, args.dst, verify=not args.no_verify, max_side=args.max_side, workers=args.workers)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
@@ -270,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
     s.add_argument(
         "--max-side", type=_count(1), default=None, help="re-encode images whose longer side exceeds N pixels"
+    )
+    s.add_argument(
+        "--workers",
+        type=_count(1),
+        default=None,
+        help="processes that read, verify and re-encode (default: every CPU); the output is the same for any N",
     )
     s.set_defaults(func=_cmd_pack)
 

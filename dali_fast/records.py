@@ -22,14 +22,17 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from .system import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -507,6 +510,89 @@ def clean_stale(dst: Path) -> None:
 # pragma: no mutate end
 
 
+def _load_one(path: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+    """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        return None, f"unreadable: {e}", False
+    return _prepare(raw, verify, max_side)
+
+
+def _load_chunk(paths: list[str], verify: bool, max_side: int | None) -> list[tuple[bytes | None, str | None, bool]]:
+    return [_load_one(p, verify, max_side) for p in paths]
+
+
+PACK_CHUNK = 16  # images per task handed to a worker
+PACK_WINDOW = 4  # tasks in flight per worker: what bounds the memory of a pack
+
+
+def _prepared(
+    items: list[tuple[Path, int]], verify: bool, max_side: int | None, workers: int
+) -> Iterator[tuple[Path, int, tuple[bytes | None, str | None, bool]]]:
+    """(path, label, prepared) for each item, in order: in this process, or by ``workers`` processes with
+    at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
+    if workers <= 1:
+        for path, label in items:
+            yield path, label, _load_one(str(path), verify, max_side)
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    chunks = (items[i : i + PACK_CHUNK] for i in range(0, len(items), PACK_CHUNK))
+    # forkserver: workers do not inherit this process's threads (a DALI pipeline, torch's pools).
+    ctx = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        pending: deque = deque()
+
+        def submit() -> None:
+            chunk = next(chunks, None)
+            if chunk is not None:
+                pending.append((chunk, pool.submit(_load_chunk, [str(p) for p, _ in chunk], verify, max_side)))
+
+        for _ in range(workers * PACK_WINDOW):
+            submit()
+        try:
+            while pending:
+                chunk, future = pending.popleft()
+                submit()
+                for (path, label), result in zip(chunk, future.result(), strict=True):
+                    yield path, label, result
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+# pragma: no mutate start (progress display)
+class _PackProgress:
+    """tqdm with images/s and MB/s written."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.bar = None
+        self.bytes = 0
+        self.t0 = time.perf_counter()
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="img")
+
+    def update(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.bar.n % 64 == 0:
+                mb_s = self.bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
+                self.bar.set_postfix_str(f"{mb_s:.1f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# pragma: no mutate end
+
+
 def pack(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -514,6 +600,7 @@ def pack(
     verify: bool = True,
     max_side: int | None = None,
     progress: bool = True,  # pragma: no mutate (display only)
+    workers: int | None = None,
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
@@ -521,6 +608,10 @@ def pack(
     ``verify`` decodes each image once and leaves out what does not decode (listed in the
     report); ``max_side`` re-encodes larger images as JPEG (quality 90). Nothing appears at
     ``dst`` until the whole data set is written.
+
+    ``workers`` processes (default: every CPU this process may use) read, verify and re-encode;
+    one writer writes in the source order, so the output is byte-identical for any number of
+    workers, and only a fixed number of images is in flight, whatever the data set's size.
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -530,6 +621,10 @@ def pack(
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
+    if workers is None:
+        workers = available_cpus()
+    if workers < 1:
+        raise ValueError(f"workers={workers}: must be 1 or more")
     classes, items, other, unlisted = _scan_image_folder(src)
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
@@ -546,19 +641,10 @@ def pack(
         rows = np.zeros(len(items), dtype=RECORD_DTYPE)
         n = 0
         offset = path_offset = 0
-        it = items
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(items, desc=f"pack {src.name}", unit="img")  # pragma: no mutate (display only)
+        bar = _PackProgress(len(items), f"pack {src.name}", progress)
         with open(tmp / DATA_FILE, "wb") as data_f, open(tmp / PATHS_FILE, "wb") as paths_f:
-            for path, label in it:
-                try:
-                    raw = path.read_bytes()
-                except OSError as e:
-                    report.skipped.append((str(path), f"unreadable: {e}"))
-                    continue
-                payload, reason, reencoded = _prepare(raw, verify, max_side)
+            for path, label, (payload, reason, reencoded) in _prepared(items, verify, max_side, workers):
+                bar.update(len(payload) if payload is not None else 0)
                 if payload is None:
                     report.skipped.append((str(path), reason or "rejected"))
                     continue
@@ -570,6 +656,7 @@ def pack(
                 offset += len(payload)
                 path_offset += len(pbytes)
                 n += 1
+            bar.close()
             data_f.flush()
             os.fsync(data_f.fileno())
             paths_f.flush()

@@ -665,3 +665,78 @@ def test_pillow_reasons_name_the_error_not_a_buffer():
     except UnidentifiedImageError as e:
         assert pillow_reason(e) == "undecodable: UnidentifiedImageError: cannot identify image file the record"
     assert pillow_reason(OSError("broken data stream")) == "undecodable: OSError: broken data stream"
+
+
+# ----------------------------------------------------------------------------- parallel pack
+
+
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory):
+    from dali_fast.synthetic import make_synthetic
+
+    root = tmp_path_factory.mktemp("photos")
+    make_synthetic(root / "src", images=60, classes=3, progress=False)
+    bad = sorted((root / "src").rglob("*.jpg"))
+    bad[7].write_bytes(bad[7].read_bytes()[:500])  # one truncated, left out the same way by every worker count
+    return root / "src"
+
+
+@pytest.mark.parametrize("max_side", [None, 128])
+def test_parallel_pack_is_byte_identical_for_any_worker_count(photo_folder, tmp_path, max_side):
+    outputs = {}
+    for workers in (1, 2, 4):
+        dst = tmp_path / f"w{workers}"
+        report = pack(photo_folder, dst, max_side=max_side, workers=workers, progress=False)
+        assert report.records == 59 and len(report.skipped) == 1
+        outputs[workers] = [(dst / f).read_bytes() for f in (INDEX_FILE, DATA_FILE, "paths.bin")]
+    assert outputs[1] == outputs[2] == outputs[4]
+    with pytest.raises(ValueError, match="workers=0: must be 1 or more"):
+        pack(photo_folder, tmp_path / "w0", workers=0, progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_killed_parallel_pack_leaves_no_destination(photo_folder, tmp_path, workers):
+    dst = tmp_path / "packed"
+    code = f"from dali_fast import pack; pack({str(photo_folder)!r}, {str(dst)!r}, workers={workers}, progress=False)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.stat().st_size for p in tmp_path.glob(".packed.tmp-*/data.bin")):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not dst.exists()
+    assert pack(photo_folder, dst, workers=workers, progress=False).records == 59  # and the next pack completes
+    assert list(tmp_path.glob(".packed.tmp-*")) == []
+
+
+@pytest.mark.slow
+def test_pack_memory_does_not_grow_with_the_number_of_images(tmp_path):
+    """Peak RSS packing 5,000 images stays within a fixed budget of packing 500 (2 workers, verify on)."""
+    import io as _io
+
+    from PIL import Image
+
+    def folder(n: int) -> Path:
+        root = tmp_path / f"src{n}"
+        if root.exists():
+            return root
+        for c in range(5):
+            (root / f"c{c}").mkdir(parents=True)
+        buf = _io.BytesIO()  # noise compresses badly: about 25 KB each, 120 MB for 5,000
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)).save(
+            buf, "JPEG", quality=95
+        )
+        for i in range(n):
+            (root / f"c{i % 5}" / f"{i:05d}.jpg").write_bytes(buf.getvalue())
+        return root
+
+    def peak_kib(n: int) -> int:
+        code = (
+            f"from dali_fast import pack; pack({str(folder(n))!r}, {str(tmp_path / f'p{n}')!r}, workers=2, progress=False)\n"
+            "print(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')))"
+        )
+        return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+    small, large = peak_kib(500), peak_kib(5000)
+    assert large - small < 16 * 1024, f"{small} KiB for 500 images, {large} KiB for 5,000"
