@@ -42,7 +42,8 @@ def write_fake(root: Path, n: int, rec_len: int = 110_000) -> None:
         0,
         zlib.crc32(rows.tobytes()),
         1000,
-        (0, 0),
+        0,  # no shards: one data.bin
+        0,
     )
     root.mkdir()
     with open(root / INDEX_FILE, "wb") as f:

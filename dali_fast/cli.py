@@ -36,7 +36,14 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .records import pack
 
-    report = pack(args.src, args.dst, verify=not args.no_verify, max_side=args.max_side, workers=args.workers)
+    report = pack(
+        args.src,
+        args.dst,
+        verify=not args.no_verify,
+        max_side=args.max_side,
+        workers=args.workers,
+        shard_size=args.shard_size or None,
+    )
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
@@ -276,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count(1),
         default=None,
         help="processes that read, verify and re-encode (default: every CPU); the output is the same for any N",
+    )
+    s.add_argument(
+        "--shard-size",
+        type=_size,
+        default=0,
+        metavar="BYTES",
+        help="write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index",
     )
     s.set_defaults(func=_cmd_pack)
 

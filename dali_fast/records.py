@@ -50,7 +50,8 @@ HEADER_DTYPE = np.dtype(
         ("paths_size", "<u8"),
         ("index_crc32", "<u4"),
         ("classes", "<u4"),
-        ("reserved", "<u8", (2,)),
+        ("shard_size", "<u8"),
+        ("reserved", "<u8"),
     ]
 )
 RECORD_DTYPE = np.dtype(
@@ -66,6 +67,7 @@ RECORD_DTYPE = np.dtype(
 assert HEADER_DTYPE.itemsize == 64 and RECORD_DTYPE.itemsize == 32
 
 INDEX_FILE, DATA_FILE, PATHS_FILE, META_FILE = "index.bin", "data.bin", "paths.bin", "meta.json"
+SHARD_FILE = "data-{:05d}.bin"  # with a shard size: data-00000.bin, data-00001.bin, ... instead of data.bin
 
 
 @runtime_checkable
@@ -202,8 +204,8 @@ class MemmapReader:
 
     def _open(self) -> None:
         root = self.path
-        index_path, data_path = root / INDEX_FILE, root / DATA_FILE
-        for p in (index_path, data_path, root / PATHS_FILE, root / META_FILE):
+        index_path = root / INDEX_FILE
+        for p in (index_path, root / PATHS_FILE, root / META_FILE):
             if not p.is_file():
                 raise FileNotFoundError(
                     f"{p}: missing; {root} is not a complete packed data set, pack it again "
@@ -236,11 +238,13 @@ class MemmapReader:
                 "pack the data set again"
             )
         data_size = int(header["data_size"])
-        actual = data_path.stat().st_size
+        self.shard_size = int(header["shard_size"])
+        data_paths = self._data_files(root)
+        actual = sum(p.stat().st_size for p in data_paths)
         if actual != data_size:
+            where = data_paths[0] if len(data_paths) == 1 else f"{root}/data-*.bin ({len(data_paths)} shards)"
             raise ValueError(
-                f"{data_path}: {actual} bytes, the index says {data_size} (truncated or modified); "
-                "pack the data set again"
+                f"{where}: {actual} bytes, the index says {data_size} (truncated or modified); pack the data set again"
             )
         paths_size = int(header["paths_size"])
         if (root / PATHS_FILE).stat().st_size != paths_size:
@@ -259,8 +263,36 @@ class MemmapReader:
             if count
             else np.zeros(0, RECORD_DTYPE)
         )
-        self.data = np.memmap(data_path, dtype=np.uint8, mode="r") if data_size else np.zeros(0, np.uint8)
+        self.shards = [
+            np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8) for p in data_paths
+        ]
+        self.data = self.shards[0] if not self.shard_size else None  # the one data file of an unsharded set
         self._paths = np.memmap(root / PATHS_FILE, dtype=np.uint8, mode="r") if paths_size else np.zeros(0, np.uint8)
+
+    def _data_files(self, root: Path) -> list[Path]:
+        """data.bin, or the shards data-00000.bin ... in order (each must exist)."""
+        if not self.shard_size:
+            path = root / DATA_FILE
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path}: missing; {root} is not a complete packed data set, pack it again "
+                    f"with `dali-fast pack SRC {root}`"
+                )
+            return [path]
+        found = sorted(root.glob("data-*.bin"))
+        expected = [root / SHARD_FILE.format(k) for k in range(len(found))]
+        if not found or found != expected:
+            raise FileNotFoundError(
+                f"{root}: the data shards are not data-00000.bin ... data-{len(found) - 1:05d}.bin in sequence; "
+                f"a shard is missing: pack it again with `dali-fast pack SRC {root}`"
+            )
+        return found
+
+    def _view(self, offset: int, length: int) -> np.ndarray:
+        if not self.shard_size:
+            return self.shards[0][offset : offset + length]
+        shard, local = divmod(offset, self.shard_size)  # a record never spans two shards
+        return self.shards[shard][local : local + length]
 
     # Memmaps would pickle their whole contents: reopen by path instead (DataLoader workers).
     def __getstate__(self) -> dict:
@@ -297,14 +329,12 @@ class MemmapReader:
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         rec = self.records[_check_index(self, i)]
-        off, length = int(rec["offset"]), int(rec["length"])
-        return self.data[off : off + length], int(rec["label"])
+        return self._view(int(rec["offset"]), int(rec["length"])), int(rec["label"])
 
     def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         """Records for ``indices``: a list of zero-copy views and an int64 label array."""
         recs = self.records[np.asarray(indices, dtype=np.int64)]
-        data = self.data
-        views = [data[o : o + n] for o, n in zip(recs["offset"].tolist(), recs["length"].tolist(), strict=True)]
+        views = [self._view(o, n) for o, n in zip(recs["offset"].tolist(), recs["length"].tolist(), strict=True)]
         return views, recs["label"].astype(np.int64)
 
     def source(self, i: int) -> str:
@@ -564,6 +594,33 @@ def _prepared(
                 future.cancel()
 
 
+class _DataWriter:
+    """Appends records to data.bin, or to shards of at most ``shard_size`` bytes; returns each one's offset."""
+
+    def __init__(self, folder: Path, shard_size: int | None) -> None:
+        self.folder, self.shard_size = folder, shard_size
+        self.shard, self.used = 0, 0
+        self.f = open(folder / (SHARD_FILE.format(0) if shard_size else DATA_FILE), "wb")  # noqa: SIM115
+
+    def write(self, payload: bytes) -> int:
+        if self.shard_size and self.used + len(payload) > self.shard_size and self.used:
+            self._finish()
+            self.shard, self.used = self.shard + 1, 0
+            self.f = open(self.folder / SHARD_FILE.format(self.shard), "wb")  # noqa: SIM115
+        at = self.shard * (self.shard_size or 0) + self.used
+        self.f.write(payload)
+        self.used += len(payload)
+        return at
+
+    def _finish(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+    def close(self) -> None:
+        self._finish()
+
+
 # pragma: no mutate start (progress display)
 class _PackProgress:
     """tqdm with images/s and MB/s written."""
@@ -601,6 +658,7 @@ def pack(
     max_side: int | None = None,
     progress: bool = True,  # pragma: no mutate (display only)
     workers: int | None = None,
+    shard_size: int | None = None,
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
@@ -612,6 +670,10 @@ def pack(
     ``workers`` processes (default: every CPU this process may use) read, verify and re-encode;
     one writer writes in the source order, so the output is byte-identical for any number of
     workers, and only a fixed number of images is in flight, whatever the data set's size.
+
+    ``shard_size`` (bytes) writes the images into ``data-00000.bin``, ``data-00001.bin``, ... of at most
+    that size each (no record spans two), under one index: files stay under file-system and object-store
+    limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -625,6 +687,8 @@ def pack(
         workers = available_cpus()
     if workers < 1:
         raise ValueError(f"workers={workers}: must be 1 or more")
+    if shard_size is not None and shard_size < 1:
+        raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
     classes, items, other, unlisted = _scan_image_folder(src)
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
@@ -642,7 +706,8 @@ def pack(
         n = 0
         offset = path_offset = 0
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
-        with open(tmp / DATA_FILE, "wb") as data_f, open(tmp / PATHS_FILE, "wb") as paths_f:
+        data_out = _DataWriter(tmp, shard_size)
+        with open(tmp / PATHS_FILE, "wb") as paths_f:
             for path, label, (payload, reason, reencoded) in _prepared(items, verify, max_side, workers):
                 bar.update(len(payload) if payload is not None else 0)
                 if payload is None:
@@ -650,15 +715,19 @@ def pack(
                     continue
                 report.reencoded += reencoded
                 pbytes = os.fsencode(path.relative_to(src))  # any name the file system allows
-                rows[n] = (offset, len(payload), label, zlib.crc32(payload), len(pbytes), path_offset)
-                data_f.write(payload)
+                if shard_size is not None and len(payload) > shard_size:
+                    raise ValueError(
+                        f"{path}: {len(payload)} bytes, larger than the shard size {shard_size}; "
+                        "use a larger --shard-size"
+                    )
+                at = data_out.write(payload)
+                rows[n] = (at, len(payload), label, zlib.crc32(payload), len(pbytes), path_offset)
                 paths_f.write(pbytes)
                 offset += len(payload)
                 path_offset += len(pbytes)
                 n += 1
             bar.close()
-            data_f.flush()
-            os.fsync(data_f.fileno())
+            data_out.close()
             paths_f.flush()
             os.fsync(paths_f.fileno())
         header = np.zeros(1, dtype=HEADER_DTYPE)
@@ -672,7 +741,8 @@ def pack(
             path_offset,
             index_crc,
             len(classes),
-            (0, 0),
+            shard_size or 0,
+            0,
         )
         with open(tmp / INDEX_FILE, "wb") as f:
             f.write(header.tobytes())

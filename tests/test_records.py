@@ -623,7 +623,7 @@ def test_pack_report_meta_and_header_exactly(tmp_path, caplog):
     }
     assert datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z")
     header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)[0]
-    assert header["reserved"].tolist() == [0, 0] and int(header["classes"]) == 2
+    assert (int(header["shard_size"]), int(header["reserved"]), int(header["classes"])) == (0, 0, 2)
     assert [p.name for p in dst.parent.iterdir()] == ["p"]  # no temporary left beside it
 
 
@@ -740,3 +740,27 @@ def test_pack_memory_does_not_grow_with_the_number_of_images(tmp_path):
 
     small, large = peak_kib(500), peak_kib(5000)
     assert large - small < 16 * 1024, f"{small} KiB for 500 images, {large} KiB for 5,000"
+
+
+def test_a_sharded_pack_holds_the_same_records(photo_folder, tmp_path):
+    whole = pack(photo_folder, tmp_path / "whole", workers=2, progress=False)
+    sharded = pack(photo_folder, tmp_path / "sharded", workers=2, shard_size=200_000, progress=False)
+    a, b = MemmapReader(tmp_path / "whole"), MemmapReader(tmp_path / "sharded")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("data-*.bin"))
+    assert len(shards) > 3 and shards[0] == "data-00000.bin" and not (tmp_path / "sharded" / DATA_FILE).exists()
+    assert all((tmp_path / "sharded" / s).stat().st_size <= 200_000 for s in shards)
+    assert whole.records == sharded.records == len(a) == len(b) == 59
+    for i in range(len(a)):
+        assert bytes(a[i][0]) == bytes(b[i][0]) and a[i][1] == b[i][1] and a.source(i) == b.source(i)
+    views, labels = b.read_batch([58, 0, 30])
+    assert [bytes(v) for v in views] == [bytes(a[i][0]) for i in (58, 0, 30)] and labels.tolist() == [
+        a[i][1] for i in (58, 0, 30)
+    ]
+    assert b.verify() == [] and b.index_intact() and b.shard_size == 200_000
+    (tmp_path / "sharded" / shards[1]).unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        MemmapReader(tmp_path / "sharded")
+    assert "a shard is missing" in _one_line(e)
+    with pytest.raises(ValueError, match="larger than the shard size 1000"):
+        pack(photo_folder, tmp_path / "tiny", shard_size=1000, progress=False)
+    assert not (tmp_path / "tiny").exists()
