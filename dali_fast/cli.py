@@ -68,9 +68,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             return 1
         counts = np.bincount(reader.labels, minlength=len(reader.classes))
     else:
-        sizes = [Path(reader.source(i)).stat().st_size for i in range(n)]
-        total = int(sum(sizes))
+        if hasattr(reader, "total_bytes"):
+            total = int(reader.total_bytes)
+        else:
+            total = int(sum(Path(reader.source(i)).stat().st_size for i in range(n)))
         counts = np.bincount(reader.labels, minlength=len(reader.classes))
+        if getattr(reader, "skipped", None):
+            print(f"skipped:  {len(reader.skipped)} (first: {reader.skipped[0][0]}: {reader.skipped[0][1]})")
     print(f"bytes:    {total} ({total / 2**20:.1f} MiB), mean {total / max(n, 1) / 1024:.1f} KiB per record")
     print(f"per class: min {int(counts.min()) if n else 0}, max {int(counts.max()) if n else 0}")
     if args.verify:

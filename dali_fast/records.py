@@ -460,9 +460,15 @@ class ImageFolderReader:
 # pragma: no mutate end
 
 
-def open_dataset(path: str | os.PathLike) -> MemmapReader | ImageFolderReader:
-    """Open a packed data set (folder with ``index.bin``) or an ImageFolder root."""
+def open_dataset(path: str | os.PathLike, **webdataset_kw: object) -> Reader:
+    """Open a packed data set (folder with ``index.bin``), WebDataset shards (``a.tar``, a folder of .tar
+    files, or ``train-{000000..000146}.tar``; ``webdataset_kw`` go to `WebDatasetReader`) or an
+    ImageFolder root."""
+    from .webdataset import WebDatasetReader, is_webdataset
+
     p = Path(path)
+    if is_webdataset(path):
+        return WebDatasetReader(str(path), **webdataset_kw)  # type: ignore[arg-type]
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such data set; make one with `dali-fast make-synthetic {p}`")
     if p.is_dir() and (p / INDEX_FILE).exists():
@@ -470,8 +476,8 @@ def open_dataset(path: str | os.PathLike) -> MemmapReader | ImageFolderReader:
     if p.is_dir() and any(d.is_dir() for d in p.iterdir()):
         return ImageFolderReader(p)
     raise ValueError(
-        f"{p}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`) "
-        "or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+        f"{p}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
+        "WebDataset shards (.tar) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
     )
 
 
@@ -540,17 +546,37 @@ def clean_stale(dst: Path) -> None:
 # pragma: no mutate end
 
 
-def _load_one(path: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+Source = str | tuple[str, int, int]  # a file, or (file, offset, size) of a member inside one (a tar shard)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One image to pack: where its bytes are, its label, its name in reports and in paths.bin."""
+
+    source: Source
+    label: int
+    shown: str
+    stored: bytes
+
+
+def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
     """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
     try:
-        raw = Path(path).read_bytes()
+        if isinstance(source, tuple):
+            with open(source[0], "rb") as f:
+                f.seek(source[1])
+                raw = f.read(source[2])
+        else:
+            raw = Path(source).read_bytes()
     except OSError as e:
         return None, f"unreadable: {e}", False
     return _prepare(raw, verify, max_side)
 
 
-def _load_chunk(paths: list[str], verify: bool, max_side: int | None) -> list[tuple[bytes | None, str | None, bool]]:
-    return [_load_one(p, verify, max_side) for p in paths]
+def _load_chunk(
+    sources: list[Source], verify: bool, max_side: int | None
+) -> list[tuple[bytes | None, str | None, bool]]:
+    return [_load_one(p, verify, max_side) for p in sources]
 
 
 PACK_CHUNK = 16  # images per task handed to a worker
@@ -558,13 +584,13 @@ PACK_WINDOW = 4  # tasks in flight per worker: what bounds the memory of a pack
 
 
 def _prepared(
-    items: list[tuple[Path, int]], verify: bool, max_side: int | None, workers: int
-) -> Iterator[tuple[Path, int, tuple[bytes | None, str | None, bool]]]:
+    items: list[_Item], verify: bool, max_side: int | None, workers: int
+) -> Iterator[tuple[_Item, tuple[bytes | None, str | None, bool]]]:
     """(path, label, prepared) for each item, in order: in this process, or by ``workers`` processes with
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
-        for path, label in items:
-            yield path, label, _load_one(str(path), verify, max_side)
+        for item in items:
+            yield item, _load_one(item.source, verify, max_side)
         return
     import multiprocessing
     from collections import deque
@@ -579,7 +605,7 @@ def _prepared(
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append((chunk, pool.submit(_load_chunk, [str(p) for p, _ in chunk], verify, max_side)))
+                pending.append((chunk, pool.submit(_load_chunk, [item.source for item in chunk], verify, max_side)))
 
         for _ in range(workers * PACK_WINDOW):
             submit()
@@ -587,8 +613,8 @@ def _prepared(
             while pending:
                 chunk, future = pending.popleft()
                 submit()
-                for (path, label), result in zip(chunk, future.result(), strict=True):
-                    yield path, label, result
+                for item, result in zip(chunk, future.result(), strict=True):
+                    yield item, result
         finally:
             for _, future in pending:
                 future.cancel()
@@ -677,7 +703,10 @@ def pack(
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    if not src.is_dir():
+    from .webdataset import WebDatasetReader, is_webdataset
+
+    shards = is_webdataset(src)
+    if not shards and not src.is_dir():
         raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
@@ -689,7 +718,19 @@ def pack(
         raise ValueError(f"workers={workers}: must be 1 or more")
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
-    classes, items, other, unlisted = _scan_image_folder(src)
+    if shards:  # WebDataset shards: converted to a packed set
+        wds = WebDatasetReader(str(src))
+        classes, other, unlisted = wds.classes, [], list(wds.skipped)
+        items = []
+        for i in range(len(wds)):
+            shard = str(wds.shards[int(wds._shard[i])])  # noqa: SLF001 - the index, read in the workers
+            name = wds.source(i)
+            items.append(
+                _Item((shard, int(wds._offset[i]), int(wds._size[i])), int(wds._labels[i]), name, os.fsencode(name))
+            )  # noqa: SLF001
+    else:
+        classes, found, other, unlisted = _scan_image_folder(src)
+        items = [_Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
@@ -708,20 +749,20 @@ def pack(
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
         data_out = _DataWriter(tmp, shard_size)
         with open(tmp / PATHS_FILE, "wb") as paths_f:
-            for path, label, (payload, reason, reencoded) in _prepared(items, verify, max_side, workers):
+            for item, (payload, reason, reencoded) in _prepared(items, verify, max_side, workers):
                 bar.update(len(payload) if payload is not None else 0)
                 if payload is None:
-                    report.skipped.append((str(path), reason or "rejected"))
+                    report.skipped.append((item.shown, reason or "rejected"))
                     continue
                 report.reencoded += reencoded
-                pbytes = os.fsencode(path.relative_to(src))  # any name the file system allows
+                pbytes = item.stored  # any name the file system allows
                 if shard_size is not None and len(payload) > shard_size:
                     raise ValueError(
-                        f"{path}: {len(payload)} bytes, larger than the shard size {shard_size}; "
+                        f"{item.shown}: {len(payload)} bytes, larger than the shard size {shard_size}; "
                         "use a larger --shard-size"
                     )
                 at = data_out.write(payload)
-                rows[n] = (at, len(payload), label, zlib.crc32(payload), len(pbytes), path_offset)
+                rows[n] = (at, len(payload), item.label, zlib.crc32(payload), len(pbytes), path_offset)
                 paths_f.write(pbytes)
                 offset += len(payload)
                 path_offset += len(pbytes)
