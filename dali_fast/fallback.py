@@ -314,14 +314,15 @@ class TorchIterator(LoaderBase):
             return
         try:
             yield from self._run_workers(plan)
-        except RuntimeError as e:
-            if "DataLoader worker" in str(e):
-                # A worker was killed (OOM killer, SIGKILL): the persistent pool is broken for good.
-                log.warning(
-                    "a decode worker died (%s); a new worker pool starts with the next pass", str(e).split("\n")[0]
-                )
-                self._discard_workers()
-            raise
+        except (RuntimeError, ConnectionError, EOFError) as e:
+            # A worker killed (OOM killer, SIGKILL) surfaces as DataLoader's RuntimeError, or first as a
+            # broken pipe to it: either way the persistent pool is broken for good.
+            if isinstance(e, RuntimeError) and "DataLoader worker" not in str(e):
+                raise
+            why = str(e).split("\n")[0] or type(e).__name__
+            log.warning("a decode worker died (%s); a new worker pool starts with the next pass", why)
+            self._discard_workers()
+            raise RuntimeError(f"a DataLoader worker died during this pass ({why}); the next pass starts a new one") from e
 
     def _discard_workers(self) -> None:
         """Shut the worker pool down; the next pass starts a new one."""
