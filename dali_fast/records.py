@@ -581,6 +581,7 @@ def _load_chunk(
 
 PACK_CHUNK = 16  # images per task handed to a worker
 PACK_WINDOW = 4  # tasks in flight per worker: what bounds the memory of a pack
+PACK_SMALL = 256  # below this many images the default is one process (starting workers costs more)
 
 
 def _prepared(
@@ -712,9 +713,7 @@ def pack(
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
-    if workers is None:
-        workers = available_cpus()
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise ValueError(f"workers={workers}: must be 1 or more")
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
@@ -733,6 +732,8 @@ def pack(
         items = [_Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
+    if workers is None:  # every CPU, where starting the worker processes pays off
+        workers = available_cpus() if len(items) >= PACK_SMALL else 1
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
     report.skipped += unlisted
     for p in other:
