@@ -322,7 +322,9 @@ class TorchIterator(LoaderBase):
             why = str(e).split("\n")[0] or type(e).__name__
             log.warning("a decode worker died (%s); a new worker pool starts with the next pass", why)
             self._discard_workers()
-            raise RuntimeError(f"a DataLoader worker died during this pass ({why}); the next pass starts a new one") from e
+            raise RuntimeError(
+                f"a DataLoader worker died during this pass ({why}); the next pass starts a new one"
+            ) from e
 
     def _discard_workers(self) -> None:
         """Shut the worker pool down; the next pass starts a new one."""
