@@ -598,8 +598,9 @@ def _prepared(
     from concurrent.futures import ProcessPoolExecutor
 
     chunks = (items[i : i + PACK_CHUNK] for i in range(0, len(items), PACK_CHUNK))
-    # forkserver: workers do not inherit this process's threads (a DALI pipeline, torch's pools).
-    ctx = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
+    # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
+    # every worker unless it guards itself with `if __name__ == "__main__"`.
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         pending: deque = deque()
 
