@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_check.sh --dry-run  # print the steps, run nothing
 #
 # Steps: doctor --json; the gpu-marked tests; the whole suite; train on the GPU, SIGKILL after the
-# first checkpoint, --resume; bench --model none and --model resnet50 --amp --controller (all loaders
-# side by side); with 2+ GPUs a torchrun (nccl) run. Every step runs even when one fails; summary.md
+# first checkpoint, --resume; bench --model none and --model resnet50 --controller (all loaders side by
+# side, AMP on the GPU); bench --stages --model resnet50; with 2+ GPUs a torchrun (nccl) run. Every step runs even when one fails; summary.md
 # lists each step's status and figures, and the exit status is non-zero when any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,7 @@ STEPS=(
   "sigkill + resume|bash $PWD/benchmarks/gpu_kill_resume.sh $CK"
   "bench none|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out $OUT/none"
   "bench resnet50|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 128 --model resnet50 --controller --out $OUT/resnet50"
+  "bench stages|$PY -m dali_fast bench --stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $OUT/stages"
   "torchrun 2 GPUs|$PY -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint $OUT/ddp-ckpt --out $OUT/ddp"
 )
 
@@ -78,6 +79,12 @@ for s in "${STEPS[@]}"; do
 done
 {
   echo
+  if [ -f "$OUT/stages/stages.json" ]; then
+    echo "## bench --stages --model resnet50"
+    echo
+    "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['table'])" "$OUT/stages/stages.json"
+    echo
+  fi
   for b in none resnet50; do
     if [ -f "$OUT/$b/results.json" ]; then
       echo "## bench --model $b"
