@@ -31,6 +31,7 @@ def test_dry_run_lists_every_step_and_stops_without_a_gpu(tmp_path):
         "sigkill + resume",
         "bench none",
         "bench resnet50",
+        "bench stages",
         "torchrun 2 GPUs",
     ]
     assert lines[-1].startswith("no usable GPU: ") and list(tmp_path.iterdir()) == []
