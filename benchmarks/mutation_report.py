@@ -59,7 +59,7 @@ def main() -> int:
             per[mod]["equivalent"] += 1
         else:
             per[mod][status] += 1
-            if status not in ("killed", "timeout"):
+            if status not in ("killed", "timeout", "not checked"):
                 survivors.append(name)
     stale = sorted(set(equiv) - set(statuses))
     rows = []
@@ -72,19 +72,23 @@ def main() -> int:
     lines = [
         "# Mutation testing (mutmut)",
         "",
-        "| module | generated | killed | timeout | survived | no tests | equivalent | killed % |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| module | generated | killed | timeout | survived | no tests | equivalent | not run | killed % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     table = {}
     for mod, c in rows:
-        judged = c["generated"] - c["equivalent"]
+        judged = c["generated"] - c["equivalent"] - c["not checked"]
         score = (c["killed"] + c["timeout"]) / judged if judged else 1.0
         table[mod] = {**c, "score": score}
         lines.append(
             f"| {mod} | {c['generated']} | {c['killed']} | {c['timeout']} | {c['survived']} | "
-            f"{c['no tests']} | {c['equivalent']} | {score:.1%} |"
+            f"{c['no tests']} | {c['equivalent']} | {c['not checked']} | {score:.1%} |"
         )
-    lines += ["", "`killed %` = (killed + timeout) / (generated - equivalent).", ""]
+    lines += [
+        "",
+        "`killed %` = (killed + timeout) / (generated - equivalent - not run); `not run`: the run was stopped first.",
+        "",
+    ]
     if equiv:
         lines += ["## Equivalent mutants (cannot change behaviour)", ""]
         lines += [f"- `{n}`: {w}" for n, w in sorted(equiv.items()) if n in statuses]

@@ -221,3 +221,14 @@ def test_index_records_skip_a_cut_line_anywhere(tmp_path):
         '{"epoch": 0, "step": 1, "rank": 0, "indices": [1]}\n{"epo\n{"epoch": 0, "step": 2, "rank": 0, "indices": [2]}\n'
     )
     assert [r["step"] for r in read_index_records(path)] == [1, 2]
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_in_one_line(tmp_path):
+    path = tmp_path / "c.pt"
+    path.write_bytes(b"PK\x03\x04 a zip, or anything else")
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(path)
+    assert str(e.value) == (
+        f"{path}: not a dali-fast checkpoint of this version (no DFCKPT header); "
+        "resume with the version that wrote it, or delete it to start over"
+    )

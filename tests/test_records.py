@@ -236,7 +236,10 @@ def test_open_dataset_errors(tmp_path):
     (tmp_path / "flat" / "x.jpg").write_bytes(jpeg_bytes())
     with pytest.raises(ValueError) as e:
         open_dataset(tmp_path / "flat")
-    assert "ImageFolder" in _one_line(e) and "packed" in str(e.value)
+    assert _one_line(e) == (
+        f"{tmp_path / 'flat'}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
+        "WebDataset shards (.tar) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+    )
 
 
 def test_check_encoded():
