@@ -767,3 +767,16 @@ def test_a_sharded_pack_holds_the_same_records(photo_folder, tmp_path):
     with pytest.raises(ValueError, match="larger than the shard size 1000"):
         pack(photo_folder, tmp_path / "tiny", shard_size=1000, progress=False)
     assert not (tmp_path / "tiny").exists()
+
+
+def test_parallel_pack_from_a_script_without_a_main_guard_runs_it_once(photo_folder, tmp_path):
+    """Workers must not re-run the caller's script (what spawn and forkserver do without `if __name__ == ...`)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "from dali_fast import pack\n"
+        "print('script ran', flush=True)\n"
+        f"pack({str(photo_folder)!r}, {str(tmp_path / 'out')!r}, workers=2, progress=False)\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("script ran") == 1 and (tmp_path / "out" / "index.bin").is_file()
