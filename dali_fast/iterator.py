@@ -366,8 +366,11 @@ class DALIIterator(LoaderBase):
     ``images`` is float NCHW (on the GPU in GPU mode, on the CPU in DALI's CPU-only mode),
     ``labels`` int64 of shape (N,) on the same device. Each epoch yields each of this rank's
     samples exactly once, whatever the prefetch depth, batch-size changes between epochs or
-    an early ``break``. A fresh pipeline is built per epoch, seeded from (seed, epoch, rank), so
-    augmentation is reproducible and an abandoned epoch leaves nothing in flight.
+    an early ``break``. The pipeline of an epoch that ended normally serves the next epoch of the same
+    batch size (its source re-armed); a new batch size, a ``break`` or an error shuts it down and the
+    next pass builds one seeded from (seed, epoch, rank, position), so an abandoned epoch leaves
+    nothing in flight. ``close()`` shuts the kept pipeline down. Augmentation is reproducible for a
+    run with the same history; it continues the kept pipeline's random stream across epochs.
 
     >>> loader = DALIIterator(open_dataset("data/train"), batch_size=256)   # doctest: +SKIP
     >>> for epoch in range(90):                                              # doctest: +SKIP
