@@ -780,3 +780,41 @@ def test_parallel_pack_from_a_script_without_a_main_guard_runs_it_once(photo_fol
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("script ran") == 1 and (tmp_path / "out" / "index.bin").is_file()
+
+
+def test_shard_size_edges_and_messages(photo_folder, tmp_path):
+    from dali_fast.records import MemmapReader as MR
+
+    largest = max(p.stat().st_size for p in photo_folder.rglob("*.jpg"))
+    report = pack(
+        photo_folder, tmp_path / "exact", shard_size=largest, workers=1, progress=False
+    )  # a record may fill a shard
+    r = MR(tmp_path / "exact")
+    assert report.records == 59 and all(
+        (tmp_path / "exact" / f.name).stat().st_size <= largest for f in (tmp_path / "exact").glob("data-*.bin")
+    )
+    assert r.verify() == []
+    with pytest.raises(ValueError) as e:
+        pack(photo_folder, tmp_path / "one", shard_size=1, workers=1, progress=False)
+    first = sorted(photo_folder.rglob("*.jpg"))[0]
+    assert _one_line(e) == (
+        f"{first}: {first.stat().st_size} bytes, larger than the shard size 1; use a larger --shard-size"
+    )
+    with pytest.raises(ValueError) as e:
+        pack(photo_folder, tmp_path / "zero", shard_size=0, progress=False)
+    assert _one_line(e) == "shard_size=0: must be a positive number of bytes"
+    assert not any(p.name.startswith(".one") or p.name == "one" for p in tmp_path.iterdir())
+
+
+def test_pack_from_shards_in_one_process_reads_the_members(tmp_path, monkeypatch):
+    wds = pytest.importorskip("webdataset")
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "shards").mkdir()
+    images = [jpeg_bytes(30 + i, 20) for i in range(5)]
+    with wds.TarWriter(str(tmp_path / "shards" / "a.tar")) as sink:
+        for i, img in enumerate(images):
+            sink.write({"__key__": f"k{i}", "jpg": img, "cls": str(i % 2).encode()})
+    report = pack(tmp_path / "shards", tmp_path / "p", workers=1, progress=False)
+    r = MemmapReader(tmp_path / "p")
+    assert report.records == 5 and [bytes(r[i][0]) for i in range(5)] == images
+    assert [r[i][1] for i in range(5)] == [0, 1, 0, 1, 0] and r.source(2).endswith("a.tar:k2.jpg")
