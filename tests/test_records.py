@@ -818,3 +818,14 @@ def test_pack_from_shards_in_one_process_reads_the_members(tmp_path, monkeypatch
     r = MemmapReader(tmp_path / "p")
     assert report.records == 5 and [bytes(r[i][0]) for i in range(5)] == images
     assert [r[i][1] for i in range(5)] == [0, 1, 0, 1, 0] and r.source(2).endswith("a.tar:k2.jpg")
+
+
+def test_parallel_pack_still_verifies_by_decoding(tmp_path):
+    """An image that passes the structural check but does not decode is left out, by any worker count."""
+    import odd_images
+
+    items = [jpeg_bytes(40 + i, 30) for i in range(6)] + [odd_images.corrupt()["bogus_huffman_table_jpeg"]]
+    src = make_folder(tmp_path / "src", {"a": items})
+    for workers in (1, 2):
+        report = pack(src, tmp_path / f"p{workers}", workers=workers, progress=False)
+        assert report.records == 6 and [p for p, _ in report.skipped] == [str(src / "a" / "006.jpg")]
