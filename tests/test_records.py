@@ -405,6 +405,7 @@ def test_a_label_outside_the_classes_is_refused_in_one_line(small_folder, tmp_pa
         ("{}", "has no 'classes' list of names"),
         ("not json at all", "not valid JSON"),
         ('{"classes": [1, 2, 3]}', "has no 'classes' list of names"),
+        ('["a", "b", "c"]', "has no 'classes' list of names"),
     ],
 )
 def test_meta_json_must_match_the_index(small_folder, tmp_path, meta, says):
