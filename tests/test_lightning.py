@@ -181,13 +181,15 @@ def _crash_and_resume(make_train, tmp_path) -> tuple[list[int], list[int], Recor
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True)
     model = Model({"train": make_train})
     first = Recorder()
-    t = trainer(first, max_epochs=2, callbacks=[ckpt, CrashAfter(7)], enable_checkpointing=True)
+    t = trainer(
+        first, max_epochs=2, callbacks=[ckpt, CrashAfter(7)], enable_checkpointing=True, default_root_dir=tmp_path
+    )
     with pytest.raises(Preempted):
         t.fit(model)  # epoch 0: 5 batches; epoch 1: stops after step 7, the last checkpoint is at step 6
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 6 and saved["epoch"] == 1
     second = Recorder()
-    t2 = trainer(second, max_epochs=2, enable_checkpointing=True)
+    t2 = trainer(second, max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path / "second")
     t2.fit(Model({"train": make_train}), ckpt_path=tmp_path / "last.ckpt")
     before = [i for ep, labels in first.train[:6] if ep == 1 for i in labels]  # what the checkpoint covers
     return before, second.epoch(1), first, second
