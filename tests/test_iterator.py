@@ -59,6 +59,16 @@ def epoch_labels(loader, epoch=None, limit=None):
     return out, sizes
 
 
+def take_then_save(loader, batches):
+    """Labels of the first ``batches`` batches of the current epoch, then the loader's state."""
+    seen = []
+    for k, (_, labels) in enumerate(loader):
+        seen += labels.tolist()
+        if k + 1 == batches:
+            return seen, loader.state_dict()
+    raise AssertionError(f"the epoch had fewer than {batches} batches")
+
+
 class ScriptedController:
     """A test double for BatchSizeController: plays a fixed list of batch sizes, one per epoch."""
 
@@ -157,12 +167,7 @@ def test_drop_last_drops_only_the_tail(make, index_reader):
 def test_resume_mid_epoch_yields_exactly_the_rest(make, index_reader):
     loader = make(index_reader, 5, seed=9)
     loader.set_epoch(4)
-    seen = []
-    for k, (_, labels) in enumerate(loader):
-        seen += labels.tolist()
-        if k == 2:
-            state = loader.state_dict()
-            break
+    seen, state = take_then_save(loader, 3)
     resumed = make(index_reader, 5, seed=9)
     resumed.load_state_dict(state)
     resumed.set_epoch(4)  # the usual loop calls set_epoch; it keeps the resumed position
@@ -458,12 +463,7 @@ def test_resume_in_skip_mode_neither_replays_nor_loses(make):
     assert reference == good
     loader = make(reader, 3, train=False, on_error="skip")
     loader.set_epoch(0)
-    seen = []
-    for k, (_, labels) in enumerate(loader):
-        seen += labels.tolist()
-        if k == 1:  # batches [0 1 2] and [3 4 5]: two bad records already skipped
-            state = loader.state_dict()
-            break
+    seen, state = take_then_save(loader, 2)  # batches [0 1 2] and [3 4 5]: two bad records already skipped
     assert seen == [0, 1, 3, 4] and state["sampler"]["position"] == 6
     resumed = make(reader, 3, train=False, on_error="skip")
     resumed.load_state_dict(state)
@@ -475,12 +475,7 @@ def test_resume_in_skip_mode_neither_replays_nor_loses(make):
 def test_resume_with_new_batch_size_and_drop_last_keeps_full_batches(make, index_reader):
     loader = make(index_reader, 5, seed=2, drop_last=True)
     loader.set_epoch(1)
-    seen = []
-    for k, (_, labels) in enumerate(loader):
-        seen += labels.tolist()
-        if k == 2:
-            state = loader.state_dict()
-            break
+    seen, state = take_then_save(loader, 3)
     assert len(seen) == 15
     resumed = make(index_reader, 5, seed=2, drop_last=True)
     resumed.load_state_dict(state)

@@ -82,12 +82,17 @@ def test_flipped_byte_found_by_verify(small_folder, tmp_path):
     r = MemmapReader(dst)
     off = int(r.records[4]["offset"]) + 10
     del r
-    with open(dst / DATA_FILE, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_byte(dst / DATA_FILE, off, 0xFF)
     assert MemmapReader(dst).verify() == [4]
+
+
+def _flip_byte(path: Path, at: int, mask: int) -> None:
+    """XOR the byte at offset ``at`` of ``path`` with ``mask`` (a bit flip on disk)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def _one_line(excinfo) -> str:
@@ -275,11 +280,7 @@ def test_verify_finds_a_flipped_byte_anywhere_in_a_record(tmp_path, where):
     assert length > 1000
     at = offset + {"first": 0, "middle": length // 2, "last": length - 1}[where]
     del r
-    with open(dst / DATA_FILE, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_byte(dst / DATA_FILE, at, 0x01)
     assert MemmapReader(dst).verify() == [1]
 
 
