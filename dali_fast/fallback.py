@@ -326,6 +326,10 @@ class TorchIterator(LoaderBase):
                 f"a DataLoader worker died during this pass ({why}); the next pass starts a new one"
             ) from e
 
+    def close(self) -> None:
+        """Shut the decode workers down now (a later pass starts new ones)."""
+        self._discard_workers()
+
     def _discard_workers(self) -> None:
         """Shut the worker pool down; the next pass starts a new one."""
         loader, self._loader = self._loader, None

@@ -333,6 +333,10 @@ class LoaderBase:
         """Yield (images, labels, planned samples accounted for) for each planned batch, in order."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the backend holds between passes (worker processes, a pipeline); a later pass
+        starts again."""
+
 
 # pragma: no mutate block (the DALI backend: outside the epoch driver)
 class LoaderSampler(Sampler[int]):

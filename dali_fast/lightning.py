@@ -85,6 +85,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         self.controller = controller
         self.loader_kw = loader_kw
         self._readers: dict[str, Reader] = {}
+        self._made: list[LoaderBase] = []  # closed at teardown: worker pools and pipelines end with the stage
 
     def _reader(self, split: str) -> Reader:
         source = self.paths[split]
@@ -96,7 +97,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
 
     def _loader(self, split: str) -> LoaderBase:
         train = split == "train"
-        return make_loader(
+        loader = make_loader(
             self._reader(split),
             self.batch_size if train else self.eval_batch_size,
             backend=self.backend,
@@ -105,6 +106,14 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
             controller=self.controller if train else None,
             **self.loader_kw,
         )
+        self._made.append(loader)
+        return loader
+
+    def teardown(self, stage: str) -> None:
+        """Shut down the loaders this module made (their worker processes or DALI pipelines)."""
+        made, self._made = self._made, []
+        for loader in made:
+            loader.close()
 
     # A split without a data set gives no loaders ([]): Lightning then skips that stage's loop.
     def train_dataloader(self) -> LoaderBase | list:
