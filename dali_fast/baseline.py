@@ -1,8 +1,8 @@
 """The plain baseline, as PyTorch users write it today: the reference row of every comparison.
 
-A `torch.utils.data.DataLoader` over a Dataset that opens each file with Pillow and applies
-RandomResizedCrop, horizontal flip and normalization per sample on the CPU (the same parameters
-as the other loaders), with one worker per cpu. Kept honest: no deliberate slowness, and no
+A `torch.utils.data.DataLoader` over a Dataset that opens each file with Pillow and applies the
+recipe (RandomResizedCrop, horizontal flip, automatic augmentation, normalization, random erasing)
+per sample on the CPU (the same `Recipe` as the other loaders), with one worker per cpu. Kept honest: no deliberate slowness, and no
 tricks the typical script does not have either (no draft-mode decode, no GPU normalization).
 """
 
@@ -14,23 +14,36 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .autoaugment import apply_policy
 from .decode import open_image, to_rgb
-from .fallback import random_resized_crop_box
-from .pipeline import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, BadRecordError, bad_record_message
+from .fallback import PIL_RESAMPLE, random_resized_crop_box
+from .pipeline import BadRecordError, bad_record_message
+from .recipe import Recipe, erasing_box
 from .records import Reader, pillow_reason, read_checked
 from .sampler import dist_rank_world
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
-_MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) / 255
-_STD = torch.tensor(IMAGENET_STD).view(3, 1, 1) / 255
 
 
 class BaselineDataset(Dataset):
     """Per-sample Pillow decode + transforms, like torchvision's ImageFolder with the usual transforms."""
 
-    def __init__(self, reader: Reader, train: bool = True, image_size: int = 224, on_error: str = "raise") -> None:
-        self.reader, self.train, self.image_size, self.on_error = reader, train, image_size, on_error
+    def __init__(
+        self,
+        reader: Reader,
+        train: bool = True,
+        image_size: int | None = None,
+        on_error: str = "raise",
+        recipe: Recipe | None = None,
+    ) -> None:
+        from .recipe import resolve_recipe
+
+        self.reader, self.train, self.on_error = reader, train, on_error
+        self.recipe = resolve_recipe(recipe, image_size=image_size)
+        self.image_size = self.recipe.image_size
+        self._mean = torch.tensor(self.recipe.mean_255).view(3, 1, 1) / 255
+        self._std = torch.tensor(self.recipe.std_255).view(3, 1, 1) / 255
         self._rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
@@ -55,20 +68,31 @@ class BaselineDataset(Dataset):
                 log.warning("skipping record %d (%s): %s", i, self.reader.source(i), reason)
                 return None
             raise BadRecordError(bad_record_message(self.reader, i, reason or "unreadable"))
-        S = self.image_size
+        S, recipe, rng = self.image_size, self.recipe, self._rng
+        resample = getattr(Image, PIL_RESAMPLE[recipe.interpolation])
         if self.train:
-            left, top, w, h = random_resized_crop_box(self._rng, *im.size)
-            im = im.resize((S, S), Image.BILINEAR, box=(left, top, left + w, top + h))
-            if self._rng.random() < 0.5:
+            left, top, w, h = random_resized_crop_box(rng, *im.size, recipe.scale, recipe.ratio)
+            im = im.resize((S, S), resample, box=(left, top, left + w, top + h))
+            if rng.random() < recipe.hflip:
                 im = im.transpose(Image.FLIP_LEFT_RIGHT)
         else:
-            short = round(S / EVAL_CROP_FRACTION)
+            short = recipe.resize_shorter
             scale = short / min(im.size)
-            im = im.resize((max(S, round(im.width * scale)), max(S, round(im.height * scale))), Image.BILINEAR)
+            im = im.resize((max(S, round(im.width * scale)), max(S, round(im.height * scale))), resample)
             x0, y0 = (im.width - S + 1) // 2, (im.height - S + 1) // 2  # round half up, as every loader here
             im = im.crop((x0, y0, x0 + S, y0 + S))
-        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
-        return (x - _MEAN) / _STD, int(label)
+        pixels = np.asarray(im, dtype=np.uint8)
+        if self.train:
+            pixels = apply_policy(pixels, recipe, rng)
+        x = torch.from_numpy(pixels.copy()).permute(2, 0, 1)
+        if recipe.normalize:
+            x = ((x.float().div_(255) - self._mean) / self._std).to(recipe.out_dtype)
+        else:
+            x = x.to(recipe.out_dtype)
+        if self.train and recipe.random_erasing > 0:
+            top, left, h, w = erasing_box(rng, S, S, recipe)
+            x[:, top : top + h, left : left + w] = 0
+        return x, int(label)
 
 
 def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,11 +110,12 @@ def baseline_loader(
     batch_size: int,
     *,
     train: bool = True,
-    image_size: int = 224,
+    image_size: int | None = None,
     num_workers: int | None = None,
     drop_last: bool = False,
     seed: int = 0,
     on_error: str = "raise",
+    recipe: Recipe | None = None,
 ) -> DataLoader:
     """DataLoader(shuffle=train, num_workers=cpus (per local rank), pin_memory when CUDA) over `BaselineDataset`.
 
@@ -99,7 +124,7 @@ def baseline_loader(
     """
     if num_workers is None:
         num_workers = cpus_per_local_rank()
-    dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error)
+    dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error, recipe=recipe)
     sampler = None
     rank, world = dist_rank_world()
     if world > 1:

@@ -20,19 +20,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .autoaugment import apply_policy
 from .decode import open_image, oriented_size, to_rgb
 from .iterator import LoaderBase, cuda_usable, local_device_index
-from .pipeline import (
-    EVAL_CROP_FRACTION,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    RRC_RATIO,
-    RRC_SCALE,
-    BadRecordError,
-    bad_record_message,
-)
+from .pipeline import BadRecordError, bad_record_message
+from .recipe import AUGMENT_SALT, ERASING_SALT, Recipe, erasing_box, sample_rng
 from .records import Reader, pillow_reason, read_checked
 from .system import cpus_per_local_rank
+
+IMAGENET_MEAN = Recipe().mean_255
+IMAGENET_STD = Recipe().std_255
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +103,7 @@ def create_optimized_dataloader(
 
 
 def random_resized_crop_box(
-    rng: np.random.Generator, width: int, height: int, scale=RRC_SCALE, ratio=RRC_RATIO
+    rng: np.random.Generator, width: int, height: int, scale=Recipe.scale, ratio=Recipe.ratio
 ) -> tuple[int, int, int, int]:
     """(left, top, w, h) of a random-resized-crop window (the usual 10-attempt algorithm)."""
     area = width * height
@@ -128,18 +125,22 @@ def random_resized_crop_box(
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def decode_crop(data: bytes | np.ndarray, *, train: bool, image_size: int, rng: np.random.Generator) -> np.ndarray:
+PIL_RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST", "lanczos": "LANCZOS"}
+
+
+def decode_crop(data: bytes | np.ndarray, *, train: bool, recipe: Recipe, rng: np.random.Generator) -> np.ndarray:
     """Decode, crop and resize one image with Pillow (by `decode.to_rgb`'s rule): uint8 (S, S, 3) RGB."""
     from PIL import Image
 
     im = open_image(data)
     width, height = oriented_size(im)
-    S = image_size
+    S = recipe.image_size
+    resample = getattr(Image, PIL_RESAMPLE[recipe.interpolation])
     if train:
-        left, top, w, h = random_resized_crop_box(rng, width, height)
+        left, top, w, h = random_resized_crop_box(rng, width, height, recipe.scale, recipe.ratio)
         need = (max(1, math.ceil(width * S / w)), max(1, math.ceil(height * S / h)))
     else:
-        short = round(S / EVAL_CROP_FRACTION)
+        short = recipe.resize_shorter
         scale = short / min(width, height)
         need = (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale)))
     if im.format == "JPEG":
@@ -151,26 +152,26 @@ def decode_crop(data: bytes | np.ndarray, *, train: bool, image_size: int, rng: 
     fx, fy = im.size[0] / width, im.size[1] / height
     if train:
         box = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)
-        im = im.resize((S, S), Image.BILINEAR, box=box)
+        im = im.resize((S, S), resample, box=box)
     else:
         rw, rh = max(S, round(width * scale)), max(S, round(height * scale))
-        im = im.resize((rw, rh), Image.BILINEAR)
+        im = im.resize((rw, rh), resample)
         x0, y0 = (rw - S + 1) // 2, (rh - S + 1) // 2  # round half up, as DALI's centre crop does
         im = im.crop((x0, y0, x0 + S, y0 + S))
     return np.asarray(im, dtype=np.uint8)
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    return np.random.default_rng([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, index & 0xFFFFFFFFFFFF])
-
-
 class _DecodeDataset(Dataset):
-    """Runs in the workers: a key (index, epoch[, encoded bytes]) → decoded crop or a failure."""
+    """Runs in the workers: a key (index, epoch[, encoded bytes]) → decoded, augmented crop or a failure.
 
-    def __init__(self, reader: Reader, train: bool, image_size: int, seed: int) -> None:
+    Per sample: crop and flip from (seed, epoch, index); the automatic augmentation and the erasing box
+    from their own salted generators, the box exactly as `DALIIterator`'s source draws it.
+    """
+
+    def __init__(self, reader: Reader, train: bool, recipe: Recipe, seed: int) -> None:
         self.reader = reader
         self.train = train
-        self.image_size = image_size
+        self.recipe = recipe
         self.seed = seed
 
     def __len__(self) -> int:
@@ -185,12 +186,20 @@ class _DecodeDataset(Dataset):
         if reason is None:
             rng = sample_rng(self.seed, epoch, index)
             try:
-                image = decode_crop(data, train=self.train, image_size=self.image_size, rng=rng)
-                flip = bool(rng.random() < 0.5) if self.train else False
-                return index, label, image, flip, None
+                image = decode_crop(data, train=self.train, recipe=self.recipe, rng=rng)
             except Exception as e:  # noqa: BLE001 - Pillow raises many types; the record is reported
                 reason = pillow_reason(e)
-        return index, label, None, False, reason
+            else:
+                if not self.train:
+                    return index, label, image, False, None, None
+                flip = bool(rng.random() < self.recipe.hflip)
+                image = apply_policy(image, self.recipe, sample_rng(self.seed, epoch, index, AUGMENT_SALT))
+                box = None
+                if self.recipe.random_erasing > 0:
+                    S = self.recipe.image_size
+                    box = erasing_box(sample_rng(self.seed, epoch, index, ERASING_SALT), S, S, self.recipe)
+                return index, label, image, flip, None, box
+        return index, label, None, False, reason, None
 
 
 def _collate(samples: list[tuple]) -> dict[str, Any]:
@@ -200,10 +209,14 @@ def _collate(samples: list[tuple]) -> dict[str, Any]:
         images = torch.from_numpy(np.stack([s[2] for s in good]))
     else:
         images = torch.empty(0, dtype=torch.uint8)
+    boxes = None
+    if good and good[0][5] is not None:
+        boxes = torch.tensor([s[5] for s in good], dtype=torch.int64)
     return {
         "images": images,
         "labels": torch.tensor([s[1] for s in good], dtype=torch.int64),
         "flips": torch.tensor([s[3] for s in good], dtype=torch.bool),
+        "boxes": boxes,
         "consumed": len(samples),
         "bad": bad,
     }
@@ -223,11 +236,23 @@ class _PlanSampler(Sampler):
 
 
 @functools.lru_cache(maxsize=16)
-def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ImageNet mean and 1/std as (1, 3, 1, 1) float32 tensors on ``device``, made once per device."""
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-    inv_std = 1.0 / torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
-    return mean, inv_std
+def _normalization(
+    device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mean`` and 1/``std`` as (1, 3, 1, 1) float32 tensors on ``device``, made once per device and recipe."""
+    mean_t = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+    inv_std = 1.0 / torch.tensor(std, device=device).view(1, 3, 1, 1)
+    return mean_t, inv_std
+
+
+def erase_boxes(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """Fill each sample's (top, left, h, w) box of NCHW ``x`` with 0, in place, without a host sync."""
+    boxes = boxes.to(x.device, non_blocking=True)
+    rows = torch.arange(x.shape[-2], device=x.device).view(1, -1, 1)
+    cols = torch.arange(x.shape[-1], device=x.device).view(1, 1, -1)
+    top, left, h, w = (boxes[:, k].view(-1, 1, 1) for k in range(4))
+    inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
+    return x.masked_fill_(inside.unsqueeze(1), 0)
 
 
 def normalize_flip(
@@ -235,33 +260,51 @@ def normalize_flip(
     flips: torch.Tensor,
     dtype: torch.dtype,
     memory_format: torch.memory_format = torch.contiguous_format,
+    mean: tuple[float, ...] | None = IMAGENET_MEAN,
+    std: tuple[float, ...] | None = IMAGENET_STD,
+    boxes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """uint8 NHWC → normalized NCHW ``dtype``, mirrored where ``flips``; batched ops on the tensor's device.
+    """uint8 NHWC → NCHW ``dtype``, mirrored where ``flips``, normalized by ``mean``/``std`` (0–255 scale;
+    None: left unnormalized), erased in ``boxes``; batched ops on the tensor's device.
 
     No host synchronization: the mirror is a `torch.where` whether or not any sample flips.
     ``memory_format=torch.channels_last`` keeps the NHWC storage (the NCHW result is a view of it).
     """
     flips = flips.to(images.device, non_blocking=True)
     images = torch.where(flips.view(-1, 1, 1, 1), images.flip(2), images)  # mirror on uint8: 4x less memory
-    x = images.permute(0, 3, 1, 2).to(torch.float32, memory_format=memory_format)
-    mean, inv_std = _normalization(x.device)
-    x.sub_(mean).mul_(inv_std)
-    return x if dtype == torch.float32 else x.to(dtype)
+    if mean is None or std is None:
+        x = images.permute(0, 3, 1, 2).to(dtype, memory_format=memory_format)
+    else:
+        x = images.permute(0, 3, 1, 2).to(torch.float32, memory_format=memory_format)
+        mean_t, inv_std = _normalization(x.device, tuple(mean), tuple(std))
+        x.sub_(mean_t).mul_(inv_std)
+        x = x if dtype == torch.float32 else x.to(dtype)
+    return x if boxes is None else erase_boxes(x, boxes)
+
+
+def _finish(b: dict[str, Any], recipe: Recipe, dtype: torch.dtype, memory_format: torch.memory_format) -> torch.Tensor:
+    """A collated batch's images, flipped, normalized and erased as ``recipe`` says."""
+    mean, std = (recipe.mean_255, recipe.std_255) if recipe.normalize else (None, None)
+    return normalize_flip(b["images"], b["flips"], dtype, memory_format, mean, std, b["boxes"])
 
 
 class _Collate:
     """Stacks a batch; on CPU also normalizes it in the worker (on GPU that happens after the copy)."""
 
     def __init__(
-        self, normalize_dtype: torch.dtype | None, memory_format: torch.memory_format = torch.contiguous_format
+        self,
+        normalize_dtype: torch.dtype | None,
+        memory_format: torch.memory_format = torch.contiguous_format,
+        recipe: Recipe | None = None,
     ) -> None:
         self.normalize_dtype = normalize_dtype
         self.memory_format = memory_format
+        self.recipe = recipe or Recipe()
 
     def __call__(self, samples: list[tuple]) -> dict[str, Any]:
         b = _collate(samples)
         if self.normalize_dtype is not None and len(b["labels"]):
-            b["images"] = normalize_flip(b["images"], b["flips"], self.normalize_dtype, self.memory_format)
+            b["images"] = _finish(b, self.recipe, self.normalize_dtype, self.memory_format)
             b["normalized"] = True
         return b
 
@@ -286,7 +329,7 @@ class TorchIterator(LoaderBase):
         self._plan = _PlanSampler()
         # With a cache, the keys carry the bytes (read through it in this process); workers never
         # touch the cache, so it needs no copy per worker and is never pickled.
-        self._decode = _DecodeDataset(dataset, self.train, self.image_size, self.seed)
+        self._decode = _DecodeDataset(dataset, self.train, self.recipe, self.seed)
         self._loader: DataLoader | None = None
 
     def _dataloader(self) -> DataLoader:
@@ -298,7 +341,7 @@ class TorchIterator(LoaderBase):
                 num_workers=self.num_workers,
                 pin_memory=self.gpu,
                 prefetch_factor=self.prefetch if self.num_workers else None,
-                collate_fn=_Collate(None if self.gpu else self.dtype, self.memory_format),
+                collate_fn=_Collate(None if self.gpu else self.dtype, self.memory_format, self.recipe),
             )
         return self._loader
 
@@ -346,8 +389,9 @@ class TorchIterator(LoaderBase):
             if stream is None:
                 return b
             with torch.cuda.stream(stream):
-                for k in ("images", "labels", "flips"):
-                    b[k] = b[k].to(self.device, non_blocking=True)
+                for k in ("images", "labels", "flips", "boxes"):
+                    if b[k] is not None:
+                        b[k] = b[k].to(self.device, non_blocking=True)
             return b
 
         carry = 0  # planned samples of batches that were all bad, accounted with the next batch
@@ -369,13 +413,14 @@ class TorchIterator(LoaderBase):
             cur = nxt
             if stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
-                for k in ("images", "labels", "flips"):
-                    cur[k].record_stream(torch.cuda.current_stream(self.device))
+                for k in ("images", "labels", "flips", "boxes"):
+                    if cur[k] is not None:
+                        cur[k].record_stream(torch.cuda.current_stream(self.device))
             nxt = next_batch()  # the next copy overlaps this step
             if cur.get("normalized"):
                 images = cur["images"]
             else:
-                images = normalize_flip(cur["images"], cur["flips"], self.dtype, self.memory_format)
+                images = _finish(cur, self.recipe, self.dtype, self.memory_format)
             yield images, cur["labels"], cur["consumed"]
 
     def _handle_bad(self, bad: list[tuple[int, str]]) -> None:

@@ -21,6 +21,7 @@ from torch.utils.data import Sampler
 
 from .cache import CachedReader, LRUCache
 from .pipeline import SkipLog
+from .recipe import Recipe, resolve_recipe
 from .records import Reader
 from .sampler import EpochSampler, dist_rank_world
 
@@ -28,8 +29,6 @@ log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 ON_ERROR = ("raise", "skip")
-DTYPES = (torch.float32, torch.float16)
-MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
 
 
 # pragma: no mutate start (device lookup)
@@ -76,38 +75,35 @@ class LoaderBase:
         batch_size: int,
         *,
         train: bool = True,
-        image_size: int = 224,
+        image_size: int | None = None,
         device: str = "auto",
         seed: int = 0,
         drop_last: bool = False,
         cache_bytes: int = 0,
         controller: Any = None,
         num_threads: int | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         on_error: str = "raise",
         prefetch: int = 2,
-        memory_format: torch.memory_format = torch.contiguous_format,
+        memory_format: torch.memory_format | None = None,
+        recipe: Recipe | None = None,
     ) -> None:
         if not isinstance(batch_size, int | np.integer) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
-        if not isinstance(image_size, int | np.integer) or image_size < 1:
-            raise ValueError(f"image_size={image_size!r}: must be a positive integer")
+        # image_size, dtype and memory_format are the recipe's; as arguments they adjust the default one.
+        self.recipe = resolve_recipe(recipe, image_size=image_size, dtype=dtype, memory_format=memory_format)
         if device not in ("auto", "cpu", "cuda", "gpu"):
             raise ValueError(f"device={device!r}: use 'auto' (GPU when CUDA is usable), 'cuda' or 'cpu'")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype}: use torch.float32 or torch.float16")
         if cache_bytes < 0:
             raise ValueError(f"cache_bytes={cache_bytes}: must be >= 0 (0 disables the cache)")
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads={num_threads}: must be >= 1")
         if prefetch < 1:
             raise ValueError(f"prefetch={prefetch}: must be >= 1")
-        if memory_format not in MEMORY_FORMATS:
-            raise ValueError(f"memory_format={memory_format}: use torch.contiguous_format or torch.channels_last")
         if len(dataset) == 0:
             raise ValueError("the data set is empty; nothing to load")
         if device in ("cuda", "gpu") and not cuda_usable():
@@ -118,14 +114,14 @@ class LoaderBase:
         self.cache: LRUCache | None = LRUCache(cache_bytes) if cache_bytes else None
         self.dataset: Reader = CachedReader(dataset, self.cache) if self.cache is not None else dataset
         self.train = bool(train)
-        self.image_size = int(image_size)
+        self.image_size = self.recipe.image_size
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.num_threads = num_threads
-        self.dtype = dtype
+        self.dtype = self.recipe.out_dtype
         self.on_error = on_error
         self.prefetch = int(prefetch)
-        self.memory_format = memory_format
+        self.memory_format = self.recipe.memory_format
         self.order = EpochSampler(
             len(dataset),
             seed=self.seed,
@@ -471,7 +467,7 @@ class DALIIterator(LoaderBase):
             self.close()
             kept = self._build(plan, start, bad)
         else:
-            kept.source.rearm(plan, bad)
+            kept.source.rearm(plan, bad, self._boxes())
             kept.iterator.reset()
         self._kept = None  # owned by this pass until it ends normally
         source, it = kept.source, kept.iterator
@@ -503,24 +499,32 @@ class DALIIterator(LoaderBase):
                 shutdown_pipeline(kept.pipeline)
             del it, kept
 
+    def _boxes(self) -> Any:
+        """This epoch's erasing box per sample index (the rule and generator `TorchIterator` uses), or None."""
+        if not self.train or self.recipe.random_erasing <= 0:
+            return None
+        from .recipe import ERASING_SALT, erasing_box, sample_rng
+
+        seed, epoch, recipe, S = self.seed, self.order.epoch, self.recipe, self.image_size
+        return lambda i: np.asarray(erasing_box(sample_rng(seed, epoch, i, ERASING_SALT), S, S, recipe), np.float32)
+
     def _build(self, plan: list[np.ndarray], start: int, bad: dict[int, str]) -> _Kept:
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
         from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed
 
-        source = BatchSource(self.dataset, plan, self.on_error, self._skips, exclude=bad)
+        source = BatchSource(self.dataset, plan, self.on_error, self._skips, exclude=bad, boxes=self._boxes())
         batch_size = self._max_batch()
         pipe = build_pipeline(
             source,
             max_batch=batch_size,
             train=self.train,
-            image_size=self.image_size,
+            recipe=self.recipe,
             gpu=self.gpu,
             device_id=self.device_id,
             seed=derive_seed(self.seed, self.order.epoch, self.rank, start),
             num_threads=self.num_threads or default_num_threads(self.gpu),
-            fp16=self.dtype == torch.float16,
             prefetch=self.prefetch,
             layout="HWC" if self.memory_format == torch.channels_last else "CHW",
         )

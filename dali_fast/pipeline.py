@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from .recipe import Recipe
 from .records import Reader, pillow_reason, read_checked
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
 
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-RRC_SCALE = (0.08, 1.0)
-RRC_RATIO = (3 / 4, 4 / 3)
-EVAL_CROP_FRACTION = 0.875
+IMAGENET_MEAN = Recipe().mean_255  # the default recipe's normalization, on the 0-255 scale of decoded pixels
+IMAGENET_STD = Recipe().std_255
+
 
 
 class BadRecordError(ValueError):
@@ -70,8 +71,10 @@ class BatchSource:
         on_error: str,
         skips: SkipLog,
         exclude: Mapping[int, str] | None = None,
+        boxes: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         self.reader = reader
+        self.boxes = boxes  # index -> float32 (top, left, h, w) of its erasing box, a third output
         self.plan = list(plan)
         self.on_error = on_error
         self.skips = skips
@@ -85,8 +88,16 @@ class BatchSource:
         """Hand out nothing more (the consumer has left the epoch)."""
         self.stopped = True
 
-    def rearm(self, plan: Sequence[np.ndarray], exclude: Mapping[int, str] | None = None) -> None:
+    def rearm(
+        self,
+        plan: Sequence[np.ndarray],
+        exclude: Mapping[int, str] | None = None,
+        boxes: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
         """Start handing out a new plan (the next epoch's, in a pipeline kept from the last one)."""
+        if (boxes is None) != (self.boxes is None):
+            raise ValueError("a kept pipeline's source cannot start or stop giving erasing boxes")
+        self.boxes = boxes
         self.plan = list(plan)
         self.exclude = exclude or {}
         self.next = 0
@@ -94,7 +105,7 @@ class BatchSource:
         self.fed.clear()
         self.tail_skipped = []
 
-    def __call__(self) -> tuple[list[np.ndarray], np.ndarray]:
+    def __call__(self) -> tuple:
         consumed = batches = 0
         skipped: list[tuple[int, str]] = []
         while not self.stopped and self.next < len(self.plan):
@@ -119,6 +130,8 @@ class BatchSource:
                 kept.append(i)
             if datas:
                 self.fed.append(Fed(consumed, kept, batches, skipped))
+                if self.boxes is not None:
+                    return datas, np.asarray(labels, dtype=np.int64), [self.boxes(i) for i in kept]
                 return datas, np.asarray(labels, dtype=np.int64)
         self.tail_skipped += skipped  # the plan ended on records that were all skipped
         skipped = []
@@ -213,43 +226,95 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def augment(jpegs, *, train: bool, image_size: int, gpu: bool, fp16: bool, layout: str = "CHW", num_threads: int = 1):
-    """The operators after the source, inside a pipeline definition: decode, crop, resize, normalize, flip.
+def augment(
+    jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW", num_threads: int = 1, erase=None
+):
+    """The operators after the source, inside a pipeline definition, as ``recipe`` says.
 
-    Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, random
-    horizontal flip. Eval: resize the shorter side to ``image_size / 0.875``, centre crop.
+    Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, automatic
+    augmentation, random horizontal flip, normalize, random erasing (``erase``: per-sample
+    (top, left, h, w) boxes from the source). Eval: resize the shorter side, centre crop, normalize.
     """
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
+    S = recipe.image_size
     decode_device = "mixed" if gpu else "cpu"
     pre = decoder_preallocation(num_threads, gpu)
     extra = {"device_memory_padding": pre["device_padding"], "host_memory_padding": pre["host_padding"]} if gpu else {}
+    interp = {"interp_type": getattr(types, DALI_INTERP[recipe.interpolation])}
     if train:
         images = fn.decoders.image_random_crop(
             jpegs,
             device=decode_device,
             output_type=types.RGB,
-            random_area=list(RRC_SCALE),
-            random_aspect_ratio=list(RRC_RATIO),
+            random_area=list(recipe.scale),
+            random_aspect_ratio=list(recipe.ratio),
             num_attempts=10,
             **extra,
         )
-        images = fn.resize(images, resize_x=image_size, resize_y=image_size)
-        mirror = fn.random.coin_flip(probability=0.5)
+        images = fn.resize(images, resize_x=S, resize_y=S, **interp)
+        if recipe.auto_augment is not None:
+            images = auto_augment(images, recipe)
+        mirror = fn.random.coin_flip(probability=recipe.hflip) if recipe.hflip > 0 else 0
     else:
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
-        images = fn.resize(images, resize_shorter=round(image_size / EVAL_CROP_FRACTION))
+        images = fn.resize(images, resize_shorter=recipe.resize_shorter, **interp)
         mirror = 0
-    return fn.crop_mirror_normalize(
+    norm = {"mean": list(recipe.mean_255), "std": list(recipe.std_255)} if recipe.normalize else {}
+    images = fn.crop_mirror_normalize(
         images,
-        dtype=types.FLOAT16 if fp16 else types.FLOAT,
+        dtype=getattr(types, DALI_DTYPES[recipe.out_dtype]),
         output_layout=layout,
-        crop=(image_size, image_size),
-        mean=list(IMAGENET_MEAN),
-        std=list(IMAGENET_STD),
+        crop=(S, S),
         mirror=mirror,
+        **norm,
     )
+    if erase is not None:
+        if gpu:
+            erase = erase.gpu()
+        images = fn.erase(images, anchor=erase[0:2], shape=erase[2:4], axis_names="HW", fill_value=0)
+    return images
+
+
+DALI_INTERP = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "nearest": "INTERP_NN", "lanczos": "INTERP_LANCZOS3"}
+DALI_DTYPES = {torch.float32: "FLOAT", torch.float16: "FLOAT16", torch.uint8: "UINT8"}
+
+
+def auto_augment(images, recipe: Recipe):
+    """``recipe.auto_augment`` through `nvidia.dali.auto_aug` (the pipeline needs ``enable_conditionals``).
+
+    Translations span torchvision's ranges (150/331 of the side; 32 px for TrivialAugmentWide), geometric
+    ops use nearest-neighbour sampling and fill with ``recipe.fill``, as the Pillow twin does.
+    """
+    import nvidia.dali.types as types
+    from nvidia.dali.auto_aug import auto_augment as aa
+    from nvidia.dali.auto_aug import rand_augment, trivial_augment
+
+    S = recipe.image_size
+    common = {"fill_value": recipe.fill, "interp_type": types.INTERP_NN}
+    with warnings.catch_warnings():
+        # auto_aug calls operators by their old experimental names; that is DALI's affair, not the user's
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"nvidia\.dali\..*")
+        return _auto_augment(images, recipe, S, common, rand_augment, trivial_augment, aa)
+
+
+def _auto_augment(images, recipe: Recipe, S: int, common: dict, rand_augment, trivial_augment, aa):
+    if recipe.auto_augment == "randaugment":
+        return rand_augment.rand_augment(
+            images,
+            n=recipe.num_ops,
+            m=recipe.magnitude,
+            num_magnitude_bins=recipe.num_magnitude_bins,
+            shape=(S, S),
+            max_translate_rel=150 / 331,
+            **common,
+        )
+    if recipe.auto_augment == "trivialaugment":
+        return trivial_augment.trivial_augment_wide(
+            images, num_magnitude_bins=recipe.num_magnitude_bins, max_translate_abs=32, **common
+        )
+    return aa.auto_augment_image_net(images, shape=(S, S), max_translate_rel=150 / 331, **common)
 
 
 def build_pipeline(
@@ -257,17 +322,18 @@ def build_pipeline(
     *,
     max_batch: int,
     train: bool,
-    image_size: int,
+    recipe: Recipe,
     gpu: bool,
     device_id: int | None,
     seed: int,
     num_threads: int,
-    fp16: bool,
     prefetch: int,
     layout: str = "CHW",
 ):
-    """Build the decode → (random-resized-)crop → normalize/flip pipeline, fed by ``source``."""
+    """Build the decode → (random-resized-)crop → augment → normalize/flip → erase pipeline, fed by ``source``."""
     from nvidia.dali import pipeline_def
+
+    conditionals = {"enable_conditionals": True} if train and recipe.auto_augment is not None else {}
 
     @pipeline_def(
         batch_size=max_batch,
@@ -275,14 +341,23 @@ def build_pipeline(
         device_id=device_id if gpu else None,
         seed=seed,
         prefetch_queue_depth=prefetch,
+        **conditionals,
     )
     def pipe():
         import nvidia.dali.fn as fn
         import nvidia.dali.types as types
 
-        jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+        if source.boxes is None:
+            jpegs, labels = fn.external_source(
+                source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64]
+            )
+            erase = None
+        else:
+            jpegs, labels, erase = fn.external_source(
+                source=source, num_outputs=3, batch=True, dtype=[types.UINT8, types.INT64, types.FLOAT]
+            )
         images = augment(
-            jpegs, train=train, image_size=image_size, gpu=gpu, fp16=fp16, layout=layout, num_threads=num_threads
+            jpegs, train=train, recipe=recipe, gpu=gpu, layout=layout, num_threads=num_threads, erase=erase
         )
         if gpu:
             labels = labels.gpu()

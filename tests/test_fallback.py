@@ -274,8 +274,14 @@ def test_normalize_flip_never_syncs_with_the_host(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
     got = normalize_flip(img, flips, torch.float32)
     got_last = normalize_flip(img, flips, torch.float32, torch.channels_last)
+    boxes = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [0, 0, 8, 8], [7, 7, 1, 1]])
+    erased = normalize_flip(img, flips, torch.float32, boxes=boxes)  # random erasing: masks, no sync either
     monkeypatch.undo()
     assert torch.equal(got, expected) and torch.equal(got_last, expected)
     assert got_last.is_contiguous(memory_format=torch.channels_last)
-    a, b = _normalization(torch.device("cpu")), _normalization(torch.device("cpu"))
+    assert [int((erased[i] == 0).sum()) for i in range(4)] == [3 * 12, 0, 3 * 64, 3]
+    assert torch.equal(erased[1], expected[1]) and torch.equal(erased[0, :, 1:4, 2:6], torch.zeros(3, 3, 4))
+    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+    a, b = (_normalization(torch.device("cpu"), IMAGENET_MEAN, IMAGENET_STD) for _ in range(2))
     assert a[0] is b[0] and a[1] is b[1]  # made once per device, not per batch

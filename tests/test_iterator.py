@@ -15,6 +15,7 @@ from conftest import IndexReader, jpeg_bytes, png_bytes
 from PIL import Image
 
 from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+from dali_fast.recipe import Recipe
 
 BACKENDS = ["dali", "torch"]
 
@@ -640,7 +641,7 @@ def test_defaults_are_the_documented_ones(index_reader):
         ({"device": "cuda"}, "device='cuda' but CUDA is not usable here; use device='auto' or 'cpu'"),
         ({"device": "gpu"}, "device='gpu' but CUDA is not usable here; use device='auto' or 'cpu'"),
         ({"on_error": "ignore"}, "on_error='ignore': use 'raise' or 'skip'"),
-        ({"dtype": torch.int8}, "dtype=torch.int8: use torch.float32 or torch.float16"),
+        ({"dtype": torch.int8}, "dtype=torch.int8: use torch.float32, torch.float16 or torch.uint8"),
         ({"cache_bytes": -1}, "cache_bytes=-1: must be >= 0 (0 disables the cache)"),
         ({"num_threads": 0}, "num_threads=0: must be >= 1"),
         ({"prefetch": 0}, "prefetch=0: must be >= 1"),
@@ -829,7 +830,7 @@ def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
     monkeypatch.setattr(fn, "resize", record("resize"))
     monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
     monkeypatch.setattr(fn, "crop_mirror_normalize", record("normalize"))
-    pipeline.augment(object(), train=True, image_size=224, gpu=True, fp16=False, num_threads=224)
+    pipeline.augment(object(), train=True, recipe=Recipe(), gpu=True, num_threads=224)
     assert seen["decode"]["device"] == "mixed"
     assert seen["decode"]["device_memory_padding"] * 224 <= pipeline.DECODER_DEVICE_BUDGET
     assert seen["decode"]["host_memory_padding"] * 2 * 224 <= pipeline.DECODER_PINNED_BUDGET
