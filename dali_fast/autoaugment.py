@@ -64,7 +64,9 @@ OPS: dict[str, Callable[[Image.Image, float, int], Image.Image]] = {
 }
 
 
-def _space(shear: float, translate: Callable[[int, int], tuple[float, float]], rotate: float, enhance: float, bits: int):
+def _space(
+    shear: float, translate: Callable[[int, int], tuple[float, float]], rotate: float, enhance: float, bits: int
+):
     """An augmentation space: op -> (magnitudes(bins, h, w) or None for none, signed)."""
 
     def lin(top: float) -> Magnitudes:

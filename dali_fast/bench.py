@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .recipe import MixupCutmix, Recipe, resolve_recipe
 from .records import open_dataset, pack
 from .synthetic import default_cache_dir, make_synthetic
 from .system import atomic_write, available_cpus
@@ -81,8 +82,13 @@ def bench_loader(
     monitor: Any,
     progress: bool,
     on_error: str = "raise",
+    recipe: Recipe | None = None,
+    mix: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Warm-up epoch, then ``epochs`` timed epochs of loading (+ a training step unless model='none')."""
+    """Warm-up epoch, then ``epochs`` timed epochs of loading (+ a training step unless model='none').
+
+    ``recipe`` is the per-image transform; ``mix`` (MixupCutmix settings) mixes each batch on the
+    device it arrives on, inside the timed loop (with a model, the step trains on the soft targets)."""
     from .controller import BatchSizeController
 
     # The baseline reads the image files, as a plain script does; the others read the packed set.
@@ -100,8 +106,10 @@ def bench_loader(
         controller=ctrl,
         num_workers=workers,
         on_error=on_error,
+        recipe=recipe,
     )
-    trainer = Trainer(model, len(reader.classes)) if model != "none" else None
+    mixer = MixupCutmix(**mix, num_classes=len(reader.classes)) if mix else None
+    trainer = Trainer(model, len(reader.classes), mix=mixer) if model != "none" else None
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -116,8 +124,11 @@ def bench_loader(
             for images, labels in loader:
                 if trainer is not None:
                     trainer.step(images, labels, ctrl)
-                elif gpu:
-                    images = images.to("cuda", non_blocking=True)
+                else:
+                    if gpu:
+                        images = images.to("cuda", non_blocking=True)
+                    if mixer is not None:
+                        images, _ = mixer(images, labels.to(images.device))
                 n += len(labels)
                 bar.update(len(labels))
             if gpu:
@@ -135,6 +146,7 @@ def bench_loader(
     peak = util["peak_mem"]
     return {
         "loader": kind,
+        "augment": (recipe.auto_augment if recipe is not None else None) or "none",
         "img_per_s": sum(counts) / sum(times),
         "epoch_s": sum(times) / len(times),
         "epoch_times": times,
@@ -153,8 +165,26 @@ def _fmt_mem(b: Any) -> str:
     return f"{b / 2**30:.2f} GiB" if isinstance(b, int | float) else "n/a"
 
 
+def label(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    """A row's name: the loader, with its augmentation when the rows differ in it or it is not 'none'."""
+    augments = {r.get("augment", "none") for r in rows}
+    aug = row.get("augment", "none")
+    return row["loader"] if augments == {"none"} else f"{row['loader']} + {aug}"
+
+
+def _baseline_for(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> float | None:
+    """The baseline's img/s with the same augmentation (else None): each recipe against its own yardstick."""
+    return next(
+        (
+            r["img_per_s"]
+            for r in rows
+            if r["loader"] == "baseline" and "error" not in r and r.get("augment") == row.get("augment")
+        ),
+        None,
+    )
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    base = next((r["img_per_s"] for r in rows if r["loader"] == "baseline" and "error" not in r), None)
     kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
     lines = [
         f"| loader | img/s | epoch s | {'GPU' if kind == 'gpu' else 'CPU'} util % | peak mem | cache hit | x baseline |",
@@ -162,13 +192,14 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['loader']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {label(r, rows)} | failed: {r['error']} | | | | | |")
             continue
         util = f"{r['util_mean']:.0f}" if isinstance(r["util_mean"], float) else "n/a"
         cache = f"{r['cache']['hit_rate']:.0%}" if r.get("cache") else "-"
+        base = _baseline_for(r, rows)
         ratio = f"{r['img_per_s'] / base:.2f}x" if base else "-"
         lines.append(
-            f"| {r['loader']} | {r['img_per_s']:.0f} | {r['epoch_s']:.2f} | {util} | {_fmt_mem(r['peak_mem_bytes'])} "
+            f"| {label(r, rows)} | {r['img_per_s']:.0f} | {r['epoch_s']:.2f} | {util} | {_fmt_mem(r['peak_mem_bytes'])} "
             f"| {cache} | {ratio} |"
         )
     return "\n".join(lines)
@@ -181,9 +212,10 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "error" not in r]
-    names = [r["loader"] for r in ok]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    colors = ["#999999" if n == "baseline" else "#76b900" if n == "dali" else "#ee4c2c" for n in names]
+    names = [label(r, rows) for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(ok)), 4))
+    kinds = [r["loader"] for r in ok]
+    colors = ["#999999" if n == "baseline" else "#76b900" if n == "dali" else "#ee4c2c" for n in kinds]
     bars = a1.bar(names, [r["img_per_s"] for r in ok], color=colors)
     a1.bar_label(bars, fmt="%.0f")
     a1.set_ylabel("images / s")
@@ -223,9 +255,15 @@ def run_bench(
     out: str | os.PathLike = "bench-results",
     progress: bool = True,
     on_error: str = "raise",
+    recipe: Recipe | None = None,
+    augments: Sequence[str | None] | None = None,
+    mix: dict[str, float] | None = None,
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
-    """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``."""
+    """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
+
+    Each of ``augments`` (automatic augmentations, None or 'none' for none; default: the recipe's own)
+    is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others."""
     from .monitor import UtilizationMonitor
 
     for k in loaders:
@@ -233,6 +271,13 @@ def run_bench(
             raise ValueError(f"loader {k!r}: choose from {', '.join(LOADERS)}")
     if epochs < 1 or batch_size < 1 or image_size < 1:
         raise ValueError("epochs, batch size and image size must be >= 1")
+    recipe = resolve_recipe(recipe, image_size=image_size)
+    if mix:
+        MixupCutmix(**mix)  # settings checked before any work
+    variants = [
+        recipe.with_(auto_augment=None if a in (None, "none") else a)
+        for a in (augments if augments else [recipe.auto_augment])
+    ]
     if dataset is None:
         folder, packed = default_dataset(images, progress=progress)
     else:
@@ -243,8 +288,9 @@ def run_bench(
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with UtilizationMonitor() as mon:
-        for kind in loaders:
-            emit(f"benchmarking {kind} ...")
+        for kind, variant in ((k, v) for v in variants for k in loaders):
+            aug = variant.auto_augment or "none"
+            emit(f"benchmarking {kind}{'' if len(variants) == 1 else ' + ' + aug} ...")
             try:
                 rows.append(
                     bench_loader(
@@ -260,14 +306,16 @@ def run_bench(
                         monitor=mon,
                         progress=progress,
                         on_error=on_error,
+                        recipe=variant,
+                        mix=mix,
                     )
                 )
             except (ImportError, RuntimeError, ValueError, OSError) as e:
                 why = one_line(e)
                 log.error("%s failed: %s", kind, why)
-                rows.append({"loader": kind, "error": why})
-    base = next((r["img_per_s"] for r in rows if r["loader"] == "baseline" and "error" not in r), None)
+                rows.append({"loader": kind, "augment": aug, "error": why})
     for r in rows:
+        base = _baseline_for(r, rows)
         if base and "error" not in r:
             r["x_baseline"] = r["img_per_s"] / base
     info = machine_info()
@@ -282,6 +330,8 @@ def run_bench(
             "model": model,
             "cache_bytes": cache_bytes,
             "controller": controller,
+            "recipes": [v.describe() for v in variants],
+            "mix": mix,
         },
         "machine": info,
         "rows": rows,

@@ -72,8 +72,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def check_resume_config(path: str | Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse, in one line naming the first setting that differs, to resume a run saved with other settings."""
-    for key, value in current.items():
+    """Refuse, in one line naming the first setting that differs, to resume a run saved with other settings
+    (a setting only one of them has differs too)."""
+    for key in [*current, *(k for k in saved if k not in current)]:
+        value = current.get(key)
         if saved.get(key) != value:
             raise ValueError(
                 f"{path}: saved with {key}={saved.get(key)!r}, this run has {key}={value!r}; "

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 log = logging.getLogger("dali_fast")
 
@@ -127,6 +127,54 @@ def _positive(text: str) -> float:
     return value
 
 
+def _fraction(low_open: bool) -> Callable[[str], float]:
+    """An argparse type: a number in [0, 1] (or (0, 1] with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and (0 < value if low_open else 0 <= value) and value <= 1):
+            raise argparse.ArgumentTypeError(f"{text!r} is not in {'(0, 1]' if low_open else '[0, 1]'}")
+        return value
+
+    return parse
+
+
+def _alpha(text: str) -> float:
+    """An argparse type: a Beta distribution's alpha, >= 0 (0 turns it off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0 (0 turns it off)")
+    return value
+
+
+def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
+    """The recipe the flags describe (a bad combination is one line, before any work)."""
+    from .recipe import Recipe
+
+    return Recipe(
+        image_size=args.image_size,
+        auto_augment=None if augment in (None, "none") else augment,
+        random_erasing=args.random_erasing,
+        eval_crop_fraction=args.eval_crop_fraction,
+    )
+
+
+def _augments(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in AUGMENTS]
+    if not names or bad:
+        raise UserError(f"--augment {text!r}: use one or more of {','.join(AUGMENTS)}, comma-separated")
+    if len(set(names)) != len(names):
+        raise UserError(f"--augment {text!r} names one more than once; name each once")
+    return names
+
+
 def _cmd_stages(args: argparse.Namespace) -> int:
     from .stages import run_stages
 
@@ -169,6 +217,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     twice = sorted({x for x in loaders if loaders.count(x) > 1})
     if twice:
         raise UserError(f"--loaders lists {', '.join(twice)} more than once; name each loader once")
+    augments = _augments(args.augment)
+    recipe = _recipe(args, None)
+    mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}
     result = run_bench(
         args.dataset,
         images=args.images,
@@ -181,6 +232,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         controller=args.controller,
         out=args.out,
         on_error=args.on_error,
+        recipe=recipe,
+        augments=augments,
+        mix=mix if args.mixup or args.cutmix else None,
         emit=log.info,
     )
     m = result["machine"]
@@ -205,6 +259,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .records import open_dataset
     from .train import run_train
 
+    augments = _augments(args.augment)
+    if len(augments) > 1:
+        raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
+    recipe = _recipe(args, augments[0])
     path = args.dataset or default_dataset(args.images)[1]
     run_train(
         open_dataset(path),
@@ -225,6 +283,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         record_indices=args.record_indices,
         out=args.out,
         on_error=args.on_error,
+        recipe=recipe,
+        mixup=args.mixup,
+        cutmix=args.cutmix,
+        label_smoothing=args.label_smoothing,
         emit=print,
     )
     return 0
@@ -260,6 +322,34 @@ def _add_data_args(s: argparse.ArgumentParser) -> None:
         choices=["raise", "skip"],
         default="raise",
         help="an undecodable or unreadable image: stop naming it (raise), or skip, count and log it (skip)",
+    )
+
+
+AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
+
+
+def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
+    """The training recipe's flags (train and bench)."""
+    s.add_argument(
+        "--augment",
+        default="none",
+        metavar="|".join(AUGMENTS),
+        help="automatic augmentation per image" + (" (comma-separated: one row each, side by side)" if several else ""),
+    )
+    s.add_argument(
+        "--random-erasing", type=_fraction(False), default=0.0, metavar="P", help="random erasing probability"
+    )
+    s.add_argument("--mixup", type=_alpha, default=0.0, metavar="A", help="mixup Beta alpha (0: off)")
+    s.add_argument("--cutmix", type=_alpha, default=0.0, metavar="A", help="cutmix Beta alpha (0: off)")
+    s.add_argument(
+        "--label-smoothing", type=_fraction(False), default=0.0, metavar="E", help="label smoothing of the targets"
+    )
+    s.add_argument(
+        "--eval-crop-fraction",
+        type=_fraction(True),
+        default=0.875,
+        metavar="F",
+        help="evaluation: resize the shorter side to size/F, then centre crop",
     )
 
 
@@ -310,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
+    _add_recipe_args(s, several=True)
     s.add_argument(
         "--stages",
         action="store_true",
@@ -348,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="append each batch's sample indices as JSON lines (per rank: FILE.rank<N> or a {rank} placeholder)",
     )
     s.add_argument("--out", default=None, help="folder for train.json (rank 0 writes it)")
+    _add_recipe_args(s, several=False)
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("doctor", help="check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")

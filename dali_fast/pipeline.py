@@ -30,7 +30,6 @@ IMAGENET_MEAN = Recipe().mean_255  # the default recipe's normalization, on the 
 IMAGENET_STD = Recipe().std_255
 
 
-
 class BadRecordError(ValueError):
     """A record that cannot be decoded; names its index and source path."""
 
@@ -226,9 +225,7 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def augment(
-    jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW", num_threads: int = 1, erase=None
-):
+def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW", num_threads: int = 1, erase=None):
     """The operators after the source, inside a pipeline definition, as ``recipe`` says.
 
     Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, automatic
@@ -277,7 +274,12 @@ def augment(
     return images
 
 
-DALI_INTERP = {"bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "nearest": "INTERP_NN", "lanczos": "INTERP_LANCZOS3"}
+DALI_INTERP = {
+    "bilinear": "INTERP_LINEAR",
+    "bicubic": "INTERP_CUBIC",
+    "nearest": "INTERP_NN",
+    "lanczos": "INTERP_LANCZOS3",
+}
 DALI_DTYPES = {torch.float32: "FLOAT", torch.float16: "FLOAT16", torch.uint8: "UINT8"}
 
 
@@ -293,10 +295,14 @@ def auto_augment(images, recipe: Recipe):
 
     S = recipe.image_size
     common = {"fill_value": recipe.fill, "interp_type": types.INTERP_NN}
-    with warnings.catch_warnings():
-        # auto_aug calls operators by their old experimental names; that is DALI's affair, not the user's
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"nvidia\.dali\..*")
-        return _auto_augment(images, recipe, S, common, rand_augment, trivial_augment, aa)
+    # auto_aug builds a few operators by their old `fn.experimental` names, and DALI forces their
+    # DeprecationWarning on ("default" filter) at every build: that is DALI's affair, not the user's.
+    with warnings.catch_warnings(record=True) as caught:
+        out = _auto_augment(images, recipe, S, common, rand_augment, trivial_augment, aa)
+    for w in caught:
+        if not str(w.message).startswith("WARNING: `nvidia.dali.fn.experimental."):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out
 
 
 def _auto_augment(images, recipe: Recipe, S: int, common: dict, rand_augment, trivial_augment, aa):

@@ -117,8 +117,10 @@ class Recipe:
             raise ValueError(f"auto_augment={self.auto_augment!r}: use None, {', '.join(map(repr, AUTO_AUGMENTS))}")
         positive_int("num_ops", self.num_ops)
         positive_int("num_magnitude_bins", self.num_magnitude_bins)
-        if isinstance(self.magnitude, bool) or not isinstance(self.magnitude, int | np.integer) or not (
-            0 <= self.magnitude < self.num_magnitude_bins
+        if (
+            isinstance(self.magnitude, bool)
+            or not isinstance(self.magnitude, int | np.integer)
+            or not (0 <= self.magnitude < self.num_magnitude_bins)
         ):
             raise ValueError(f"magnitude={self.magnitude!r}: must be an integer in [0, num_magnitude_bins - 1]")
         if isinstance(self.fill, bool) or not isinstance(self.fill, int | np.integer) or not 0 <= self.fill <= 255:
@@ -131,9 +133,7 @@ class Recipe:
         if self.mean is not None:
             mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
             if len(mean) != len(std) or len(mean) != 3:
-                raise ValueError(
-                    f"mean has {len(mean)} values and std {len(std)}: give one per RGB channel (3 each)"
-                )
+                raise ValueError(f"mean has {len(mean)} values and std {len(std)}: give one per RGB channel (3 each)")
             if not all(math.isfinite(m) for m in mean) or not all(math.isfinite(s) and s > 0 for s in std):
                 raise ValueError(f"mean={self.mean!r}, std={self.std!r}: need finite means and std > 0")
             object.__setattr__(self, "mean", mean)
@@ -143,9 +143,7 @@ class Recipe:
         if self.dtype == torch.uint8 and self.mean is not None:
             raise ValueError("dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it")
         if self.memory_format not in MEMORY_FORMATS:
-            raise ValueError(
-                f"memory_format={self.memory_format}: use torch.contiguous_format or torch.channels_last"
-            )
+            raise ValueError(f"memory_format={self.memory_format}: use torch.contiguous_format or torch.channels_last")
 
     # ------------------------------------------------------------------ what the backends read
     @property
@@ -208,9 +206,7 @@ def resolve_recipe(
             continue
         current = base.out_dtype if name == "dtype" else getattr(base, name)
         if recipe is not None and value != current:
-            raise ValueError(
-                f"{name}={value} disagrees with the recipe's {name}={current}; set it in the recipe only"
-            )
+            raise ValueError(f"{name}={value} disagrees with the recipe's {name}={current}; set it in the recipe only")
         changes[name] = value
     return replace(base, **changes) if changes else base
 

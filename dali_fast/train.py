@@ -35,6 +35,7 @@ from .checkpoint import (
 from .controller import BatchSizeController, oom_safe_step
 from .iterator import LoaderBase, cuda_usable
 from .models import build_model
+from .recipe import MixupCutmix, Recipe, resolve_recipe, soft_target_cross_entropy
 from .records import Reader
 from .system import atomic_write, check_writable_folder
 
@@ -83,9 +84,11 @@ def make_loader_for(
     num_workers: int | None = None,
     drop_last: bool = False,
     on_error: str = "raise",
-    memory_format: torch.memory_format = torch.contiguous_format,
+    memory_format: torch.memory_format | None = None,
+    recipe: Recipe | None = None,
 ) -> Iterable:
-    """One line swaps the loader: 'baseline' (plain DataLoader), 'torch' (TorchIterator) or 'dali'."""
+    """One line swaps the loader: 'baseline' (plain DataLoader), 'torch' (TorchIterator) or 'dali';
+    all three apply ``recipe`` (default: the classic ResNet recipe at ``image_size``)."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
     if kind == "baseline":
@@ -100,6 +103,7 @@ def make_loader_for(
             seed=seed,
             drop_last=drop_last,
             on_error=on_error,
+            recipe=recipe,
         )
     if kind not in LOADERS:
         raise ValueError(f"loader {kind!r}: choose one of {', '.join(LOADERS)}")
@@ -118,6 +122,7 @@ def make_loader_for(
         controller=controller,
         on_error=on_error,
         memory_format=memory_format,
+        recipe=recipe,
     )
 
 
@@ -185,8 +190,11 @@ class Trainer:
         lr: float = 0.05,
         amp: bool = True,
         dist_ctx: DistContext | None = None,
+        mix: MixupCutmix | None = None,
+        label_smoothing: float = 0.0,
     ) -> None:
         self.ctx = dist_ctx or DistContext()
+        self.mix = mix  # batch-level mixup/cutmix: the step trains on soft targets
         if cuda_usable():
             self.device = torch.device(
                 "cuda", self.ctx.local_rank if self.ctx.distributed else torch.cuda.current_device()
@@ -208,7 +216,8 @@ class Trainer:
         bf16 = self.amp and torch.cuda.is_bf16_supported()
         self.amp_dtype = torch.bfloat16 if bf16 else torch.float16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp and not bf16)
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.loss_fn = nn.CrossEntropyLoss()  # held-out loss: plain cross-entropy, comparable across recipes
+        self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing) if label_smoothing else self.loss_fn
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast("cuda", dtype=self.amp_dtype) if self.amp else contextlib.nullcontext()
@@ -230,10 +239,13 @@ class Trainer:
         """
         images, labels = self.to_device(images, labels)
         self.model.train()
+        if self.mix is not None:
+            images, labels = self.mix(images, labels)  # labels become (N, classes) soft targets
 
         def forward_backward(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
             with self._autocast():
-                loss = self.loss_fn(self.model(x), y)
+                logits = self.model(x)
+                loss = soft_target_cross_entropy(logits, y) if y.dim() == 2 else self.train_loss_fn(logits, y)
             self.scaler.scale(loss * weight).backward()
             return loss.detach().float()
 
@@ -366,14 +378,25 @@ def run_train(
     record_indices: str | Path | None = None,
     out: str | Path | None = None,
     on_error: str = "raise",
+    recipe: Recipe | None = None,
+    mixup: float = 0.0,
+    cutmix: float = 0.0,
+    label_smoothing: float = 0.0,
     emit: Callable[[str], None] = log.info,
 ) -> list[dict[str, Any]]:
     """Train ``model`` on ``reader`` with the chosen loader; returns one row per epoch.
 
     Under torchrun every rank runs this; only rank 0 emits lines and writes ``checkpoint`` and ``out``.
     ``drop_last`` (the default, as is usual for training) leaves out each epoch's incomplete last
-    batch, so BatchNorm never meets a one-sample batch.
+    batch, so BatchNorm never meets a one-sample batch. ``recipe`` is the per-image transform (its
+    ``image_size`` must agree with ``image_size``); ``mixup``/``cutmix`` (Beta alphas, 0: off) mix each
+    batch and train on soft targets, smoothed by ``label_smoothing``.
     """
+    recipe = resolve_recipe(recipe, image_size=image_size)
+    mix_kw = {"alpha_mixup": mixup, "alpha_cutmix": cutmix, "label_smoothing": label_smoothing}
+    MixupCutmix(**mix_kw)  # settings checked before any work
+    if mixup > 0 and not recipe.normalize:
+        raise ValueError("mixup blends images: it needs normalized float images, not a recipe with mean=None")
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1 step")
     if resume and checkpoint is None:
@@ -403,7 +426,18 @@ def run_train(
                 f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {holdout:.0%}): every batch would be "
                 f"dropped; use --batch-size {max(1, per_rank)} or less, or more images"
             )
-        trainer = Trainer(model, len(reader.classes), lr=lr, amp=amp, dist_ctx=ctx)
+        mix = None
+        if mixup > 0 or cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
+            mix = MixupCutmix(**mix_kw, num_classes=len(reader.classes), seed=seed * 1000 + ctx.rank)
+        trainer = Trainer(
+            model,
+            len(reader.classes),
+            lr=lr,
+            amp=amp,
+            dist_ctx=ctx,
+            mix=mix,
+            label_smoothing=label_smoothing if mix is None else 0.0,
+        )
         ctrl = None
         if controller:
 
@@ -412,9 +446,9 @@ def run_train(
                     g["lr"] *= new / old
 
             ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
-        kw = dict(image_size=image_size, seed=seed, num_workers=num_workers, on_error=on_error)
         if trainer.device.type == "cuda":
-            kw["memory_format"] = torch.channels_last  # what the model wants, straight from the loader
+            recipe = recipe.with_(memory_format=torch.channels_last)  # what the model wants, straight from the loader
+        kw = dict(image_size=image_size, seed=seed, num_workers=num_workers, on_error=on_error, recipe=recipe)
         train_loader = make_loader_for(
             loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
         )
@@ -432,6 +466,12 @@ def run_train(
             "drop_last": drop_last,
             "fingerprint": data_fingerprint(reader),
         }
+        # Other augmentation than the default is part of the run (kept out otherwise, so checkpoints
+        # of default runs written before recipes existed still resume).
+        if recipe.with_(memory_format=torch.contiguous_format) != Recipe(image_size=image_size):
+            config["recipe"] = recipe.with_(memory_format=torch.contiguous_format).describe()
+        if mix is not None or label_smoothing:
+            config["mix"] = mix_kw
         ckpt_path = checkpoint / CHECKPOINT_FILE if checkpoint is not None else None
         if ckpt_path is not None and not resumable:
             emit(f"note: --loader {loader} cannot resume mid-epoch; checkpoints are written at epoch ends only")
@@ -487,9 +527,16 @@ def run_train(
         if recorder is not None:
             stack.enter_context(recorder)
         subset = train_set.indices
+        extras = [f"{k}={v}" for k, v in mix_kw.items() if v]
+        if recipe.auto_augment:
+            extras.insert(0, f"augment={recipe.auto_augment}")
+        if recipe.random_erasing:
+            extras.append(f"random_erasing={recipe.random_erasing}")
         emit(
             f"training {model} on {len(train_set)} images ({len(val_set)} held out), loader={loader}, "
-            f"device={trainer.device}" + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
+            f"device={trainer.device}"
+            + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
+            + (f", {', '.join(extras)}" if extras else "")
         )
         mon = stack.enter_context(UtilizationMonitor(device_index=ctx.local_rank))
         for epoch in range(start_epoch, epochs):

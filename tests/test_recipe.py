@@ -1,11 +1,20 @@
-"""Batch-level mixup/cutmix and label smoothing: soft targets that match what was mixed."""
+"""Recipes: the per-image transform on both backends, and batch-level mixup/cutmix and label smoothing."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
+import json
+
+import numpy as np
 import pytest
 import torch
+from default_output import GOLDEN, ListReader, fingerprint, images, versions
+from PIL import Image
 
-from dali_fast.recipe import MixupCutmix, soft_target_cross_entropy
+from dali_fast.autoaugment import OPS
+from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+from dali_fast.recipe import MixupCutmix, Recipe, soft_target_cross_entropy
 
 
 def batch(n=8, classes=5, size=16):
@@ -70,3 +79,185 @@ def test_soft_target_cross_entropy_equals_plain_for_one_hot():
     assert soft_target_cross_entropy(logits, onehot) == pytest.approx(
         float(torch.nn.functional.cross_entropy(logits, labels))
     )
+
+
+# ----------------------------------------------------------------------------- the per-image recipe
+
+BACKENDS = ["torch", "dali"]
+
+
+def loader(backend, reader, batch_size=8, **kw):
+    """A loader of ``backend`` on the CPU, in-process (no worker pool), seed 1 unless given."""
+    from dali_fast import DALIIterator, TorchIterator
+
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+        return DALIIterator(reader, batch_size, device="cpu", num_threads=1, **{"seed": 1, **kw})
+    return TorchIterator(reader, batch_size, device="cpu", num_workers=0, **{"seed": 1, **kw})
+
+
+def epoch(it) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*it, strict=True)
+    if hasattr(it, "close"):
+        it.close()
+    return torch.cat(xs), torch.cat(ys)
+
+
+@pytest.fixture(scope="module")
+def photos():
+    """16 noisy gradient JPEGs of several sizes (the fingerprint set)."""
+    return ListReader(images(16))
+
+
+def square(side: int, left=(250, 20, 20), right=(20, 20, 250)) -> bytes:
+    """A square PNG, left half one colour and right half another: a flip swaps them."""
+    px = np.zeros((side, side, 3), np.uint8)
+    px[:, : side // 2], px[:, side // 2 :] = left, right
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_recipe_output_is_bit_identical_to_before(backend):
+    """Recipes changed how the loaders are built; the default recipe's bytes must not change. The
+    fingerprints were taken before recipes existed (tests/default_output.py), on the versions they name."""
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    golden = json.loads(GOLDEN.read_text())
+    if golden["versions"] != versions():
+        pytest.skip(f"fingerprints are of {golden['versions']}, this is {versions()}")
+    for split in ("train", "eval"):
+        got = fingerprint(backend, split == "train")
+        assert got == golden["fingerprints"][f"{backend}-{split}"], split
+        assert fingerprint(backend, split == "train", recipe=Recipe(image_size=32)) == got  # the explicit default
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_automatic_augmentation_changes_pixels_deterministically(backend, policy, photos):
+    # Full-image crops and no flip: what changes the pixels is the augmentation alone.
+    plain = Recipe(image_size=24, scale=(1.0, 1.0), ratio=(0.5, 2.0), hflip=0.0)
+    x0, y0 = epoch(loader(backend, photos, recipe=plain))
+    aug = plain.with_(auto_augment=policy)
+    x1, y1 = epoch(loader(backend, photos, recipe=aug))
+    x2, _ = epoch(loader(backend, photos, recipe=aug))
+    assert torch.equal(y0, y1)
+    assert torch.equal(x1, x2)  # the same seed: the same augmented pixels
+    changed = [not torch.equal(a, b) for a, b in zip(x0, x1, strict=True)]
+    assert sum(changed) >= len(changed) // 2, f"{policy} changed {sum(changed)} of {len(changed)} images"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flip_frequency_is_the_recipe_s_probability(backend):
+    reader = ListReader([(square(16), 0)] * 2000)
+    for p in (0.5, 0.0):
+        recipe = Recipe(image_size=8, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=p)
+        x, _ = epoch(loader(backend, reader, batch_size=250, recipe=recipe))
+        flipped = (x[:, 2, :, 0] > x[:, 0, :, 0]).all(1)  # blue on the left: mirrored
+        kept = (x[:, 0, :, 0] > x[:, 2, :, 0]).all(1)
+        assert bool((flipped ^ kept).all())  # every image is one or the other
+        assert abs(flipped.float().mean().item() - p) <= 0.05
+
+
+def zero_box(img: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(top, left, h, w) of the all-channel zero region of a CHW image, asserting it is one rectangle."""
+    zero = (img == 0).all(0)
+    if not zero.any():
+        return None
+    rows, cols = zero.any(1).nonzero().flatten(), zero.any(0).nonzero().flatten()
+    top, left, h, w = int(rows[0]), int(cols[0]), len(rows), len(cols)
+    assert int(rows[-1]) - top + 1 == h and int(cols[-1]) - left + 1 == w  # contiguous
+    assert bool(zero[top : top + h, left : left + w].all()) and int(zero.sum()) == h * w  # a filled rectangle
+    return top, left, h, w
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_erasing_fills_a_box_within_the_documented_bounds(backend, photos):
+    S = 32
+    recipe = Recipe(image_size=S, random_erasing=1.0, erasing_scale=(0.05, 0.25), erasing_ratio=(0.5, 2.0))
+    x, _ = epoch(loader(backend, photos, recipe=recipe))
+    boxes = [zero_box(img) for img in x]
+    for box in boxes:
+        assert box is not None  # p=1: every image (a box always fits at these bounds)
+        _, _, h, w = box
+        # area within scale x S x S and aspect within ratio, up to rounding h and w to whole pixels
+        assert 0.05 * S * S - (h + w) / 2 - 1 <= h * w <= 0.25 * S * S + (h + w) / 2 + 1
+        assert 0.5 * (h - 0.5) / (w + 0.5) <= h / w * 0.5 + 1e-9 and (h - 0.5) / (w + 0.5) <= 2.0
+    # the box is drawn from (seed, epoch, index) by one rule: the other backend erases the same boxes
+    other = "dali" if backend == "torch" else "torch"
+    if other == "dali" and importlib.util.find_spec("nvidia.dali") is None:
+        return
+    y, _ = epoch(loader(other, photos, recipe=recipe))
+    assert [zero_box(img) for img in y] == boxes
+    x0, _ = epoch(loader(backend, photos, recipe=recipe.with_(random_erasing=0.0)))
+    assert all(zero_box(img) is None for img in x0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uint8_output_without_mean_and_std(backend, photos):
+    recipe = Recipe(image_size=16, mean=None, std=None)
+    x, _ = epoch(loader(backend, photos, recipe=recipe, train=False))
+    normalized, _ = epoch(loader(backend, photos, recipe=Recipe(image_size=16), train=False))
+    assert x.dtype == torch.uint8 and x.shape == (16, 3, 16, 16)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    assert torch.allclose((x.float() - mean) / std, normalized, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_resize_and_crop_follow_the_recipe(backend, photos):
+    """Eval: the shorter side resized to ``eval_resize_size`` (or size / fraction), then a centre crop:
+    with the whole shorter side kept (fraction 1), the crop of a square image is all of it."""
+    reader = ListReader([(square(40), 0)])
+    x, _ = epoch(loader(backend, reader, train=False, recipe=Recipe(image_size=20, eval_crop_fraction=1.0)))
+    assert (x[0, 0, :, :9] > x[0, 2, :, :9]).all() and (x[0, 2, :, 11:] > x[0, 0, :, 11:]).all()
+    wide, _ = epoch(loader(backend, reader, train=False, recipe=Recipe(image_size=20, eval_resize_size=80)))
+    assert (wide[0, 0] > wide[0, 2]).float().mean() == pytest.approx(0.5, abs=0.11)  # middle 20 of 80: the seam
+    assert (wide[0, 0, :, :6] > wide[0, 2, :, :6]).all() and (wide[0, 2, :, 14:] > wide[0, 0, :, 14:]).all()
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"scale": (-0.1, 1.0)}, "scale=(-0.1, 1.0): need 0 < min <= max <= 1"),
+        ({"scale": (0.9, 0.2)}, "scale=(0.9, 0.2): need 0 < min <= max <= 1"),
+        ({"ratio": (1,)}, "ratio=(1,): give two numbers (min, max)"),
+        ({"auto_augment": "foo"}, "auto_augment='foo': use None, 'randaugment', 'trivialaugment', 'autoaugment'"),
+        ({"mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2)}, "mean has 3 values and std 2: give one per RGB channel (3 each)"),
+        ({"mean": None}, "mean and std: give both (0-1 scale, one per channel) or neither (uint8 output)"),
+        ({"std": (0.2, 0.0, 0.2)}, "mean=(0.485, 0.456, 0.406), std=(0.2, 0.0, 0.2): need finite means and std > 0"),
+        ({"hflip": 1.5}, "hflip=1.5: must be a probability in [0, 1]"),
+        ({"random_erasing": -0.1}, "random_erasing=-0.1: must be a probability in [0, 1]"),
+        ({"magnitude": 31}, "magnitude=31: must be an integer in [0, num_magnitude_bins - 1]"),
+        ({"interpolation": "cubic"}, "interpolation='cubic': use one of bilinear, bicubic, nearest, lanczos"),
+        ({"eval_crop_fraction": 0}, "eval_crop_fraction=0: must be in (0, 1]"),
+        ({"eval_resize_size": 100}, "eval_resize_size=100 is smaller than image_size=224: the centre crop would not fit"),
+        ({"dtype": torch.uint8}, "dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it"),
+        ({"image_size": 0}, "image_size=0: must be a positive integer"),
+    ],
+)
+def test_bad_recipe_is_one_line(kw, message):
+    with pytest.raises(ValueError) as e:
+        Recipe(**kw)
+    assert str(e.value) == message
+
+
+def test_a_loader_argument_that_disagrees_with_the_recipe_is_refused(photos):
+    with pytest.raises(ValueError) as e:
+        loader("torch", photos, recipe=Recipe(image_size=64), image_size=32)
+    assert str(e.value) == "image_size=32 disagrees with the recipe's image_size=64; set it in the recipe only"
+    assert loader("torch", photos, recipe=Recipe(image_size=64), image_size=64).image_size == 64
+    assert loader("torch", photos, image_size=48).recipe == Recipe(image_size=48)
+
+
+@pytest.mark.parametrize("name", sorted(set(OPS) - {"Identity"}))
+def test_every_pillow_operation_changes_an_image(name):
+    """The Pillow twins of DALI's operations: each does something (at a middle magnitude) and keeps the size."""
+    y, x = np.mgrid[0:32, 0:32]
+    noise = np.random.default_rng(0).integers(0, 40, (32, 32, 3))
+    im = Image.fromarray((np.stack([x * 5, y * 5, (x + y) * 2], -1) + noise).astype(np.uint8))
+    magnitude = {"Posterize": 2, "Solarize": 128, "Rotate": 30, "TranslateX": 8, "TranslateY": 8}.get(name, 0.5)
+    out = OPS[name](im, magnitude, 128)
+    assert out.size == im.size and out.mode == "RGB"
+    assert not np.array_equal(np.asarray(out), np.asarray(im))
