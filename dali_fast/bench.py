@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .fallback import shutdown_workers
 from .recipe import MixupCutmix, Recipe, resolve_recipe
 from .records import open_dataset, pack
 from .synthetic import default_cache_dir, make_synthetic
@@ -114,31 +115,36 @@ def bench_loader(
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     times, counts = [], []
-    for epoch in range(epochs + 1):
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        phase = kind if epoch > 0 else f"{kind}-warmup"
-        bar = _progress(f"{kind} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
-        t0, n = time.perf_counter(), 0
-        with monitor.phase(phase):
-            for images, labels in loader:
-                if trainer is not None:
-                    trainer.step(images, labels, ctrl)
-                else:
-                    if gpu:
-                        images = images.to("cuda", non_blocking=True)
-                    if mixer is not None:
-                        images, _ = mixer(images, labels.to(images.device))
-                n += len(labels)
-                bar.update(len(labels))
-            if gpu:
-                torch.cuda.synchronize()
-        bar.close()
-        if epoch > 0:
-            times.append(time.perf_counter() - t0)
-            counts.append(n)
-    if hasattr(loader, "close"):
-        loader.close()  # a DALI pipeline kept between epochs: none lingers into the next row
+    try:
+        for epoch in range(epochs + 1):
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            phase = kind if epoch > 0 else f"{kind}-warmup"
+            bar = _progress(f"{kind} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
+            t0, n = time.perf_counter(), 0
+            with monitor.phase(phase):
+                for images, labels in loader:
+                    if trainer is not None:
+                        trainer.step(images, labels, ctrl)
+                    else:
+                        if gpu:
+                            images = images.to("cuda", non_blocking=True)
+                        if mixer is not None:
+                            images, _ = mixer(images, labels.to(images.device))
+                    n += len(labels)
+                    bar.update(len(labels))
+                if gpu:
+                    torch.cuda.synchronize()
+            bar.close()
+            if epoch > 0:
+                times.append(time.perf_counter() - t0)
+                counts.append(n)
+    finally:
+        # Worker pools and a DALI pipeline kept between epochs end with their row, failed or not.
+        if hasattr(loader, "close"):
+            loader.close()
+        else:
+            shutdown_workers(loader)
     util = monitor.summary(kind)
     cache = loader.cache_stats() if hasattr(loader, "cache_stats") else None
     # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs

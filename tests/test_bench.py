@@ -120,3 +120,22 @@ def test_bench_on_a_folder_with_a_bad_image_names_it_in_one_line_or_skips_it(tmp
     rows = json.loads((tmp_path / "skip" / "results.json").read_text())["rows"]
     assert [r.get("error") for r in rows] == [None, None]
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_bench_puts_each_augmentation_side_by_side(tiny_packed, tmp_path):
+    """``--augment none,trivialaugment``: one row per loader and augmentation, each against its own baseline."""
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.cli import main
+
+    argv = ["bench", str(tiny_packed / "packed"), "--loaders", "baseline,dali", "--epochs", "1"]
+    argv += ["--batch-size", "12", "--image-size", "24", "--out", str(tmp_path), "--augment", "none,trivialaugment"]
+    assert main([*argv, "--mixup", "0.2", "--random-erasing", "0.5"]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = [(r["loader"], r["augment"]) for r in data["rows"]]
+    assert rows == [("baseline", "none"), ("dali", "none"), ("baseline", "trivialaugment"), ("dali", "trivialaugment")]
+    assert all("error" not in r and r["images_per_epoch"] == 36 for r in data["rows"])
+    assert data["rows"][2]["x_baseline"] == 1.0  # trivialaugment's baseline is its own yardstick
+    assert [r["auto_augment"] for r in data["settings"]["recipes"]] == [None, "trivialaugment"]
+    assert data["settings"]["mix"]["alpha_mixup"] == 0.2 and data["settings"]["recipes"][0]["random_erasing"] == 0.5
+    names = [line.split("|")[1].strip() for line in markdown_table(data["rows"]).splitlines()[2:]]
+    assert names == ["baseline + none", "dali + none", "baseline + trivialaugment", "dali + trivialaugment"]

@@ -52,6 +52,10 @@ def test_help_from_the_real_command():
         (["train", "--epochs", "1.5"], "argument --epochs: '1.5' is not a whole number"),
         (["train", "--batch-size", "0"], "argument --batch-size: 0 is too small; use 1 or more"),
         (["train", "--lr", "nan"], "argument --lr: 'nan' is not a positive number"),
+        (["train", "--random-erasing", "2"], "argument --random-erasing: '2' is not in [0, 1]"),
+        (["train", "--mixup", "-1"], "argument --mixup: '-1' is not a number >= 0 (0 turns it off)"),
+        (["bench", "--label-smoothing", "x"], "argument --label-smoothing: 'x' is not in [0, 1]"),
+        (["bench", "--eval-crop-fraction", "0"], "argument --eval-crop-fraction: '0' is not in (0, 1]"),
         (["doctor", "--fast"], "unrecognized arguments: --fast"),
     ],
 )
@@ -98,6 +102,9 @@ def test_bad_input_exit_2_one_line(tmp_path):
         (["train", "{data}", "--checkpoint", "{file}/ck", "--epochs", "1"], "is a file, not a folder"),
         (["train", "{data}", "--batch-size", "64", "--epochs", "1"], "--batch-size 64 is larger than the 7 training"),
         (["pack", "{data}", "{full}"], "already exists"),
+        (["bench", "{data}", "--augment", "foo"], "--augment 'foo': use one or more of none,randaugment,trivialaugment"),
+        (["bench", "{data}", "--augment", "none,none"], "--augment 'none,none' names one more than once"),
+        (["train", "{data}", "--augment", "none,randaugment"], "train takes one (bench compares several)"),
     ],
 )
 def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):
