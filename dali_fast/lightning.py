@@ -65,7 +65,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         *,
         batch_size: int = 64,
         backend: str = "auto",
-        image_size: int = 224,
+        image_size: int | None = None,
         controller: BatchSizeController | None = None,
         eval_batch_size: int | None = None,
         **loader_kw: Any,

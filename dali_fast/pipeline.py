@@ -267,9 +267,7 @@ def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW
         mirror=mirror,
         **norm,
     )
-    if erase is not None:
-        if gpu:
-            erase = erase.gpu()
+    if erase is not None:  # the boxes stay on the CPU: DALI takes argument inputs from CPU memory only
         images = fn.erase(images, anchor=erase[0:2], shape=erase[2:4], axis_names="HW", fill_value=0)
     return images
 

@@ -811,6 +811,67 @@ def test_decoder_preallocation_stays_within_its_budget(threads):
     assert decoder_preallocation(threads, gpu=False)["device_total"] == 0
 
 
+def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monkeypatch):
+    """The recipe's operators in GPU mode, without a GPU: automatic augmentation takes the `mixed` decoder's
+    output, the erasing boxes stay CPU argument inputs (DALI refuses GPU ones), and the flip probability,
+    crop scale/ratio, interpolation, eval resize and normalization are the recipe's."""
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    from dali_fast import pipeline
+
+    seen = {}
+
+    def record(name):
+        def op(*args, **kwargs):
+            seen[name] = (args, kwargs)
+            return name
+
+        return op
+
+    class Boxes:
+        def __getitem__(self, key):
+            return ("boxes", key.start, key.stop)
+
+        def gpu(self):
+            raise AssertionError("erasing boxes moved to the GPU")
+
+    for name in ("resize", "crop_mirror_normalize", "erase"):
+        monkeypatch.setattr(fn, name, record(name))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
+    monkeypatch.setattr(fn.decoders, "image", record("decode_eval"))
+    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
+    monkeypatch.setattr(pipeline, "auto_augment", lambda images, recipe: ("augmented", images, recipe.auto_augment))
+    recipe = Recipe(
+        image_size=160,
+        scale=(0.35, 1.0),
+        ratio=(0.5, 2.0),
+        interpolation="bicubic",
+        hflip=0.25,
+        auto_augment="trivialaugment",
+        random_erasing=0.5,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.25, 0.25, 0.25),
+    )
+    out = pipeline.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=Boxes())
+    assert out == "erase"
+    assert seen["decode"][1]["device"] == "mixed"
+    assert seen["decode"][1]["random_area"] == [0.35, 1.0] and seen["decode"][1]["random_aspect_ratio"] == [0.5, 2.0]
+    assert seen["resize"][1]["interp_type"] == types.INTERP_CUBIC and seen["resize"][1]["resize_x"] == 160
+    assert seen["flip"][1] == {"probability": 0.25}
+    cmn_args, cmn = seen["crop_mirror_normalize"]
+    assert cmn_args[0] == ("augmented", "resize", "trivialaugment")  # augmentation on the GPU-decoded crop
+    assert cmn["mean"] == [127.5] * 3 and cmn["std"] == [63.75] * 3 and cmn["mirror"] == "flip"
+    assert seen["erase"][0] == ("crop_mirror_normalize",)
+    assert seen["erase"][1]["anchor"] == ("boxes", 0, 2) and seen["erase"][1]["shape"] == ("boxes", 2, 4)
+    seen.clear()
+    plain = Recipe(image_size=160, eval_resize_size=192, mean=None, std=None, hflip=0.0)
+    pipeline.augment("jpegs", train=False, recipe=plain, gpu=True, num_threads=4)
+    assert seen["resize"][1]["resize_shorter"] == 192 and "erase" not in seen and "flip" not in seen
+    assert seen["crop_mirror_normalize"][1]["dtype"] == types.UINT8 and "mean" not in seen["crop_mirror_normalize"][1]
+
+
 def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
     pytest.importorskip("nvidia.dali")
     import nvidia.dali.fn as fn
