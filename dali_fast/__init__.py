@@ -19,6 +19,8 @@ _LAZY = {
     "make_loader": "fallback",
     "BatchSizeController": "controller",
     "make_synthetic": "synthetic",
+    "Recipe": "recipe",
+    "MixupCutmix": "recipe",
 }
 
 __all__ = [
