@@ -3,6 +3,7 @@ under `accelerate launch` with 2 processes each rank gets its own shard from the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,32 +24,35 @@ sys.path.insert(0, {tests!r})
 import torch
 from accelerate import Accelerator
 from test_lightning import loader, reader
-backend, out = sys.argv[1], sys.argv[2]
+backends, out = sys.argv[1].split(","), sys.argv[2]
 acc = Accelerator(cpu=True)
-ld = loader(backend, reader(), batch_size=4)
-model = torch.nn.Linear(3 * 16 * 16, 37)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-model, opt, prepared = acc.prepare(model, opt, ld)
-assert prepared is ld  # not a torch DataLoader: Accelerate leaves it (and its sharding) alone
-seen = []
-for epoch in range(2):
-    prepared.set_epoch(epoch)
-    labels = []
-    for x, y in prepared:
-        loss = torch.nn.functional.cross_entropy(model(x.flatten(1)), y)
-        acc.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        labels += y.tolist()
-    seen.append(labels)
-with open(os.path.join(out, f"rank{{acc.process_index}}.json"), "w") as f:
-    json.dump({{"epochs": seen, "world": acc.num_processes}}, f)
+for backend in backends:  # one launch, one process group, each backend in turn
+    ld = loader(backend, reader(), batch_size=4)
+    model = torch.nn.Linear(3 * 16 * 16, 37)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, prepared = acc.prepare(model, opt, ld)
+    assert prepared is ld  # not a torch DataLoader: Accelerate leaves it (and its sharding) alone
+    seen = []
+    for epoch in range(2):
+        prepared.set_epoch(epoch)
+        labels = []
+        for x, y in prepared:
+            loss = torch.nn.functional.cross_entropy(model(x.flatten(1)), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            labels += y.tolist()
+        seen.append(labels)
+    with open(os.path.join(out, f"{{backend}}-rank{{acc.process_index}}.json"), "w") as f:
+        json.dump({{"epochs": seen, "world": acc.num_processes}}, f)
 acc.wait_for_everyone()
 acc.end_training()
 """
 
 
-def _launch(tmp_path: Path, backend: str, nproc: int) -> list[dict]:
+def _launch(tmp_path: Path, backends: list[str], nproc: int) -> dict[str, list[dict]]:
+    """Run the script under ``nproc`` processes for each of ``backends``; per backend, each rank's record."""
+    backend = ",".join(backends)
     script = tmp_path / "acc_run.py"
     script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
     if nproc == 1:
@@ -61,7 +65,7 @@ def _launch(tmp_path: Path, backend: str, nproc: int) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return {b: [json.loads((tmp_path / f"{b}-rank{r}.json").read_text()) for r in range(nproc)] for b in backends}
 
 
 @pytest.mark.parametrize("backend", ["dali", "torch"])
@@ -93,17 +97,15 @@ def test_prepare_in_one_process(backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["dali", "torch"])
-def test_accelerate_launch_two_processes_each_rank_its_shard(backend, tmp_path):
-    if backend == "dali":
-        pytest.importorskip("nvidia.dali")
-    ranks = _launch(tmp_path, backend, 2)
-    assert [r["world"] for r in ranks] == [2, 2]
-    for e in (0, 1):
-        a, b = ranks[0]["epochs"][e], ranks[1]["epochs"][e]
-        assert len(a) == len(b) == 19
-        counts = Counter(a + b)
-        assert set(counts) == set(range(N)) and sum(counts.values()) == N + 1  # disjoint but for one padded sample
+def test_accelerate_launch_two_processes_each_rank_its_shard(tmp_path):
+    backends = [b for b in ("dali", "torch") if b != "dali" or importlib.util.find_spec("nvidia.dali")]
+    for ranks in _launch(tmp_path, backends, 2).values():
+        assert [r["world"] for r in ranks] == [2, 2]
+        for e in (0, 1):
+            a, b = ranks[0]["epochs"][e], ranks[1]["epochs"][e]
+            assert len(a) == len(b) == 19
+            counts = Counter(a + b)
+            assert set(counts) == set(range(N)) and sum(counts.values()) == N + 1  # disjoint but for one padded
 
 
 def test_loader_state_round_trips_through_torch_save_weights_only(tmp_path):

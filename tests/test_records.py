@@ -24,6 +24,7 @@ from dali_fast.records import (
     open_dataset,
     pack,
 )
+from dali_fast.synthetic import make_synthetic
 
 
 def source_items(root: Path):
@@ -197,11 +198,10 @@ def test_pack_refuses_existing_dst(small_folder, tmp_path):
 @pytest.mark.slow
 def test_killed_pack_leaves_no_dst(tmp_path):
     src = tmp_path / "src"
-    code = (
-        "import sys; from dali_fast.synthetic import make_synthetic; "
-        f"make_synthetic({str(src)!r}, images=300, classes=3, progress=False)"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    make_synthetic(src, images=30, classes=3, progress=False)
+    for f in list(src.rglob("*.jpg")):  # 300 full-size images, quickly: pack has real work to be killed in
+        for k in range(1, 10):
+            (f.parent / f"{f.stem}_{k}.jpg").write_bytes(f.read_bytes())
     dst = tmp_path / "packed"
     proc = subprocess.Popen(
         [sys.executable, "-c", f"from dali_fast import pack; pack({str(src)!r}, {str(dst)!r}, progress=False)"]
@@ -677,7 +677,6 @@ def test_pillow_reasons_name_the_error_not_a_buffer():
 
 @pytest.fixture(scope="module")
 def photo_folder(tmp_path_factory):
-    from dali_fast.synthetic import make_synthetic
 
     root = tmp_path_factory.mktemp("photos")
     make_synthetic(root / "src", images=60, classes=3, progress=False)
