@@ -81,6 +81,9 @@ def test_resume_accepted_with_the_same_settings():
     check_resume_config("ck/checkpoint.pt", dict(CONFIG), dict(CONFIG))  # no error
     with pytest.raises(ValueError, match="saved with new_setting=None"):
         check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, "new_setting": "abc"})  # a key the old run lacks
+    with pytest.raises(ValueError) as e:  # a key only the saved run has (an augmentation this run leaves out)
+        check_resume_config("ck/checkpoint.pt", {**CONFIG, "recipe": {"auto_augment": "randaugment"}}, CONFIG)
+    assert str(e.value).startswith("ck/checkpoint.pt: saved with recipe={'auto_augment': 'randaugment'}, this run has recipe=None;")
 
 
 def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):

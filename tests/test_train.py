@@ -118,6 +118,12 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
             f"{tmp_path / 'checkpoint.pt'}: saved with {key}={kw.get(key, 0)!r}, this run has {key}={other!r}; "
             "resume with the same settings or use a new --checkpoint folder"
         )
+    # another recipe or batch mixing is another run; the defaults stay out of the config (older checkpoints resume)
+    aug = Recipe(image_size=32, auto_augment="randaugment")
+    for extra, key in (({"recipe": aug}, "recipe"), ({"mixup": 0.2}, "mix"), ({"label_smoothing": 0.1}, "mix")):
+        with pytest.raises(ValueError) as e:
+            run_train(learnable, **kw, **extra, resume=True)
+        assert str(e.value).startswith(f"{tmp_path / 'checkpoint.pt'}: saved with {key}=None, this run has {key}={{")
     other_root = tmp_path / "other"
     make_synthetic(other_root / "images", images=120, classes=3, seed=7, progress=False)
     pack(other_root / "images", other_root / "packed", progress=False)
