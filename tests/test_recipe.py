@@ -261,3 +261,25 @@ def test_every_pillow_operation_changes_an_image(name):
     out = OPS[name](im, magnitude, 128)
     assert out.size == im.size and out.mode == "RGB"
     assert not np.array_equal(np.asarray(out), np.asarray(im))
+
+
+@pytest.mark.parametrize("source", ["torch", "dali", "dataloader"])
+def test_mixup_cutmix_on_batches_from_any_loader(source, photos):
+    """Our loaders' batches and a plain DataLoader's: mixed on their own device, soft targets summing to 1."""
+    if source == "dataloader":
+        from torch.utils.data import DataLoader
+
+        from dali_fast.baseline import BaselineDataset
+
+        images, labels = next(iter(DataLoader(BaselineDataset(photos, image_size=16), batch_size=8)))
+    else:
+        images, labels = next(iter(loader(source, photos, image_size=16)))
+    for kw in ({"alpha_cutmix": 0.0}, {"alpha_mixup": 0.0}):
+        mix = MixupCutmix(num_classes=3, seed=5, **kw)
+        out, targets = mix(images, labels)
+        assert out.shape == images.shape and out.device == images.device and targets.shape == (8, 3)
+        assert torch.allclose(targets.sum(1), torch.ones(8))
+        assert mix.last["mode"] == ("mixup" if kw.get("alpha_cutmix") == 0.0 else "cutmix")
+    uint8 = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="mixup blends images: pass float images"):
+        MixupCutmix(alpha_cutmix=0.0, num_classes=3)(uint8, torch.tensor([0, 1]))
