@@ -21,6 +21,7 @@ import torch
 
 from dali_fast import DALIIterator, open_dataset, pack
 from dali_fast.pipeline import augment, default_num_threads
+from dali_fast.recipe import Recipe
 from dali_fast.synthetic import make_synthetic
 
 
@@ -42,7 +43,7 @@ def file_reader_rate(root: Path, args, threads: int) -> float:
     @pipeline_def(batch_size=args.batch_size, num_threads=threads, device_id=0 if gpu else None, seed=0)
     def pipe():
         jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="files")
-        return augment(jpegs, train=True, image_size=args.image_size, gpu=gpu, fp16=False), labels
+        return augment(jpegs, train=True, recipe=Recipe(image_size=args.image_size), gpu=gpu), labels
 
     p = pipe()
     p.build()

@@ -61,6 +61,9 @@ _ABANDONED = (
 class LoaderBase:
     """Epoch bookkeeping shared by `DALIIterator` and `TorchIterator`.
 
+    ``recipe`` (a `dali_fast.Recipe`) is the per-image transform; ``image_size``, ``dtype`` and
+    ``memory_format`` adjust the default recipe and must agree with a given one.
+
     The position is the number of this rank's samples already *yielded* in the current epoch
     (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
     resumes at exactly the next sample. ``last_indices`` holds the data set indices the last
@@ -363,7 +366,8 @@ class LoaderSampler(Sampler[int]):
 class DALIIterator(LoaderBase):
     """Batches of decoded, augmented images from a DALI pipeline, as PyTorch tensors.
 
-    ``images`` is float NCHW (on the GPU in GPU mode, on the CPU in DALI's CPU-only mode),
+    ``images`` is NCHW (on the GPU in GPU mode, on the CPU in DALI's CPU-only mode), cropped,
+    augmented, normalized and typed as ``recipe`` says (default: `Recipe()`, float32),
     ``labels`` int64 of shape (N,) on the same device. Each epoch yields each of this rank's
     samples exactly once, whatever the prefetch depth, batch-size changes between epochs or
     an early ``break``. The pipeline of an epoch that ended normally serves the next epoch of the same
