@@ -7,7 +7,8 @@
 #
 # Steps: doctor --json; the gpu-marked tests; the whole suite; train on the GPU, SIGKILL after the
 # first checkpoint, --resume; bench --model none and --model resnet50 --controller (all loaders side by
-# side, AMP on the GPU); bench --stages --model resnet50; with 2+ GPUs a torchrun (nccl) run. Every step runs even when one fails; summary.md
+# side, AMP on the GPU); bench --stages --model resnet50; the recipes side by side (automatic augmentation,
+# erasing and mixup/cutmix on the GPU); with 2+ GPUs a torchrun (nccl) run. Every step runs even when one fails; summary.md
 # lists each step's status and figures, and the exit status is non-zero when any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,7 @@ STEPS=(
   "bench none|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out $OUT/none"
   "bench resnet50|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 128 --model resnet50 --controller --out $OUT/resnet50"
   "bench stages|$PY -m dali_fast bench --stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $OUT/stages"
+  "bench recipes|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --loaders torch,dali --augment none,randaugment,trivialaugment,autoaugment --random-erasing 0.25 --mixup 0.8 --cutmix 1.0 --out $OUT/recipes"
   "torchrun 2 GPUs|$PY -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint $OUT/ddp-ckpt --out $OUT/ddp"
 )
 
@@ -85,9 +87,9 @@ done
     "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['table'])" "$OUT/stages/stages.json"
     echo
   fi
-  for b in none resnet50; do
+  for b in none resnet50 recipes; do
     if [ -f "$OUT/$b/results.json" ]; then
-      echo "## bench --model $b"
+      echo "## bench: $b"
       echo
       "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['table'])" "$OUT/$b/results.json"
       echo

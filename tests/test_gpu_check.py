@@ -32,6 +32,7 @@ def test_dry_run_lists_every_step_and_stops_without_a_gpu(tmp_path):
         "bench none",
         "bench resnet50",
         "bench stages",
+        "bench recipes",
         "torchrun 2 GPUs",
     ]
     assert lines[-1].startswith("no usable GPU: ") and list(tmp_path.iterdir()) == []
