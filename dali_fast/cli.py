@@ -116,41 +116,25 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
-def _fraction(low_open: bool) -> Callable[[str], float]:
-    """An argparse type: a number in [0, 1] (or (0, 1] with ``low_open``)."""
+def _number(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse type: a finite number for which ``ok`` holds, else "'TEXT' is not WHAT"."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not (math.isfinite(value) and (0 < value if low_open else 0 <= value) and value <= 1):
-            raise argparse.ArgumentTypeError(f"{text!r} is not in {'(0, 1]' if low_open else '[0, 1]'}")
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
     return parse
 
 
-def _alpha(text: str) -> float:
-    """An argparse type: a Beta distribution's alpha, >= 0 (0 turns it off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0 (0 turns it off)")
-    return value
+_positive = _number(lambda v: v > 0, "a positive number")
+_alpha = _number(lambda v: v >= 0, "a number >= 0 (0 turns it off)")  # a Beta distribution's alpha
+_probability = _number(lambda v: 0 <= v <= 1, "in [0, 1]")
+_crop_fraction = _number(lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -336,17 +320,15 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
         metavar="|".join(AUGMENTS),
         help="automatic augmentation per image" + (" (comma-separated: one row each, side by side)" if several else ""),
     )
-    s.add_argument(
-        "--random-erasing", type=_fraction(False), default=0.0, metavar="P", help="random erasing probability"
-    )
+    s.add_argument("--random-erasing", type=_probability, default=0.0, metavar="P", help="random erasing probability")
     s.add_argument("--mixup", type=_alpha, default=0.0, metavar="A", help="mixup Beta alpha (0: off)")
     s.add_argument("--cutmix", type=_alpha, default=0.0, metavar="A", help="cutmix Beta alpha (0: off)")
     s.add_argument(
-        "--label-smoothing", type=_fraction(False), default=0.0, metavar="E", help="label smoothing of the targets"
+        "--label-smoothing", type=_probability, default=0.0, metavar="E", help="label smoothing of the targets"
     )
     s.add_argument(
         "--eval-crop-fraction",
-        type=_fraction(True),
+        type=_crop_fraction,
         default=0.875,
         metavar="F",
         help="evaluation: resize the shorter side to size/F, then centre crop",

@@ -37,13 +37,11 @@ def odd_set(tmp_path_factory) -> Path:
     return root / "packed"
 
 
-@pytest.mark.parametrize("loader", ["baseline", "torch", "dali"])
-def test_loss_falls_with_each_loader(learnable, loader):
-    if loader == "dali":
-        pytest.importorskip("nvidia.dali")
-    lines = []
+def _train_small(reader, loader: str, **kw) -> tuple[list[dict], list[str]]:
+    """Four epochs of resnet_tiny at 48 px, batch 16; (rows, printed lines)."""
+    lines: list[str] = []
     rows = run_train(
-        learnable,
+        reader,
         loader=loader,
         epochs=4,
         model="resnet_tiny",
@@ -52,7 +50,16 @@ def test_loss_falls_with_each_loader(learnable, loader):
         lr=0.05,
         num_workers=0 if loader != "baseline" else 1,
         emit=lines.append,
+        **kw,
     )
+    return rows, lines
+
+
+@pytest.mark.parametrize("loader", ["baseline", "torch", "dali"])
+def test_loss_falls_with_each_loader(learnable, loader):
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    rows, lines = _train_small(learnable, loader)
     assert len(rows) == 4 and len(lines) == 5
     assert rows[-1]["train_loss"] < 0.7 * rows[0]["train_loss"], [r["train_loss"] for r in rows]
     assert rows[-1]["val_acc"] > 0.6  # 3 classes: chance is 0.33
@@ -64,21 +71,8 @@ def test_a_modern_recipe_still_drives_the_held_out_loss_down(learnable, loader):
     own path: the held-out loss (plain cross-entropy on un-augmented crops) still falls."""
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
-    lines = []
-    rows = run_train(
-        learnable,
-        loader=loader,
-        epochs=4,
-        model="resnet_tiny",
-        batch_size=16,
-        image_size=48,
-        num_workers=0,
-        recipe=Recipe(image_size=48, auto_augment="randaugment", magnitude=5, random_erasing=0.25),
-        mixup=0.2,
-        cutmix=1.0,
-        label_smoothing=0.1,
-        emit=lines.append,
-    )
+    recipe = Recipe(image_size=48, auto_augment="randaugment", magnitude=5, random_erasing=0.25)
+    rows, lines = _train_small(learnable, loader, recipe=recipe, mixup=0.2, cutmix=1.0, label_smoothing=0.1)
     assert "augment=randaugment, alpha_mixup=0.2, alpha_cutmix=1.0, label_smoothing=0.1, random_erasing=0.25" in lines[0]
     val = [r["val_loss"] for r in rows]
     assert min(val[1:]) < 0.7 * val[0] and val[-1] < val[0], val
