@@ -154,9 +154,10 @@ def test_flip_frequency_is_the_recipe_s_probability(backend):
     for p in (0.5, 0.0):
         recipe = Recipe(image_size=8, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=p)
         x, _ = epoch(loader(backend, reader, batch_size=250, recipe=recipe))
-        flipped = (x[:, 2, :, 0] > x[:, 0, :, 0]).all(1)  # blue on the left: mirrored
-        kept = (x[:, 0, :, 0] > x[:, 2, :, 0]).all(1)
-        assert bool((flipped ^ kept).all())  # every image is one or the other
+        red_left, blue_left = (x[:, 0, :, 0] > x[:, 2, :, 0]).all(1), (x[:, 2, :, 0] > x[:, 0, :, 0]).all(1)
+        red_right, blue_right = (x[:, 0, :, -1] > x[:, 2, :, -1]).all(1), (x[:, 2, :, -1] > x[:, 0, :, -1]).all(1)
+        flipped, kept = blue_left & red_right, red_left & blue_right
+        assert bool((flipped ^ kept).all())  # the whole image (scale 1, ratio 1), mirrored or not
         assert abs(flipped.float().mean().item() - p) <= 0.05
 
 
@@ -192,6 +193,11 @@ def test_random_erasing_fills_a_box_within_the_documented_bounds(backend, photos
     assert [zero_box(img) for img in y] == boxes
     x0, _ = epoch(loader(backend, photos, recipe=recipe.with_(random_erasing=0.0)))
     assert all(zero_box(img) is None for img in x0)
+    # a box must fit strictly inside (torchvision's rule): near-whole-image boxes are redrawn, never the whole
+    big = recipe.with_(erasing_scale=(0.9, 1.0), erasing_ratio=(1.0, 1.0))
+    x1, _ = epoch(loader(backend, photos, recipe=big))
+    sides = [zero_box(img)[2:] for img in x1 if zero_box(img) is not None]
+    assert len(sides) >= 12 and all(h < S and w < S and h * w >= 0.9 * S * S - S - 1 for h, w in sides), sides
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -205,16 +211,31 @@ def test_uint8_output_without_mean_and_std(backend, photos):
     assert torch.allclose((x.float() - mean) / std, normalized, atol=1e-4)
 
 
+def framed(side: int) -> bytes:
+    """A square PNG: a red centre square (the middle half of each side) on blue."""
+    px = np.zeros((side, side, 3), np.uint8)
+    px[:] = (20, 20, 250)
+    px[side // 4 : 3 * side // 4, side // 4 : 3 * side // 4] = (250, 20, 20)
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_eval_resize_and_crop_follow_the_recipe(backend, photos):
-    """Eval: the shorter side resized to ``eval_resize_size`` (or size / fraction), then a centre crop:
-    with the whole shorter side kept (fraction 1), the crop of a square image is all of it."""
-    reader = ListReader([(square(40), 0)])
-    x, _ = epoch(loader(backend, reader, train=False, recipe=Recipe(image_size=20, eval_crop_fraction=1.0)))
-    assert (x[0, 0, :, :9] > x[0, 2, :, :9]).all() and (x[0, 2, :, 11:] > x[0, 0, :, 11:]).all()
-    wide, _ = epoch(loader(backend, reader, train=False, recipe=Recipe(image_size=20, eval_resize_size=80)))
-    assert (wide[0, 0] > wide[0, 2]).float().mean() == pytest.approx(0.5, abs=0.11)  # middle 20 of 80: the seam
-    assert (wide[0, 0, :, :6] > wide[0, 2, :, :6]).all() and (wide[0, 2, :, 14:] > wide[0, 0, :, 14:]).all()
+def test_eval_resize_and_crop_follow_the_recipe(backend):
+    """Eval: the shorter side resized to ``eval_resize_size`` (else size / ``eval_crop_fraction``), then a
+    centre crop of ``image_size``: how much of the red centre square fills the crop tells which."""
+    reader = ListReader([(framed(40), 0)])
+
+    def red_share(recipe: Recipe) -> float:
+        x, _ = epoch(loader(backend, reader, train=False, recipe=recipe))
+        return float((x[0, 0] > x[0, 2]).float().mean())
+
+    assert red_share(Recipe(image_size=20, eval_crop_fraction=1.0)) == pytest.approx(0.25, abs=0.06)  # all of it
+    assert red_share(Recipe(image_size=20)) == pytest.approx(0.25 / 0.875**2, abs=0.06)  # the middle 87.5 %
+    assert red_share(Recipe(image_size=20, eval_crop_fraction=0.5)) == 1.0  # the middle half: the red square
+    assert red_share(Recipe(image_size=20, eval_resize_size=80)) == 1.0  # 80 px, middle 20: inside the square
+    assert red_share(Recipe(image_size=20, eval_resize_size=24)) == pytest.approx(0.25 * (24 / 20) ** 2, abs=0.06)
 
 
 @pytest.mark.parametrize(

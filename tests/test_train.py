@@ -322,3 +322,21 @@ def test_a_training_step_does_not_sync_with_the_host(monkeypatch):
     monkeypatch.undo()
     assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in losses)
     assert float(losses[-1]) < float(losses[0]) * 1.5  # it trains (same batch three times)
+
+
+def test_a_mixed_step_trains_on_the_soft_targets():
+    """With mixup/cutmix the step's loss is soft-target cross-entropy on the mixed batch (not the labels)."""
+    from dali_fast.recipe import MixupCutmix, soft_target_cross_entropy
+    from dali_fast.train import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(alpha_mixup=1.0, alpha_cutmix=1.0, num_classes=3, seed=4))
+    twin = MixupCutmix(alpha_mixup=1.0, alpha_cutmix=1.0, num_classes=3, seed=4)
+    images, labels = torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2])
+    for _ in range(3):
+        mixed, targets = twin(images, labels)
+        trainer.model.train()
+        with torch.no_grad():
+            expected = soft_target_cross_entropy(trainer.model(mixed), targets)
+        assert float(trainer.step(images, labels)) == pytest.approx(float(expected), rel=1e-5)
+        assert trainer.mix.last == twin.last
