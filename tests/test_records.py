@@ -830,3 +830,90 @@ def test_parallel_pack_still_verifies_by_decoding(tmp_path):
     for workers in (1, 2):
         report = pack(src, tmp_path / f"p{workers}", workers=workers, progress=False)
         assert report.records == 6 and [p for p, _ in report.skipped] == [str(src / "a" / "006.jpg")]
+
+
+# ----------------------------------------------------------------------------- pack and open: the remaining edges
+
+
+def test_a_shard_fills_up_exactly_before_the_next_begins(small_folder, tmp_path):
+    """Records are written in pack order; a shard takes a record that fills it to exactly ``shard_size``."""
+    first = pack(small_folder, tmp_path / "plain", progress=False)
+    r = MemmapReader(tmp_path / "plain")
+    sizes = [int(n) for n in r.records["length"]]
+    exact = sizes[0] + sizes[1]
+    pack(small_folder, tmp_path / "sharded", shard_size=exact, progress=False)
+    assert (tmp_path / "sharded" / "data-00000.bin").stat().st_size == exact  # two records, full to the byte
+    s = MemmapReader(tmp_path / "sharded")
+    assert [bytes(s[i][0]) for i in range(len(s))] == [bytes(r[i][0]) for i in range(first.records)]
+
+
+def test_pack_summary_line_exactly(tmp_path):
+    from dali_fast.records import PackReport
+
+    report = PackReport(dst=tmp_path / "p", records=12, classes=3, data_bytes=3 * 2**20 + 2**19, seconds=2.25)
+    report.reencoded, report.skipped = 2, [("a.jpg", "empty file")]
+    assert report.summary() == (
+        f"packed 12 records of 3 classes (3.5 MiB) into {tmp_path / 'p'} in 2.2s; re-encoded 2, left out 1"
+    )
+
+
+def test_missing_data_files_exact_one_line(photo_folder, small_folder, tmp_path):
+    pack(small_folder, tmp_path / "plain", progress=False)
+    (tmp_path / "plain" / DATA_FILE).unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        MemmapReader(tmp_path / "plain")
+    d = tmp_path / "plain"
+    assert _one_line(e) == (
+        f"{d}/data.bin: missing; {d} is not a complete packed data set, pack it again with `dali-fast pack SRC {d}`"
+    )
+    d = tmp_path / "sharded"
+    pack(photo_folder, d, shard_size=400_000, workers=1, progress=False)
+    shards = sorted(d.glob("data-*.bin"))
+    assert len(shards) >= 3
+    with open(shards[-1], "ab") as f:  # a shard that grew: the sizes no longer add up
+        f.write(b"x")
+    with pytest.raises(ValueError) as e:
+        MemmapReader(d)
+    total = sum(p.stat().st_size for p in shards)
+    assert _one_line(e) == (
+        f"{d}/data-*.bin ({len(shards)} shards): {total} bytes, the index says {total - 1} "
+        "(truncated or modified); pack the data set again"
+    )
+    shards[1].unlink()  # a shard missing from the middle of the sequence
+    with pytest.raises(FileNotFoundError) as e:
+        MemmapReader(d)
+    assert _one_line(e) == (
+        f"{d}: the data shards are not data-00000.bin ... data-{len(shards) - 2:05d}.bin in sequence; "
+        f"a shard is missing: pack it again with `dali-fast pack SRC {d}`"
+    )
+
+
+def test_every_map_of_a_sharded_set_is_read_only(photo_folder, tmp_path):
+    pack(photo_folder, tmp_path / "s", shard_size=400_000, workers=1, progress=False)
+    r = MemmapReader(tmp_path / "s")
+    maps = [r.records, r._paths, *r.shards]  # noqa: SLF001 - the data set's files, mapped
+    assert len(maps) >= 4 and not any(m.flags.writeable for m in maps)
+
+
+def test_verify_and_pack_show_progress_only_when_asked(small_folder, tmp_path, capsys):
+    pack(small_folder, tmp_path / "quiet", progress=False)
+    assert MemmapReader(tmp_path / "quiet").verify() == []
+    assert capsys.readouterr().err == ""  # verify() is quiet by default
+    pack(small_folder, tmp_path / "shown", progress=True)
+    err = capsys.readouterr().err
+    assert f"pack {small_folder.name}" in err and "7/7" in err  # the folder's name, and the images counted
+
+
+def test_a_destination_that_cannot_be_created_is_one_line(small_folder, tmp_path, monkeypatch):
+    import errno
+
+    def refuse(src, dst):
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(ValueError) as e:
+        pack(small_folder, tmp_path / "p", progress=False)
+    assert _one_line(e) == f"{tmp_path / 'p'}: cannot be created (Permission denied); choose another destination"
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [small_folder.name]  # the temporary folder went with it

@@ -126,6 +126,7 @@ def test_json_labels_under_another_key(tmp_path, cache):
         for i in range(3):
             sink.write({"__key__": f"k{i}", "jpg": jpeg_bytes(), "json": json.dumps({"class_id": i + 5}).encode()})
     assert WebDatasetReader(root, label_key="class_id").labels.tolist() == [5, 6, 7]
+    assert open_dataset(root, label_key="class_id").labels.tolist() == [5, 6, 7]  # open_dataset passes it on
     with pytest.raises(ValueError, match="no samples with an image and a label"):
         WebDatasetReader(root)  # the default key "label" is not there: every sample is left out, and said
 
@@ -225,3 +226,15 @@ def test_reader_pickles_for_workers(tmp_path, cache):
     _ = r[3]
     back = pickle.loads(pickle.dumps(r))
     assert bytes(back[3][0]) == bytes(r[3][0]) and np.array_equal(back.labels, r.labels)
+
+
+def test_pack_names_a_bad_member_by_shard_and_key(tmp_path, cache):
+    root = tmp_path / "shards"
+    root.mkdir()
+    with wds.TarWriter(str(root / "a.tar")) as sink:
+        for i in range(3):
+            image = jpeg_bytes()[:200] if i == 1 else jpeg_bytes()  # sample 1: cut off inside its headers
+            sink.write({"__key__": f"k{i}", "jpg": image, "cls": b"0"})
+    report = pack(str(root / "a.tar"), tmp_path / "packed", progress=False)
+    assert report.records == 2
+    assert report.skipped == [(f"{root / 'a.tar'}:k1.jpg", "undecodable: OSError: Truncated File Read")]
