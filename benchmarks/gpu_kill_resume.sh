@@ -12,10 +12,10 @@ read -r -a SIZES <<< "${KILL_RESUME_ARGS:---images 1200 --model resnet18 --image
 ARGS=(train --loader dali --epochs 2 "${SIZES[@]}" --checkpoint "$CK" --checkpoint-every 4 --no-drop-last)
 "$PY" -m dali_fast "${ARGS[@]}" --record-indices "$CK/before.jsonl" > "$CK/before.log" 2>&1 &
 pid=$!
-for _ in $(seq 1 1200); do
+for _ in $(seq 1 6000); do
   [ -f "$CK/checkpoint.pt" ] && break
   kill -0 "$pid" 2>/dev/null || break
-  sleep 0.25
+  sleep 0.05
 done
 if ! [ -f "$CK/checkpoint.pt" ]; then echo "no checkpoint was written"; tail -n 20 "$CK/before.log"; exit 1; fi
 kill -9 "$pid"; wait "$pid" 2>/dev/null
@@ -30,6 +30,8 @@ from dali_fast.checkpoint import load_checkpoint, read_index_records
 ck = Path(sys.argv[1])
 state = load_checkpoint(ck / "checkpoint.pt")
 before, after = read_index_records(ck / "before.jsonl"), read_index_records(ck / "after.jsonl")
+if not after:
+    sys.exit("the kill came after the last step (nothing was left to resume): give the run more images")
 cut = next(r["step"] for r in after)  # the first step of the resumed run
 for epoch in sorted({r["epoch"] for r in before + after}):
     seen = [i for r in before if r["epoch"] == epoch and r["step"] < cut for i in r["indices"]]

@@ -43,7 +43,7 @@ def test_dry_run_lists_every_step_and_stops_without_a_gpu(tmp_path):
 @pytest.mark.slow
 def test_kill_and_resume_step_proves_exactly_once(tmp_path):
     pytest.importorskip("nvidia.dali")
-    tiny = "--images 60 --model resnet_tiny --image-size 24 --batch-size 8 --num-workers 0"
+    tiny = "--images 150 --model resnet_tiny --image-size 32 --batch-size 8 --num-workers 0"
     env = {"KILL_RESUME_ARGS": tiny, "DALI_FAST_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     r = _run("benchmarks/gpu_kill_resume.sh", str(tmp_path / "ck"), env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
