@@ -304,3 +304,21 @@ def test_mixup_cutmix_on_batches_from_any_loader(source, photos):
     uint8 = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="mixup blends images: pass float images"):
         MixupCutmix(alpha_cutmix=0.0, num_classes=3)(uint8, torch.tensor([0, 1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+def test_gpu_recipes_run_on_the_device_and_erase_the_cpu_boxes(policy, photos):
+    """On a GPU: the policy runs after `mixed` decoding, the output stays on the device, it is repeatable
+    for a seed, and random erasing fills the same boxes as TorchIterator's (drawn by one rule)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import DALIIterator, TorchIterator
+
+    recipe = Recipe(image_size=32, auto_augment=policy, random_erasing=1.0, erasing_scale=(0.05, 0.25))
+    runs = [epoch(DALIIterator(photos, 8, device="cuda", seed=1, recipe=recipe)) for _ in range(2)]
+    assert runs[0][0].is_cuda and runs[0][0].shape == (16, 3, 32, 32)
+    assert torch.equal(runs[0][0], runs[1][0])
+    cpu, _ = epoch(TorchIterator(photos, 8, device="cpu", num_workers=0, seed=1, recipe=recipe))
+    assert [zero_box(img) for img in runs[0][0].cpu()] == [zero_box(img) for img in cpu]
