@@ -2,8 +2,9 @@
 
 A `torch.utils.data.DataLoader` over a Dataset that opens each file with Pillow and applies the
 recipe (RandomResizedCrop, horizontal flip, automatic augmentation, normalization, random erasing)
-per sample on the CPU (the same `Recipe` as the other loaders), with one worker per cpu. Kept honest: no deliberate slowness, and no
-tricks the typical script does not have either (no draft-mode decode, no GPU normalization).
+per sample on the CPU (the same `Recipe` as the other loaders), with one worker per cpu. Kept honest:
+no deliberate slowness, and no tricks the typical script does not have either (no draft-mode decode,
+no GPU normalization).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .autoaugment import apply_policy
 from .decode import open_image, to_rgb
 from .fallback import PIL_RESAMPLE, random_resized_crop_box
 from .pipeline import BadRecordError, bad_record_message
-from .recipe import Recipe, erasing_box
+from .recipe import Recipe, erasing_box, resolve_recipe
 from .records import Reader, pillow_reason, read_checked
 from .sampler import dist_rank_world
 from .system import cpus_per_local_rank
@@ -37,8 +38,6 @@ class BaselineDataset(Dataset):
         on_error: str = "raise",
         recipe: Recipe | None = None,
     ) -> None:
-        from .recipe import resolve_recipe
-
         self.reader, self.train, self.on_error = reader, train, on_error
         self.recipe = resolve_recipe(recipe, image_size=image_size)
         self.image_size = self.recipe.image_size

@@ -23,13 +23,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .autoaugment import apply_policy
 from .decode import open_image, oriented_size, to_rgb
 from .iterator import LoaderBase, cuda_usable, local_device_index
-from .pipeline import BadRecordError, bad_record_message
-from .recipe import AUGMENT_SALT, ERASING_SALT, Recipe, erasing_box, sample_rng
+from .pipeline import IMAGENET_MEAN, IMAGENET_STD, BadRecordError, bad_record_message
+from .recipe import AUGMENT_SALT, Recipe, sample_erasing_box, sample_rng
 from .records import Reader, pillow_reason, read_checked
 from .system import cpus_per_local_rank
-
-IMAGENET_MEAN = Recipe().mean_255
-IMAGENET_STD = Recipe().std_255
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +202,7 @@ class _DecodeDataset(Dataset):
                 image = apply_policy(image, self.recipe, sample_rng(self.seed, epoch, index, AUGMENT_SALT))
                 box = None
                 if self.recipe.random_erasing > 0:
-                    S = self.recipe.image_size
-                    box = erasing_box(sample_rng(self.seed, epoch, index, ERASING_SALT), S, S, self.recipe)
+                    box = sample_erasing_box(self.recipe, self.seed, epoch, index)
                 return index, label, image, flip, None, box
         return index, label, None, False, reason, None
 

@@ -21,7 +21,7 @@ from torch.utils.data import Sampler
 
 from .cache import CachedReader, LRUCache
 from .pipeline import SkipLog
-from .recipe import Recipe, resolve_recipe
+from .recipe import Recipe, resolve_recipe, sample_erasing_box
 from .records import Reader
 from .sampler import EpochSampler, dist_rank_world
 
@@ -507,10 +507,8 @@ class DALIIterator(LoaderBase):
         """This epoch's erasing box per sample index (the rule and generator `TorchIterator` uses), or None."""
         if not self.train or self.recipe.random_erasing <= 0:
             return None
-        from .recipe import ERASING_SALT, erasing_box, sample_rng
-
-        seed, epoch, recipe, S = self.seed, self.order.epoch, self.recipe, self.image_size
-        return lambda i: np.asarray(erasing_box(sample_rng(seed, epoch, i, ERASING_SALT), S, S, recipe), np.float32)
+        recipe, seed, epoch = self.recipe, self.seed, self.order.epoch
+        return lambda i: np.asarray(sample_erasing_box(recipe, seed, epoch, i), np.float32)
 
     def _build(self, plan: list[np.ndarray], start: int, bad: dict[int, str]) -> _Kept:
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy

@@ -287,23 +287,22 @@ def auto_augment(images, recipe: Recipe):
     Translations span torchvision's ranges (150/331 of the side; 32 px for TrivialAugmentWide), geometric
     ops use nearest-neighbour sampling and fill with ``recipe.fill``, as the Pillow twin does.
     """
-    import nvidia.dali.types as types
-    from nvidia.dali.auto_aug import auto_augment as aa
-    from nvidia.dali.auto_aug import rand_augment, trivial_augment
-
-    S = recipe.image_size
-    common = {"fill_value": recipe.fill, "interp_type": types.INTERP_NN}
     # auto_aug builds a few operators by their old `fn.experimental` names, and DALI forces their
     # DeprecationWarning on ("default" filter) at every build: that is DALI's affair, not the user's.
     with warnings.catch_warnings(record=True) as caught:
-        out = _auto_augment(images, recipe, S, common, rand_augment, trivial_augment, aa)
+        out = _auto_augment(images, recipe)
     for w in caught:
         if not str(w.message).startswith("WARNING: `nvidia.dali.fn.experimental."):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return out
 
 
-def _auto_augment(images, recipe: Recipe, S: int, common: dict, rand_augment, trivial_augment, aa):
+def _auto_augment(images, recipe: Recipe):
+    import nvidia.dali.types as types
+    from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
+
+    S = recipe.image_size
+    common = {"fill_value": recipe.fill, "interp_type": types.INTERP_NN}
     if recipe.auto_augment == "randaugment":
         return rand_augment.rand_augment(
             images,
@@ -318,7 +317,7 @@ def _auto_augment(images, recipe: Recipe, S: int, common: dict, rand_augment, tr
         return trivial_augment.trivial_augment_wide(
             images, num_magnitude_bins=recipe.num_magnitude_bins, max_translate_abs=32, **common
         )
-    return aa.auto_augment_image_net(images, shape=(S, S), max_translate_rel=150 / 331, **common)
+    return auto_augment.auto_augment_image_net(images, shape=(S, S), max_translate_rel=150 / 331, **common)
 
 
 def build_pipeline(

@@ -232,6 +232,13 @@ def erasing_box(rng: np.random.Generator, height: int, width: int, recipe: Recip
     return 0, 0, 0, 0
 
 
+def sample_erasing_box(recipe: Recipe, seed: int, epoch: int, index: int) -> tuple[int, int, int, int]:
+    """Sample ``index``'s erasing box in ``epoch`` of an ``image_size`` square output: what both backends
+    erase (DALI's source and TorchIterator's workers call this), so they erase the same boxes."""
+    S = recipe.image_size
+    return erasing_box(sample_rng(seed, epoch, index, ERASING_SALT), S, S, recipe)
+
+
 def sample_rng(seed: int, epoch: int, index: int, salt: int | None = None) -> np.random.Generator:
     """The generator of one sample's random choices in one epoch (``salt`` separates independent draws)."""
     key = [seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, index & 0xFFFFFFFFFFFF]
