@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import time
+
 import pytest
+from PIL import Image
 
 from dali_fast.cli import main
 from dali_fast.doctor import (
@@ -190,6 +194,44 @@ def test_hw_check_on_a_gpu_without_jpeg_engine():
             raise FakeNVMLError("Not Supported")
 
     assert hw_decoder_check(0, nvml=NoEngine()) == {"jpeg_engine": False, "peak_util": None, "used": False}
+
+
+def test_hw_check_decodes_megapixel_images_for_longer_than_nvml_s_window(monkeypatch):
+    """NVML averages the JPEG engine's utilization over ~0.17-1 s: a few 64x48 thumbnails decode in a
+    sliver of that and can read 0 %. The check decodes batches of >= 1 MP baseline 4:2:0 JPEGs (what the
+    engine takes) for more than twice the longest window."""
+    import dali_fast.doctor as doctor
+
+    built, runs = [], []
+
+    class Pipe:
+        def run(self):
+            runs.append(1)
+            time.sleep(0.01)
+
+        def _shutdown(self):
+            built.append("shut")
+
+    def pipeline(data, device, device_id, batch, hw_load):
+        built.append((data, device, device_id, batch, hw_load))
+        return Pipe()
+
+    class Busy(FakeNvml):
+        def nvmlDeviceGetJpgUtilization(self, h):
+            return (41, 166666)
+
+    monkeypatch.setattr(doctor, "_decode_pipeline", pipeline)
+    monkeypatch.setattr(doctor, "nvml_handle", lambda nvml, i: i)
+    out = hw_decoder_check(0, seconds=0.2, nvml=Busy())
+    data, device, device_id, batch, hw_load = built[0]
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.width * im.height >= 1_000_000 and im.format == "JPEG"
+        assert im.layer == [(1, 2, 2, 0), (2, 1, 1, 1), (3, 1, 1, 1)]  # 4:2:0
+        assert "progressive" not in im.info  # baseline: the hardware decoder's format
+    assert (device, device_id, hw_load) == ("mixed", 0, 1.0) and batch >= 16 and built[-1] == "shut"
+    assert doctor.HW_CHECK_SECONDS >= 2.0  # > 2 x NVML's longest sampling window
+    assert out["peak_util"] == 41 and out["used"] is True and out["nvml_window_us"] == 166666
+    assert out["megapixels"] >= 1.0 and out["seconds"] >= 0.2 and out["images_per_s"] > 0
 
 
 # ---------------------------------------------------------------- real readings on this machine
