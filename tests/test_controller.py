@@ -159,7 +159,11 @@ def test_nvml_probe_unreadable_holds_once(caplog):
     assert len(warnings) == 1 and "Not Found" in warnings[0].getMessage()
 
 
-def test_nvml_probe_reads_fake_handles():
+def test_nvml_probe_reads_fake_handles(monkeypatch):
+    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
+    # torch would report the real GPU's, which the fake does not know).
+    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+
     class Mem:
         def __init__(self, used, total):
             self.used, self.total = used, total

@@ -85,6 +85,9 @@ def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
     from dali_fast.controller import NvmlProbe
     from dali_fast.system import nvml_handle
 
+    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
+    # torch would report the real GPU's, which the fake does not know).
+    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
     nvml = EightGpuNvml()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
     assert nvml_handle(nvml, 1) == 6  # rank 1 (LOCAL_RANK=1, CUDA device 1) is NVML device 6
