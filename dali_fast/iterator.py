@@ -476,9 +476,9 @@ class DALIIterator(LoaderBase):
                     f"DALI ran out of memory at batch size {self.batch_size}: {what.describe()}; "
                     "use a smaller batch size (or a BatchSizeController), fewer decode threads, or a smaller image_size"
                 ) from failure
-            if not what.is_decoder or source is None:  # not the data's fault (a build has read no record)
-                raise DALIOperatorError(f"DALI failed: {what.describe()}") from failure
             in_flight = [i for fed in source.fed for i in fed.kept] if source is not None else []
+            if not what.is_decoder or not in_flight:  # not the data's fault, or no record had reached DALI
+                raise DALIOperatorError(f"DALI failed: {what.describe()}") from failure
             culprits = undecodable(self.dataset, in_flight)
             if not culprits or self.on_error == "raise":
                 named = list(culprits) or in_flight
@@ -489,7 +489,9 @@ class DALIIterator(LoaderBase):
                 hint = (
                     "pass on_error='skip' (--on-error skip)"
                     if culprits
-                    else "each of them decodes with Pillow; check them with `dali-fast inspect --verify`"
+                    else "each of them decodes with Pillow, so they may not be at fault (DALI's decoder fails so "
+                    "too when it runs short of memory): check them with `dali-fast inspect --verify`, or try a "
+                    "smaller batch size"
                 )
                 raise RuntimeError(
                     f"DALI failed decoding {what_s} {names}{more}{why} ({what.describe()}); {hint}"

@@ -745,6 +745,34 @@ def test_dali_cuda_allocation_failure_is_memory_never_a_bad_record(index_reader,
     assert "\n" not in str(e.value) and "record" not in str(e.value) and ctrl.ooms == [8]
 
 
+def test_a_decoder_failure_on_records_pillow_decodes_names_them_without_blaming_them(index_reader, monkeypatch):
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    from dali_fast import DALIIterator
+
+    calls = {"n": 0}
+    real_next = DALIGenericIterator.__next__
+
+    def failing_next(self):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second batch (records 4-7) and the one prefetched after it are in flight
+            raise dali_error("Failed to decode sample #1 : ", op="nvidia.dali.fn.decoders.image", device="CPU")
+        return real_next(self)
+
+    monkeypatch.setattr(DALIGenericIterator, "__next__", failing_next)
+    loader = DALIIterator(index_reader, 4, image_size=16, device="cpu", num_threads=2, train=False, prefetch=1)
+    with pytest.raises(RuntimeError) as e:
+        epoch_labels(loader, 0)
+    msg = str(e.value)
+    assert msg.startswith("DALI failed decoding one of records 4 (mem://4.jpg), 5 (mem://5.jpg)") and "\n" not in msg
+    assert "CPU operator `nvidia.dali.fn.decoders.image`: Failed to decode sample #1 :" in msg
+    assert msg.endswith(
+        "each of them decodes with Pillow, so they may not be at fault (DALI's decoder fails so too when it runs "
+        "short of memory): check them with `dali-fast inspect --verify`, or try a smaller batch size"
+    )
+
+
 def test_dali_out_of_memory_while_building_the_pipeline_is_memory_too(index_reader, monkeypatch):
     """The decoder preallocates when the pipeline is built: an allocation failure there is the same story."""
     pytest.importorskip("nvidia.dali")
