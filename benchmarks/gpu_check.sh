@@ -14,12 +14,14 @@
 # the controller over three epochs after a forced shrink; the gpu-marked tests.
 #
 # Every step runs under `timeout` with its limit, even when one before it failed. As each step ends, its
-# status and the figures it printed ("FIGURE <key> <value>" lines) are appended to $OUT/summary.md, so a
-# run cut short still leaves a summary. The exit status is non-zero when any step failed or timed out.
+# status and the figures it printed ("FIGURE <key> <value>" lines) are appended to $OUT/summary.md and its
+# log added to $OUT/logs.tar.gz, so a run cut short still leaves both. $OUT holds only these two files; the
+# data, logs and caches are made in $GPU_CHECK_WORK. The exit status is non-zero when a step failed or
+# timed out.
 #
-# Environment: OUT (results; default ./gpu-results), PYTHON (default python3); for tests of this script,
-# GPU_CHECK_STEPS (a file of "name|limit seconds|command" lines that replaces the steps) and
-# GPU_CHECK_REQUIRE_GPU=0 (run without a GPU).
+# Environment: OUT (results; default ./gpu-results), GPU_CHECK_WORK (working folder; default a new one in
+# $TMPDIR or /tmp), PYTHON (default python3); for tests of this script, GPU_CHECK_STEPS (a file of
+# "name|limit seconds|command" lines that replaces the steps) and GPU_CHECK_REQUIRE_GPU=0 (run without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=default
@@ -32,30 +34,31 @@ for a in "$@"; do
 done
 DRY="${DRY:-0}"
 OUT="${OUT:-$PWD/gpu-results}"
+WORK="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check.$$}"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export DALI_FAST_CACHE="${DALI_FAST_CACHE:-$OUT/cache}"
+export DALI_FAST_CACHE="${DALI_FAST_CACHE:-$WORK/cache}"
 STEP="$PY benchmarks/gpu_steps.py"
-DATA="$OUT/data/packed"
+DATA="$WORK/data/packed"
 
 # name|limit in seconds|command
 DEFAULT_STEPS=(
-  "data|40|$STEP data --out $OUT/data --images 4096 --size 500x375 --quality 95"
-  "doctor and decode|45|$PY -m dali_fast doctor --json > $OUT/doctor.json; d=\$?; $STEP doctor --doctor-json $OUT/doctor.json --out $OUT && $STEP decode --data $DATA --out $OUT --images 128 && exit \$d"
-  "failure paths|40|$STEP failures --data $DATA --out $OUT"
-  "loader ceiling|100|$STEP ceiling --data $DATA --out $OUT --threads 8,16 --workers 16 --epochs 2"
-  "models|135|$STEP models --data $DATA --out $OUT --models resnet50,resnet18 --epochs 2"
-  "controller|40|$STEP controller --data $DATA --out $OUT"
+  "data|40|$STEP data --out $WORK/data --images 4096 --size 500x375 --quality 95"
+  "doctor and decode|45|$PY -m dali_fast doctor --json > $WORK/doctor.json; d=\$?; $STEP doctor --doctor-json $WORK/doctor.json --out $WORK && $STEP decode --data $DATA --out $WORK --images 128 && exit \$d"
+  "failure paths|40|$STEP failures --data $DATA --out $WORK"
+  "loader ceiling|100|$STEP ceiling --data $DATA --out $WORK --threads 8,16 --workers 16 --epochs 2"
+  "models|135|$STEP models --data $DATA --out $WORK --models resnet50,resnet18 --epochs 2"
+  "controller|40|$STEP controller --data $DATA --out $WORK"
   "gpu tests|80|$PY -m pytest -q -m gpu tests -p no:cacheprovider"
 )
 FULL_STEPS=(
   "whole suite|1200|$PY -m pytest -q tests -p no:cacheprovider"
-  "sigkill + resume|300|bash $PWD/benchmarks/gpu_kill_resume.sh $OUT/ckpt"
-  "bench none|300|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out $OUT/none"
-  "bench resnet50|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 128 --model resnet50 --controller --out $OUT/resnet50"
-  "bench stages|600|$PY -m dali_fast bench --stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $OUT/stages"
-  "bench recipes|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --loaders torch,dali --augment none,randaugment,trivialaugment,autoaugment --random-erasing 0.25 --mixup 0.8 --cutmix 1.0 --out $OUT/recipes"
-  "torchrun 2 GPUs|300|$PY -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint $OUT/ddp-ckpt --out $OUT/ddp"
+  "sigkill + resume|300|bash $PWD/benchmarks/gpu_kill_resume.sh $WORK/ckpt"
+  "bench none|300|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out $WORK/none"
+  "bench resnet50|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 128 --model resnet50 --controller --out $WORK/resnet50"
+  "bench stages|600|$PY -m dali_fast bench --stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $WORK/stages"
+  "bench recipes|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --loaders torch,dali --augment none,randaugment,trivialaugment,autoaugment --random-erasing 0.25 --mixup 0.8 --cutmix 1.0 --out $WORK/recipes"
+  "torchrun 2 GPUs|300|$PY -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint $WORK/ddp-ckpt --out $WORK/ddp"
 )
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   mapfile -t STEPS < <(grep -v '^[[:space:]]*\(#\|$\)' "$GPU_CHECK_STEPS")
@@ -67,7 +70,7 @@ fi
 
 if [ "$DRY" = 1 ]; then
   total=0
-  echo "gpu_check.sh --dry-run: the $MODE run, results under $OUT"
+  echo "gpu_check.sh --dry-run: the $MODE run, results under $OUT, work in $WORK"
   for i in "${!STEPS[@]}"; do
     IFS='|' read -r name limit cmd <<< "${STEPS[$i]}"
     printf '  %2d. %-18s %5s s  %s\n' "$((i + 1))" "$name" "$limit" "$cmd"
@@ -94,7 +97,7 @@ EOF
   fi
 fi
 
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$WORK"
 SUMMARY="$OUT/summary.md"
 info=$("$PY" - <<'EOF' 2>&1
 import torch
@@ -121,7 +124,7 @@ failed=0
 results=()
 for i in "${!STEPS[@]}"; do
   IFS='|' read -r name limit cmd <<< "${STEPS[$i]}"
-  log="$OUT/$(echo "$name" | tr -c 'A-Za-z0-9\n' '_').log"
+  log="$WORK/$((i + 1))_$(echo "$name" | tr -c 'A-Za-z0-9\n' '_').log"
   if [ "$name" = "torchrun 2 GPUs" ] && [ "$GPUS" -lt 2 ]; then
     status="skipped: $GPUS GPU on this host"; dt=0
   else
@@ -158,6 +161,8 @@ for i in "${!STEPS[@]}"; do
       echo
     fi
   } >> "$SUMMARY"
+  (cd "$WORK" && tar czf "$OUT/.logs.tar.gz" -- ./*.log $(ls ./*.json 2>/dev/null) 2>/dev/null \
+    && mv "$OUT/.logs.tar.gz" "$OUT/logs.tar.gz")
 done
 {
   echo "## all steps"
@@ -166,8 +171,8 @@ done
   echo "|---|---|---:|---:|"
   printf '%s\n' "${results[@]}"
   for b in stages none resnet50 recipes; do
-    f="$OUT/$b/results.json"
-    [ "$b" = stages ] && f="$OUT/stages/stages.json"
+    f="$WORK/$b/results.json"
+    [ "$b" = stages ] && f="$WORK/stages/stages.json"
     if [ -f "$f" ]; then
       echo
       echo "## bench: $b"

@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -37,7 +38,8 @@ def _run(*args, env=None, timeout=600):
 
 
 def _dry_run(tmp_path, *flags):
-    r = _run("benchmarks/gpu_check.sh", "--dry-run", *flags, env={"OUT": str(tmp_path)})
+    env = {"OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work")}
+    r = _run("benchmarks/gpu_check.sh", "--dry-run", *flags, env=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     steps = [STEP_LINE.match(x).groups() for x in lines[1:-1]]
@@ -73,8 +75,12 @@ def test_every_measuring_step_s_command_line_is_one_gpu_steps_accepts(tmp_path):
             if "benchmarks/gpu_steps.py" in words:
                 args = gpu_steps.parser().parse_args(words[words.index("benchmarks/gpu_steps.py") + 1 :])
                 calls += 1
-                if args.step not in ("data", "doctor"):
-                    assert args.data == tmp_path / "data" / "packed"  # where the data step packs
+                if args.step == "data":
+                    assert args.out == tmp_path / "work" / "data"
+                elif args.step == "doctor":
+                    assert args.doctor_json == tmp_path / "work" / "doctor.json"
+                else:  # where the data step packs, and the work folder, not OUT (it comes back from a GPU host)
+                    assert args.data == tmp_path / "work" / "data" / "packed" and args.out == tmp_path / "work"
     assert calls == 7
 
 
@@ -88,7 +94,12 @@ def test_without_a_gpu_the_run_stops_in_one_line(tmp_path):
 def _fake_steps(tmp_path, lines):
     f = tmp_path / "steps.txt"
     f.write_text("\n".join(lines) + "\n")
-    return {"OUT": str(tmp_path / "out"), "GPU_CHECK_STEPS": str(f), "GPU_CHECK_REQUIRE_GPU": "0"}
+    return {
+        "OUT": str(tmp_path / "out"),
+        "GPU_CHECK_WORK": str(tmp_path / "work"),
+        "GPU_CHECK_STEPS": str(f),
+        "GPU_CHECK_REQUIRE_GPU": "0",
+    }
 
 
 def test_summary_md_grows_step_by_step_and_a_step_past_its_limit_is_stopped(tmp_path):
@@ -130,6 +141,10 @@ def test_summary_md_grows_step_by_step_and_a_step_past_its_limit_is_stopped(tmp_
     assert "## 3. broken: FAILED (exit 3)" in text and "| partial | 7 |" in text
     assert "## 4. after: ok" in text and "| later | 1 |" in text
     assert re.search(r"\| 2\. stuck \| TIMED OUT at its limit of 3 s \| [345] \| 3 \|", text)
+    # OUT holds the summary and the logs only (what comes back from a GPU host is a few files)
+    assert sorted(x.name for x in (tmp_path / "out").iterdir()) == ["logs.tar.gz", "summary.md"]
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["./1_quick.log", "./2_stuck.log", "./3_broken.log", "./4_after.log"]
 
 
 def test_the_measuring_steps_run_small_on_a_cpu(tmp_path):
