@@ -44,7 +44,7 @@ DATA="$WORK/data/packed"
 # name|limit in seconds|command
 DEFAULT_STEPS=(
   "data|40|$STEP data --out $WORK/data --images 4096 --size 500x375 --quality 95"
-  "doctor and decode|45|$PY -m dali_fast doctor --json > $WORK/doctor.json; d=\$?; $STEP doctor --doctor-json $WORK/doctor.json --out $WORK && $STEP decode --data $DATA --out $WORK --images 128 && exit \$d"
+  "doctor and decode|45|$PY -m dali_fast doctor --json > $WORK/doctor.json; d=\$?; $STEP decode --doctor-json $WORK/doctor.json --data $DATA --out $WORK --images 128 && exit \$d"
   "failure paths|40|$STEP failures --data $DATA --out $WORK"
   "loader ceiling|100|$STEP ceiling --data $DATA --out $WORK --threads 8,16 --workers 16 --epochs 2"
   "models|135|$STEP models --data $DATA --out $WORK --models resnet50,resnet18 --epochs 2"

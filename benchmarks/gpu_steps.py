@@ -2,8 +2,7 @@
 taken, as a line ``FIGURE <key> <value>``, and written to ``--out``/<step>.json at the end.
 
     python benchmarks/gpu_steps.py data       --out DIR [--images 4096] [--size 500x375] [--quality 95]
-    python benchmarks/gpu_steps.py doctor     --doctor-json FILE --out DIR
-    python benchmarks/gpu_steps.py decode     --data PACKED --out DIR
+    python benchmarks/gpu_steps.py decode     --data PACKED --out DIR [--doctor-json FILE]
     python benchmarks/gpu_steps.py failures   --data PACKED --out DIR
     python benchmarks/gpu_steps.py ceiling    --data PACKED --out DIR [--threads 8,16] [--workers 16]
     python benchmarks/gpu_steps.py models     --data PACKED --out DIR [--models resnet50,resnet18]
@@ -191,9 +190,9 @@ def step_data(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- doctor
-def step_doctor(args: argparse.Namespace) -> None:
-    """The figures of a `dali-fast doctor --json` report (``--doctor-json``)."""
-    report = json.loads(Path(args.doctor_json).read_text())
+def doctor_figures(path: Path) -> None:
+    """The figures of a `dali-fast doctor --json` report."""
+    report = json.loads(path.read_text())
     r = report["readings"]
     figure("doctor.problem", report["problem"] or "none: the GPU path works")
     figure("doctor.driver", f"{r['driver']} (CUDA {r['driver_cuda']})")
@@ -247,12 +246,14 @@ def _levels(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, int]:
 
 
 def step_decode(args: argparse.Namespace) -> None:
-    """How far the decoders are from Pillow, in pixel levels: DALI's CPU decoder, the `mixed` GPU decoder
-    as training uses it (fancy chroma upsampling) and with DALI's default; then the whole eval transform,
-    DALIIterator on the GPU against DALIIterator on the CPU."""
+    """The doctor's report (``--doctor-json``), then how far the decoders are from Pillow, in pixel levels:
+    DALI's CPU decoder, the `mixed` GPU decoder as training uses it (fancy chroma upsampling) and with
+    DALI's default; then the whole eval transform, DALIIterator on the GPU against DALIIterator on the CPU."""
     from dali_fast import DALIIterator, open_dataset
     from dali_fast.recipe import Recipe
 
+    if args.doctor_json is not None:
+        doctor_figures(args.doctor_json)
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)
     n = min(args.images, len(reader))
@@ -541,10 +542,11 @@ def step_controller(args: argparse.Namespace) -> None:
         for epoch in range(4):
             loader.set_epoch(epoch)
             sizes.append(loader.batch_size)
-            for k, _ in enumerate(loader):
+            for k, _batch in enumerate(loader):
                 if epoch == 0 and k == 0:
                     ctrl.report_oom(loader.batch_size)  # the forced shrink
             sync(gpu)
+            del _batch  # a batch held over would count in the next epoch's first reading
     finally:
         loader.close()
         release_unused_memory()
@@ -565,7 +567,6 @@ def step_controller(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- command line
 STEPS = {
     "data": step_data,
-    "doctor": step_doctor,
     "decode": step_decode,
     "failures": step_failures,
     "ceiling": step_ceiling,
@@ -580,7 +581,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, required=True, help="figures go to OUT/<step>.json (data: the data set too)")
     ap.add_argument("--data", type=Path, help="a packed data set (the data step prints where it made one)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--doctor-json", type=Path, help="doctor: the file `dali-fast doctor --json` wrote")
+    ap.add_argument("--doctor-json", type=Path, help="decode: the report `dali-fast doctor --json` wrote")
     ap.add_argument("--images", type=int, default=4096, help="data: images to make; decode: images to compare")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--size", default="500x375", help="data: WIDTHxHEIGHT of the photos")
@@ -600,9 +601,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.step == "doctor" and (args.doctor_json is None or not args.doctor_json.exists()):
-        ap.error("doctor needs --doctor-json: the file `dali-fast doctor --json` wrote")
-    if args.step not in ("data", "doctor") and (args.data is None or not Path(args.data).exists()):
+    if args.step != "data" and (args.data is None or not Path(args.data).exists()):
         ap.error(f"{args.step} needs --data: a packed data set (run the data step first)")
     args.out.mkdir(parents=True, exist_ok=True)
     FIGURES.clear()

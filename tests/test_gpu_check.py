@@ -77,11 +77,9 @@ def test_every_measuring_step_s_command_line_is_one_gpu_steps_accepts(tmp_path):
                 calls += 1
                 if args.step == "data":
                     assert args.out == tmp_path / "work" / "data"
-                elif args.step == "doctor":
-                    assert args.doctor_json == tmp_path / "work" / "doctor.json"
                 else:  # where the data step packs, and the work folder, not OUT (it comes back from a GPU host)
                     assert args.data == tmp_path / "work" / "data" / "packed" and args.out == tmp_path / "work"
-    assert calls == 7
+    assert calls == 6
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
@@ -152,10 +150,16 @@ def test_the_measuring_steps_run_small_on_a_cpu(tmp_path):
     ones gpu_check.sh collects, and what needs a GPU says n/a."""
     pytest.importorskip("nvidia.dali")
     out, small = tmp_path / "out", ["--device", "cpu", "--image-size", "32", "--batch-size", "16", "--epochs", "1"]
+    doctor = tmp_path / "doctor.json"
+    readings = {"driver": "580.159.03", "driver_cuda": "13.0", "dali": "2.4.0", "dali_libs": {}, "cpu_decode": None}
+    gpus = [{"index": 0, "name": "NVIDIA H200", "memory_gib": 139.8, "jpeg_engine": True}]
+    hw = {"jpeg_engine": True, "peak_util": 63, "used": True, "images_per_s": 2500.0}
+    readings |= {"gpus": gpus, "gpu_decode": {"ok": True, "mean_diff": 0.4}, "hw_decoder": hw}
+    doctor.write_text(json.dumps({"readings": {**readings, "decoder_preallocation": None}, "problem": None}))
     data = str(out / "data" / "packed")
     runs = [
         ["data", "--out", str(out / "data"), "--images", "64", "--classes", "4", "--size", "96x72", "--jobs", "2"],
-        ["decode", "--data", data, "--out", str(out), "--images", "8", *small],
+        ["decode", "--data", data, "--out", str(out), "--images", "8", "--doctor-json", str(doctor), *small],
         ["failures", "--data", data, "--out", str(out), *small],
         ["ceiling", "--data", data, "--out", str(out), "--threads", "1,2", "--workers", "0", *small],
         [
@@ -185,6 +189,9 @@ def test_the_measuring_steps_run_small_on_a_cpu(tmp_path):
                for k, v in json.loads((out / ("data" if step == "data" else "") / f"{step}.json").read_text()).items()}  # fmt: skip
     assert set(printed) == set(figures)
     assert figures["data.images"] == 64 and figures["decode.dali_cpu_vs_pillow.mean_levels"] <= 1.0
+    assert figures["doctor.problem"] == "none: the GPU path works" and figures["doctor.hw_decoder.peak_util"] == 63
+    assert figures["doctor.gpu0"] == "NVIDIA H200, 139.8 GiB, JPEG engine: True"
+    assert figures["doctor.gpu_decode_mean_levels_from_pillow"] == 0.4
     assert figures["decode.mixed_vs_pillow"] == "n/a (no GPU)" and figures["failures.oom"] == "n/a (needs a GPU)"
     assert figures["failures.fp16_erase.ok"] == "yes" and figures["failures.fp16_erase.dtype"] == "float16"
     for threads in (1, 2):
