@@ -303,6 +303,21 @@ def test_doctor_on_a_gpu_host(capsys):
     assert 'decode gpu  ok (device="mixed"' in out and "the GPU path works" in out
 
 
+@pytest.mark.gpu
+def test_gpu_hw_decoder_check_sees_the_jpeg_engine_work():
+    """On a GPU with a JPEG engine (A100, H100, H200, ...) the check reads it busy: megapixel images over
+    more than NVML's sampling window, not thumbnails that finish inside a sliver of it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("nvidia.dali")
+    r = hw_decoder_check(torch.cuda.current_device())
+    if r["jpeg_engine"] is False:
+        pytest.skip("this GPU has no hardware JPEG engine")
+    assert r["jpeg_engine"] is True and r["used"] is True and r["peak_util"] > 0, r
+
+
 def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):
     pytest.importorskip("nvidia.dali")
     import nvidia.dali.fn as fn

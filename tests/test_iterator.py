@@ -1287,6 +1287,24 @@ def test_gpu_float16_output_with_random_erasing(index_reader):
     loader.close()
 
 
+@pytest.mark.gpu
+def test_gpu_and_cpu_loaders_give_the_same_pixels():
+    """With the mixed decoder upsampling chroma as the CPU decoder does, the eval transform on the GPU and
+    on the CPU gives the same pixels within a level or two (photo-like JPEGs: noise, 4:2:0 chroma)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cls = loader_class("dali")
+    reader = IndexReader([jpeg_bytes(96 + 8 * (i % 4), 72 + 8 * (i % 3), (40 * i % 250, 90, 200)) for i in range(16)])
+    out = {}
+    for device in ("cuda", "cpu"):
+        loader = cls(reader, 8, train=False, image_size=64, device=device)
+        out[device] = torch.cat([x.float().cpu() for x, _ in loader])
+        loader.close()
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    levels = (out["cuda"] - out["cpu"]).abs() * std
+    assert float(levels.mean()) < 1.5, float(levels.mean())
+
+
 def test_a_new_batch_size_shuts_the_old_pipeline_before_memory_is_released_and_measured(index_reader, monkeypatch):
     """After a batch-size change the old pipeline goes first: its buffers return to DALI's pool, the
     controller's release frees the pool, then the probe starts the new epoch's reading. In the other

@@ -73,7 +73,9 @@ def test_a_modern_recipe_still_drives_the_held_out_loss_down(learnable, loader):
         pytest.importorskip("nvidia.dali")
     recipe = Recipe(image_size=48, auto_augment="randaugment", magnitude=5, random_erasing=0.25)
     rows, lines = _train_small(learnable, loader, recipe=recipe, mixup=0.2, cutmix=1.0, label_smoothing=0.1)
-    assert "augment=randaugment, alpha_mixup=0.2, alpha_cutmix=1.0, label_smoothing=0.1, random_erasing=0.25" in lines[0]
+    assert (
+        "augment=randaugment, alpha_mixup=0.2, alpha_cutmix=1.0, label_smoothing=0.1, random_erasing=0.25" in lines[0]
+    )
     val = [r["val_loss"] for r in rows]
     assert min(val[1:]) < 0.7 * val[0] and val[-1] < val[0], val
     assert rows[-1]["val_acc"] > 0.6, [r["val_acc"] for r in rows]
@@ -131,6 +133,38 @@ def test_mixup_training_step_reads_nothing_back_from_the_device():
         assert loss.device.type == "meta"
         modes.add(trainer.mix.last["mode"])
     assert modes == {"mixup", "cutmix"}
+
+
+@pytest.mark.gpu
+def test_gpu_mixup_steps_and_evaluation_do_not_stop_the_gpu():
+    """torch's sync debug mode raises at any operation that waits for the GPU: mixup/cutmix steps run
+    through it, and evaluation reaches its one read only after the last batch."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from dali_fast.recipe import MixupCutmix
+    from dali_fast.train import Trainer
+
+    trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(num_classes=3, seed=0))
+    x = torch.randn(8, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 3, (8,), device="cuda")
+    trainer.step(x, y)  # the first step picks cudnn's kernels
+    torch.cuda.synchronize()
+    served = []
+
+    def batches():
+        for k in range(3):
+            served.append(k)
+            yield x, y
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            trainer.step(x, y)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            trainer.evaluate(batches())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert served == [0, 1, 2]
 
 
 def test_labels_are_checked_once_where_they_come_from(learnable):
