@@ -101,8 +101,8 @@ def _fake_steps(tmp_path, lines):
 
 
 def test_summary_md_grows_step_by_step_and_a_step_past_its_limit_is_stopped(tmp_path):
-    """Each step's status and figures reach summary.md as it ends (a run cut short by the end of the lease
-    keeps them); a step past its limit is stopped and marked, and the steps after it still run."""
+    """Each step's status and figures reach summary.md as it ends (a run cut short, its GPU host taken
+    back, keeps them); a step past its limit is stopped and marked, and the steps after it still run."""
     env = _fake_steps(
         tmp_path,
         [
