@@ -43,7 +43,8 @@ def file_reader_rate(root: Path, args, threads: int) -> float:
     @pipeline_def(batch_size=args.batch_size, num_threads=threads, device_id=0 if gpu else None, seed=0)
     def pipe():
         jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="files")
-        return augment(jpegs, train=True, recipe=Recipe(image_size=args.image_size), gpu=gpu), labels
+        images = augment(jpegs, train=True, recipe=Recipe(image_size=args.image_size), gpu=gpu, num_threads=threads)
+        return images, labels
 
     p = pipe()
     p.build()

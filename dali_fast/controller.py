@@ -131,7 +131,7 @@ class NvmlProbe:
         peak = self._sampler.stop()
         if peak is None or not self.capacity_bytes:
             if not self._warned:
-                log.warning("NVML memory probe cannot read (%s); batch size held", getattr(self, "_why", "no reading"))
+                log.warning("NVML memory probe cannot read (%s)", getattr(self, "_why", "no reading"))
                 self._warned = True
             return None
         return peak / self.capacity_bytes
@@ -160,6 +160,52 @@ class TorchCudaProbe:
                 self._warned = True
             return None
         return torch.cuda.max_memory_reserved(self.device) / self.capacity_bytes
+
+
+class DeviceMemoryProbe:
+    """Device memory in use (every process and allocator: torch's cache, DALI's pool, NVML-invisible
+    contexts alike) from ``torch.cuda.mem_get_info``, sampled through the epoch.
+
+    Works where NVML cannot read: a container without the driver's ``utility`` capability, a MIG slice
+    (whose free and total memory are the slice's). ``mem_get_info`` is injectable for tests.
+    """
+
+    name = "cuda.mem_get_info"
+
+    def __init__(self, device: int | None = None, interval: float = 0.05, mem_get_info: Any = None) -> None:
+        self.device = device
+        self._mem_get_info = mem_get_info or torch.cuda.mem_get_info
+        self.capacity_bytes: int | None = None
+        self._why = "CUDA is not available"
+        self._warned = False
+        if mem_get_info is not None or torch.cuda.is_available():
+            try:
+                self.capacity_bytes = int(self._mem_get_info(device)[1])
+            except Exception as e:  # noqa: BLE001 - a broken CUDA context: this probe cannot read
+                self._why = f"{type(e).__name__}: {e}"
+        self._sampler = _Sampler(self._used, interval)
+
+    def _used(self) -> int | None:
+        if not self.capacity_bytes:
+            return None
+        try:
+            free, total = self._mem_get_info(self.device)
+        except Exception as e:  # noqa: BLE001 - a failed reading is skipped
+            self._why = f"{type(e).__name__}: {e}"
+            return None
+        return int(total) - int(free)
+
+    def reset_peak(self) -> None:
+        self._sampler.start()
+
+    def peak_fraction(self) -> float | None:
+        peak = self._sampler.stop()
+        if peak is None or not self.capacity_bytes:
+            if not self._warned:
+                log.warning("device memory probe cannot read (%s)", self._why)
+                self._warned = True
+            return None
+        return peak / self.capacity_bytes
 
 
 class HostProbe:
@@ -225,10 +271,12 @@ class MaxProbe:
 
 
 def default_probe(device: int | None = None) -> MemoryProbe:
-    """NVML + torch.cuda on a GPU, this process's RSS otherwise."""
+    """On a GPU the highest of NVML, the device-wide ``mem_get_info`` and torch's allocator (NVML may be
+    missing or blind to a MIG slice; ``mem_get_info`` sees DALI's memory everywhere); this process's RSS
+    otherwise."""
     if torch.cuda.is_available():
         index = torch.cuda.current_device() if device is None else device
-        return MaxProbe([NvmlProbe(index), TorchCudaProbe(index)])
+        return MaxProbe([NvmlProbe(index), DeviceMemoryProbe(index), TorchCudaProbe(index)])
     return HostProbe()
 
 

@@ -217,8 +217,33 @@ def decode_check(device: str = "cpu", device_id: int | None = None, data: bytes 
             shutdown_pipeline(p)
 
 
-def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> dict[str, Any]:
-    """Decode batches with ``hw_decoder_load=1`` and read NVML's JPEG-engine utilization meanwhile."""
+# The JPEG engine check decodes images this large (1.9 MP each), in batches of HW_CHECK_BATCH: NVML averages
+# the engine's utilization over a sampling window of about 0.17-1 s, so thumbnails decode in a sliver of it
+# and it can read 0 % although the engine did the work.
+HW_CHECK_SIZE = (1600, 1200)
+HW_CHECK_BATCH = 32
+HW_CHECK_SECONDS = 2.5  # over twice the longest sampling window
+
+
+def large_test_jpeg(width: int = HW_CHECK_SIZE[0], height: int = HW_CHECK_SIZE[1]) -> bytes:
+    """A baseline 4:2:0 JPEG of ``width`` x ``height`` (gradients and noise, like a photo's entropy), made
+    with Pillow: what the hardware decoder takes, large enough to keep it busy."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], -1)
+    px = np.clip(base + rng.normal(0, 20, (height, width, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, "JPEG", quality=90, subsampling=2, progressive=False)
+    return buf.getvalue()
+
+
+def hw_decoder_check(
+    device_id: int, seconds: float = HW_CHECK_SECONDS, nvml: Any = None, batch: int = HW_CHECK_BATCH
+) -> dict[str, Any]:
+    """Decode batches of large JPEGs (`large_test_jpeg`) with ``hw_decoder_load=1`` for ``seconds`` and read
+    NVML's JPEG-engine utilization meanwhile; returns its peak, whether it was used, and the decode rate."""
     try:
         if nvml is None:
             import pynvml as nvml
@@ -228,16 +253,31 @@ def hw_decoder_check(device_id: int, seconds: float = 1.5, nvml: Any = None) -> 
             return {"jpeg_engine": False, "peak_util": None, "used": False}
         from .pipeline import shutdown_pipeline
 
-        p = _decode_pipeline(TEST_JPEG, "mixed", device_id, 64, 1.0)
-        peak, end = 0, time.monotonic() + seconds
+        data = large_test_jpeg()
+        p = _decode_pipeline(data, "mixed", device_id, batch, 1.0)
+        peak, images, window_us = 0, 0, None
         try:
-            while time.monotonic() < end:
+            p.run()  # the first batch sets the decoder up: not timed
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
                 p.run()
+                images += batch
                 util = nvml.nvmlDeviceGetJpgUtilization(h)
-                peak = max(peak, int(util[0] if isinstance(util, list | tuple) else util))
+                if isinstance(util, list | tuple):
+                    util, window_us = util[0], util[1]
+                peak = max(peak, int(util))
+            elapsed = time.monotonic() - t0
         finally:
             shutdown_pipeline(p)
-        return {"jpeg_engine": True, "peak_util": peak, "used": peak > 0}
+        return {
+            "jpeg_engine": True,
+            "peak_util": peak,
+            "used": peak > 0,
+            "megapixels": round(HW_CHECK_SIZE[0] * HW_CHECK_SIZE[1] / 1e6, 2),
+            "images_per_s": round(images / elapsed, 1),
+            "seconds": round(elapsed, 2),
+            "nvml_window_us": window_us,
+        }
     except Exception as e:  # noqa: BLE001
         return {"jpeg_engine": None, "peak_util": None, "used": None, "error": str(e).splitlines()[0]}
 
@@ -319,7 +359,10 @@ def _report(r: Readings) -> list[str]:
         if h.get("jpeg_engine") is False:
             lines.append("hw decoder  this GPU has no hardware JPEG engine: nvJPEG decodes on the CUDA cores")
         elif h.get("used"):
-            lines.append(f"hw decoder  used: JPEG engine utilization reached {h['peak_util']} % while DALI decoded")
+            rate = f", {h['images_per_s']:.0f} images/s of {h['megapixels']} MP" if h.get("images_per_s") else ""
+            lines.append(
+                f"hw decoder  used: JPEG engine utilization reached {h['peak_util']} % while DALI decoded{rate}"
+            )
         elif h.get("jpeg_engine"):
             lines.append("hw decoder  present but stayed idle while DALI decoded (hw_decoder_load=1)")
         else:

@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import logging
 import math
+import re
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .cache import CachedReader, LRUCache
-from .pipeline import SkipLog
+from .pipeline import BadRecordError, SkipLog
 from .recipe import Recipe, resolve_recipe, sample_erasing_box
 from .records import Reader
 from .sampler import EpochSampler, dist_rank_world
@@ -41,12 +42,45 @@ def cuda_usable() -> bool:
 
 
 def local_device_index() -> int:
-    """The GPU of this process: LOCAL_RANK under torchrun, else the current device."""
+    """The CUDA device of this process: ``LOCAL_RANK`` under a launcher, else the current device.
+
+    Launchers that give each process its own GPU through ``CUDA_VISIBLE_DEVICES`` (SLURM's
+    ``--gpus-per-task=1``, for one) leave fewer visible devices than local ranks: device
+    ``LOCAL_RANK`` does not exist there, so the index is ``LOCAL_RANK % device_count()``, and the
+    log says so once.
+    """
     import os
 
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    return torch.cuda.current_device() if cuda_usable() else 0
+    if "LOCAL_RANK" not in os.environ:
+        return torch.cuda.current_device() if cuda_usable() else 0
+    local = int(os.environ["LOCAL_RANK"])
+    count = torch.cuda.device_count() if cuda_usable() else 0
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)), local + 1)
+    if count == 0 or count >= ranks:
+        return local
+    index = local % count
+    _say_device_once(local, ranks, count, index)
+    return index
+
+
+_SAID: set[tuple[int, int, int]] = set()
+
+
+def _say_device_once(local: int, ranks: int, count: int, index: int) -> None:
+    if (local, ranks, count) in _SAID:
+        return
+    _SAID.add((local, ranks, count))
+    shared = count > 1  # one visible device per process is the launcher's binding; several: ranks share them
+    (log.warning if shared else log.info)(
+        "LOCAL_RANK=%d of %d local ranks sees %d CUDA device(s) (the launcher set CUDA_VISIBLE_DEVICES per "
+        "process): using CUDA device %d (LOCAL_RANK %% %d)%s",
+        local,
+        ranks,
+        count,
+        index,
+        count,
+        "; several ranks share a GPU" if shared else "",
+    )
 
 
 # pragma: no mutate end
@@ -307,6 +341,7 @@ class LoaderBase:
             raise RuntimeError(_ABANDONED)
         plan, bs, start = self._plan_pass()
         self._epoch_bs = bs
+        self._release_stale(bs)  # before the controller releases caches and starts measuring
         if self.controller is not None and (start == 0 or self._ctrl_epoch != self.order.epoch):
             # From the epoch's start, or from a resumed position when this process has not measured it yet.
             self.controller.begin_epoch()
@@ -327,6 +362,10 @@ class LoaderBase:
         finally:
             if self._current_pass is token:
                 self._epoch_bs = None
+
+    def _release_stale(self, batch_size: int) -> None:
+        """Free what the backend keeps that the pass about to start at ``batch_size`` will not use. Called
+        before the controller releases cached memory and resets its peak, so the epoch's reading is its own."""
 
     def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         """Yield (images, labels, planned samples accounted for) for each planned batch, in order."""
@@ -404,12 +443,14 @@ class DALIIterator(LoaderBase):
         return self.batch_size
 
     def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Run the plan through a pipeline; after a decode failure, find the record(s) that broke it.
+        """Run the plan through a pipeline; after a failure, tell what failed.
 
-        DALI stops a pipeline at the first record it cannot decode. The records it had in flight are
-        then checked one by one on the CPU: ``on_error='raise'`` names the ones that fail;
-        ``on_error='skip'`` skips and counts them and continues with a new pipeline from the first
-        batch not yet yielded, so every other sample still comes exactly once.
+        An allocation failure is a `DALIMemoryError` (and reported to the controller); a failure of any
+        operator but a decoder is a `DALIOperatorError` naming the operator, with DALI's own text. DALI
+        stops a pipeline at the first record its decoder cannot decode: the records it had in flight are
+        then checked one by one on the CPU; ``on_error='raise'`` names the ones that fail;
+        ``on_error='skip'`` skips and counts them and continues with a new pipeline from the first batch
+        not yet yielded, so every other sample still comes exactly once.
         """
         from .pipeline import undecodable
 
@@ -427,28 +468,33 @@ class DALIIterator(LoaderBase):
                 yield out_images, out_labels, consumed
             if failure is None:
                 return
-            in_flight = [i for fed in source.fed for i in fed.kept]
+            what = parse_dali_error(failure)
             if is_memory_error(failure):
                 if self.controller is not None and hasattr(self.controller, "report_oom"):
                     self.controller.report_oom(self.batch_size)
                 raise DALIMemoryError(
-                    f"DALI ran out of memory at batch size {self.batch_size}: {dali_message(failure)}; "
+                    f"DALI ran out of memory at batch size {self.batch_size}: {what.describe()}; "
                     "use a smaller batch size (or a BatchSizeController), fewer decode threads, or a smaller image_size"
                 ) from failure
+            in_flight = [i for fed in source.fed for i in fed.kept] if source is not None else []
+            if not what.is_decoder or not in_flight:  # not the data's fault, or no record had reached DALI
+                raise DALIOperatorError(f"DALI failed: {what.describe()}") from failure
             culprits = undecodable(self.dataset, in_flight)
             if not culprits or self.on_error == "raise":
                 named = list(culprits) or in_flight
                 names = ", ".join(f"{i} ({self.dataset.source(i)})" for i in named[:8])
                 more = f" and {len(named) - 8} more" if len(named) > 8 else ""
-                what = "record" if len(named) == 1 and culprits else "one of records" if not culprits else "records"
+                what_s = "record" if len(named) == 1 and culprits else "one of records" if not culprits else "records"
                 why = f": {culprits[named[0]]}" if culprits else ""
                 hint = (
                     "pass on_error='skip' (--on-error skip)"
                     if culprits
-                    else "check them with `dali-fast inspect --verify`"
+                    else "each of them decodes with Pillow, so they may not be at fault (DALI's decoder fails so "
+                    "too when it runs short of memory): check them with `dali-fast inspect --verify`, or try a "
+                    "smaller batch size"
                 )
                 raise RuntimeError(
-                    f"DALI failed decoding {what} {names}{more}{why} ({dali_message(failure)}); {hint}"
+                    f"DALI failed decoding {what_s} {names}{more}{why} ({what.describe()}); {hint}"
                 ) from failure
             bad.update(culprits)
             log.warning("rebuilding the DALI pipeline after %d undecodable record(s)", len(culprits))
@@ -469,7 +515,13 @@ class DALIIterator(LoaderBase):
         kept = self._kept if self._kept is not None and self._kept.batch_size == self._max_batch() else None
         if kept is None:
             self.close()
-            kept = self._build(plan, start, bad)
+            try:
+                kept = self._build(plan, start, bad)
+            except Exception as e:  # noqa: BLE001 - DALI's build errors are classified like run errors
+                if not from_dali(e):
+                    raise
+                yield _Failure("pipeline build failed", None, e)
+                return
         else:
             kept.source.rearm(plan, bad, self._boxes())
             kept.iterator.reset()
@@ -484,7 +536,9 @@ class DALIIterator(LoaderBase):
                     source.finish()
                     ended = True
                     return
-                except RuntimeError as e:
+                except Exception as e:  # noqa: BLE001 - DALI maps its errors to several Python types
+                    if not from_dali(e):
+                        raise
                     yield _Failure("pipeline failed", source, e)
                     return
                 fed = source.consume()
@@ -502,6 +556,12 @@ class DALIIterator(LoaderBase):
                 # one was still running were seen to crash.
                 shutdown_pipeline(kept.pipeline)
             del it, kept
+
+    def _release_stale(self, batch_size: int) -> None:
+        """Shut down the kept pipeline when the coming pass needs another batch size: its buffers go back
+        to DALI's pool before the controller releases the pool and starts the new epoch's reading."""
+        if self._kept is not None and self._kept.batch_size != batch_size:
+            self.close()
 
     def _boxes(self) -> Any:
         """This epoch's erasing box per sample index (the rule and generator `TorchIterator` uses), or None."""
@@ -572,29 +632,92 @@ class DALIMemoryError(RuntimeError):
     """DALI could not allocate memory (device or host) for a batch; not a bad record."""
 
 
+class DALIOperatorError(RuntimeError):
+    """A DALI operator other than a decoder failed: DALI's own message, with the operator named."""
+
+
+# Allocation failures, as DALI 2.4's libraries word them (dali/core/cuda_error.h, dali/util/nvml.h, the
+# nvImageCodec status codes, NPP and cuFFT), plus the CUDA runtime's and torch's own texts. Compared
+# lower-case with the spaces removed.
 _MEMORY_SIGNS = (
-    "can't allocate",
-    "cannot allocate",
-    "out of memory",
-    "bad_alloc",
-    "memoryallocation",
-    "cuda_error_out_of_memory",
+    "CUDA allocation failed",  # dali::CUDABadAlloc() and dali::NvmlBadAlloc: cudaMalloc / cuMemAlloc failed
+    "Can't allocate",  # dali::CUDABadAlloc(size): "Can't allocate N bytes on device D." / "... on host."
+    "bad_alloc",  # std::bad_alloc (host), what() == "std::bad_alloc"
+    "cudaErrorMemoryAllocation",  # "CUDA runtime API error cudaErrorMemoryAllocation (2):\nout of memory"
+    "CUDA_ERROR_OUT_OF_MEMORY",  # "CUDA driver API error CUDA_ERROR_OUT_OF_MEMORY (2):\nout of memory"
+    "out of memory",  # cudaGetErrorString's text, and torch's "CUDA out of memory. Tried to allocate ..."
+    "nvImageCodec failure: '#5'",  # NVIMGCODEC_STATUS_ALLOCATOR_FAILURE
+    "nvImageCodec failure: '#15'",  # NVIMGCODEC_STATUS_EXTENSION_ALLOCATOR_FAILURE
+    "NPP_MEMORY_ALLOCATION_ERROR",
+    "cuFFT failed to allocate memory",
+    "Failed to allocate",  # "Failed to allocate %llu bytes" (host buffers)
+    "Cannot allocate memory",  # strerror(ENOMEM)
+    "Could not allocate virtual address space",  # DALI's virtual-memory pool
 )
+_SIGNS = tuple(x.lower().replace(" ", "") for x in _MEMORY_SIGNS)
+_OPERATOR = re.compile(r"Error (?:in|when executing) (CPU|GPU|MIXED) operator `([^`]+)`")
+_NOISE = ("Critical error in pipeline", "Critical error when building pipeline", "Current pipeline object")
+
+
+def from_dali(error: BaseException) -> bool:
+    """True for an error a DALI pipeline raised (run or build), False for others (e.g. the source's own
+    `BadRecordError`, which names its record already)."""
+    if isinstance(error, BadRecordError):
+        return False
+    return isinstance(error, RuntimeError | MemoryError) or "Critical error" in str(error)
 
 
 def is_memory_error(error: BaseException) -> bool:
     """True when a DALI error is an allocation failure rather than a decode failure."""
+    if isinstance(error, MemoryError):
+        return True
     text = str(error).lower().replace(" ", "")
-    return any(sign.replace(" ", "") in text for sign in _MEMORY_SIGNS)
+    return any(sign in text for sign in _SIGNS)
+
+
+@dataclass(frozen=True)
+class DaliFailure:
+    """What a DALI error says: the failing operator (``None`` when it names none), its device, and
+    DALI's own text of what went wrong."""
+
+    operator: str | None
+    device: str | None
+    reason: str
+
+    @property
+    def is_decoder(self) -> bool:
+        """The failing operator decodes images (``fn.decoders.image*``, the older ``fn.image_decoder*``)."""
+        if self.operator is None:
+            return False
+        parts = self.operator.split(".")
+        return "decoders" in parts[:-1] or parts[-1].startswith("image_decoder")
+
+    def describe(self) -> str:
+        """One line: ``MIXED operator `nvidia.dali.fn.erase`: <DALI's text>``, or DALI's text alone."""
+        if self.operator is None:
+            return self.reason
+        return f"{self.device} operator `{self.operator}`: {self.reason}"
+
+
+def parse_dali_error(error: BaseException) -> DaliFailure:
+    """Split a DALI pipeline error ("Critical error in pipeline: / Error in MIXED operator `...`, which was
+    used in the pipeline definition with the following traceback: ... encountered: <text>") into the
+    operator, its device and the text after "encountered:"."""
+    text = str(error)
+    m = _OPERATOR.search(text)
+    body = text.rsplit("encountered:", 1)[1] if "encountered:" in text else text
+    useful = []
+    for line in (x.strip() for x in body.splitlines()):
+        op = _OPERATOR.search(line)
+        if op is not None:  # "Error in CPU operator `x`," (DALI's layout) or "...`x`: text" on one line
+            line = line[op.end() :].lstrip(" ,:")
+        if line and not line.startswith(_NOISE) and not line.startswith("C++ context:"):
+            useful.append(line)
+    reason = " ".join(useful) or type(error).__name__
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    return DaliFailure(m.group(2) if m else None, m.group(1) if m else None, reason)
 
 
 def dali_message(error: BaseException) -> str:
-    """The informative line of a DALI error (its first line is often just "Critical error in pipeline:")."""
-    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
-    useful = [
-        x
-        for x in lines
-        if not x.startswith("Critical error in pipeline") and not x.startswith("Current pipeline object")
-    ]
-    text = (useful or lines or [type(error).__name__])[0]
-    return text if len(text) <= 300 else text[:297] + "..."
+    """The informative part of a DALI error on one line: the operator and DALI's own text."""
+    return parse_dali_error(error).describe()

@@ -225,20 +225,20 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW", num_threads: int = 1, erase=None):
+def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, num_threads: int, layout: str = "CHW", erase=None):
     """The operators after the source, inside a pipeline definition, as ``recipe`` says.
 
     Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, automatic
     augmentation, random horizontal flip, normalize, random erasing (``erase``: per-sample
     (top, left, h, w) boxes from the source). Eval: resize the shorter side, centre crop, normalize.
+    ``num_threads`` is the pipeline's: the `mixed` decoder's memory paddings are sized per thread.
     """
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
     S = recipe.image_size
     decode_device = "mixed" if gpu else "cpu"
-    pre = decoder_preallocation(num_threads, gpu)
-    extra = {"device_memory_padding": pre["device_padding"], "host_memory_padding": pre["host_padding"]} if gpu else {}
+    extra = gpu_decoder_arguments(num_threads) if gpu else {}
     interp = {"interp_type": getattr(types, DALI_INTERP[recipe.interpolation])}
     if train:
         images = fn.decoders.image_random_crop(
@@ -259,9 +259,12 @@ def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW
         images = fn.resize(images, resize_shorter=recipe.resize_shorter, **interp)
         mirror = 0
     norm = {"mean": list(recipe.mean_255), "std": list(recipe.std_255)} if recipe.normalize else {}
+    out_dtype = recipe.out_dtype
+    # DALI 2.4's GPU `erase` has no float16 kernel (its CPU one has): erase in float32, then cast.
+    cast_after = erase is not None and gpu and out_dtype == torch.float16
     images = fn.crop_mirror_normalize(
         images,
-        dtype=getattr(types, DALI_DTYPES[recipe.out_dtype]),
+        dtype=getattr(types, DALI_DTYPES[torch.float32 if cast_after else out_dtype]),
         output_layout=layout,
         crop=(S, S),
         mirror=mirror,
@@ -269,7 +272,21 @@ def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, layout: str = "CHW
     )
     if erase is not None:  # the boxes stay on the CPU: DALI takes argument inputs from CPU memory only
         images = fn.erase(images, anchor=erase[0:2], shape=erase[2:4], axis_names="HW", fill_value=0)
+        if cast_after:
+            images = fn.cast(images, dtype=types.FLOAT16)
     return images
+
+
+def gpu_decoder_arguments(num_threads: int) -> dict[str, Any]:
+    """The `mixed` decoder's arguments: bounded memory paddings for ``num_threads`` threads, and chroma
+    upsampled the "fancy" way, as DALI's CPU decoder, Pillow and `TorchIterator` do (DALI's default for
+    `mixed` is another filter: the same JPEG would train on other pixels on a GPU)."""
+    pre = decoder_preallocation(num_threads, gpu=True)
+    return {
+        "device_memory_padding": pre["device_padding"],
+        "host_memory_padding": pre["host_padding"],
+        "jpeg_fancy_upsampling": True,
+    }
 
 
 DALI_INTERP = {

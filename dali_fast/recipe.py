@@ -289,7 +289,10 @@ class MixupCutmix:
         return lam * onehot + (1.0 - lam) * onehot.flip(0)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if labels.min() < 0 or labels.max() >= self.num_classes:
+        """Mix a batch; returns (images, soft targets). Labels on the CPU are checked against
+        ``num_classes`` here; labels on a GPU are not (reading them would stop the GPU every step):
+        check them once where they come from (``dali-fast train`` checks the data set's labels)."""
+        if labels.device.type == "cpu" and len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             raise ValueError(f"labels outside 0..{self.num_classes - 1}: set num_classes to the data set's classes")
         use_mixup, use_cutmix = self.alpha_mixup > 0, self.alpha_cutmix > 0
         if not (use_mixup or use_cutmix) or self.rng.random() >= self.prob:

@@ -74,13 +74,23 @@ def _collate_with_hits(samples: list[tuple[torch.Tensor, int, int]]) -> tuple[to
     return images, labels, sum(s[2] for s in samples)
 
 
-def _device_memory() -> tuple[str, Callable[[], int | None], int | None]:
-    """(kind, a reading of this process's memory in bytes, capacity in bytes)."""
-    if torch.cuda.is_available():
-        total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-        return "gpu", lambda: int(torch.cuda.max_memory_reserved()), total
+def memory_capacity(kind: str) -> int | None:
+    """Bytes of the memory a peak is a fraction of: the GPU's (``kind`` "gpu") or the machine's RAM."""
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     total_kib = read_proc_kib("/proc/meminfo", "MemTotal")
-    return "cpu", lambda: (read_proc_kib("/proc/self/status", "VmHWM") or 0) * 1024, (total_kib or 0) * 1024 or None
+    return (total_kib or 0) * 1024 or None
+
+
+def stage_peak_memory(monitor: Any, phases: list[str]) -> int | None:
+    """A stage's peak memory as ``bench`` reads it: the monitor's per-process reading over the stage's
+    phases (on a GPU, NVML's figure for this process: DALI's pool and outputs included, which torch's
+    allocator statistics leave out; on a CPU, this process's resident memory)."""
+    peaks = [monitor.summary(p)["peak_mem"] for p in phases]
+    peaks = [int(p) for p in peaks if isinstance(p, int | float)]
+    return max(peaks) if peaks else None
 
 
 def fmt_duration(seconds: float) -> str:
@@ -127,7 +137,7 @@ def run_stages(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     workers = available_cpus()
-    kind, mem_reading, capacity = _device_memory()
+    kind = "gpu" if torch.cuda.is_available() else "cpu"
     dali_ok, dali_why = dali_status()
     rows: list[dict[str, Any]] = []
     settings: list[str] = []
@@ -180,8 +190,6 @@ def run_stages(
             trainer = Trainer(model, len(packed_reader.classes)) if model != "none" else None
             run_epochs = controller_epochs if ctrl is not None else epochs
             times, counts, hits, batch_sizes = [], [], 0, []
-            if kind == "gpu":
-                torch.cuda.reset_peak_memory_stats()
             for epoch in range(run_epochs + 1):
                 if hasattr(loader, "set_epoch"):
                     loader.set_epoch(epoch)
@@ -216,15 +224,17 @@ def run_stages(
             hit_rate = (
                 stats["hit_rate"] if stats else (hits / sum(counts) if stage.name in ("+ cache", "+ factory") else None)
             )
-            peak = mem_reading()
+            peak = stage_peak_memory(mon, timed)
+            capacity = memory_capacity(mon.kind)
             img_s = sum(counts) / sum(times)
             row.update(
                 {
                     "img_per_s": img_s,
                     "epoch_s": sum(times) / len(times),
                     "projected_s": total_images * total_epochs / img_s,
-                    "util_kind": kind,
+                    "util_kind": mon.kind,
                     "util_mean": sum(util) / len(util) if util else None,
+                    "peak_mem_bytes": peak,
                     "peak_mem_fraction": (peak / capacity) if peak and capacity else None,
                     "cache_hit_rate": hit_rate,
                     "batch_size": batch_sizes[-1] if ctrl is None else ctrl.batch_size,

@@ -94,7 +94,7 @@ def check_writable_folder(path: str | Path, what: str) -> None:
 
 
 def cuda_device_uuid(cuda_index: int) -> str | None:
-    """The UUID torch reports for CUDA device ``cuda_index`` (as NVML spells it, "GPU-…"), or None."""
+    """The UUID torch reports for CUDA device ``cuda_index``, without NVML's "GPU-"/"MIG-" prefix, or None."""
     try:
         import torch
 
@@ -103,20 +103,24 @@ def cuda_device_uuid(cuda_index: int) -> str | None:
         uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
     except Exception:  # noqa: BLE001 - no CUDA, an old torch without .uuid: fall back to the environment
         return None
-    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    return uuid.split("-", 1)[1] if uuid.startswith(("GPU-", "MIG-")) else uuid
 
 
 def nvml_handle(nvml: Any, cuda_index: int) -> Any:
-    """NVML's handle for the GPU that CUDA calls ``cuda_index``.
+    """NVML's handle for the GPU, or MIG slice, that CUDA calls ``cuda_index``.
 
     NVML's index is not CUDA's: with ``CUDA_VISIBLE_DEVICES=5,6`` CUDA device 1 is NVML device 6, and
     a MIG slice has no NVML index at all. So the device is looked up by UUID (from torch when CUDA is
-    up, else from CUDA_VISIBLE_DEVICES when it names UUIDs), by the index CUDA_VISIBLE_DEVICES gives,
-    and only without either by ``cuda_index`` itself.
+    up: NVML spells a whole GPU's "GPU-<uuid>" and a MIG slice's "MIG-<uuid>", so both are tried; else
+    from CUDA_VISIBLE_DEVICES when it names UUIDs), by the index CUDA_VISIBLE_DEVICES gives, and only
+    without either by ``cuda_index`` itself.
     """
     uuid = cuda_device_uuid(cuda_index)
     if uuid is not None:
-        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except Exception:  # noqa: BLE001 - NVML's "not found": a MIG slice goes by its MIG- UUID
+            return nvml.nvmlDeviceGetHandleByUUID(f"MIG-{uuid}")
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible and 0 <= cuda_index < len(visible):
         entry = visible[cuda_index]

@@ -33,7 +33,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .controller import BatchSizeController, oom_safe_step
-from .iterator import LoaderBase, cuda_usable
+from .iterator import LoaderBase, cuda_usable, local_device_index
 from .models import build_model
 from .recipe import MixupCutmix, Recipe, resolve_recipe, soft_target_cross_entropy
 from .records import Reader
@@ -128,12 +128,15 @@ def make_loader_for(
 
 @dataclass(frozen=True)
 class DistContext:
-    """This process's place in a job: rank ``rank`` of ``world_size``, driving GPU ``local_rank``."""
+    """This process's place in a job: rank ``rank`` of ``world_size``, local rank ``local_rank``, driving
+    CUDA device ``device_index`` (``local_rank``, or ``local_rank % device_count()`` where the launcher
+    shows each process fewer GPUs than there are local ranks)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None
+    device_index: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -149,32 +152,29 @@ def distributed_context(timeout_s: float = 1800) -> Iterator[DistContext]:
     """This process's `DistContext`, joining torchrun's process group when started with WORLD_SIZE > 1
     (nccl on GPUs, gloo on CPUs) and leaving it on exit; a group made by the caller is used and kept.
 
-    Each process drives GPU ``LOCAL_RANK``; outside torchrun it is a single process.
+    Each process drives the GPU `local_device_index` gives (``LOCAL_RANK``, modulo the visible devices
+    when a launcher such as SLURM shows each process its own); outside torchrun it is a single process.
     """
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", 0))
+    device = local_device_index() if cuda_usable() else 0
     if dist.is_available() and dist.is_initialized():
-        yield DistContext(dist.get_rank(), dist.get_world_size(), local, str(dist.get_backend()))
+        yield DistContext(dist.get_rank(), dist.get_world_size(), local, str(dist.get_backend()), device)
         return
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
-        yield DistContext(local_rank=local)
+        yield DistContext(local_rank=local, device_index=device)
         return
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed; run one process")
     if cuda_usable():
-        count = torch.cuda.device_count()
-        if local >= count:
-            raise ValueError(
-                f"LOCAL_RANK={local} but this node has {count} GPU(s); start at most --nproc_per_node={count}"
-            )
-        torch.cuda.set_device(local)
+        torch.cuda.set_device(device)
         backend = "nccl"
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
-        yield DistContext(dist.get_rank(), dist.get_world_size(), local, backend)
+        yield DistContext(dist.get_rank(), dist.get_world_size(), local, backend, device)
     finally:
         dist.destroy_process_group()
 
@@ -197,7 +197,7 @@ class Trainer:
         self.mix = mix  # batch-level mixup/cutmix: the step trains on soft targets
         if cuda_usable():
             self.device = torch.device(
-                "cuda", self.ctx.local_rank if self.ctx.distributed else torch.cuda.current_device()
+                "cuda", self.ctx.device_index if self.ctx.distributed else torch.cuda.current_device()
             )
         else:
             self.device = torch.device("cpu")
@@ -272,17 +272,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> tuple[float, float]:
-        """(mean loss, accuracy) over a loader; under DDP over all ranks' shards together."""
+        """(mean loss, accuracy) over a loader; under DDP over all ranks' shards together.
+
+        The sums stay on the device and are read once at the end: no host sync per batch."""
         self.module.eval()
-        total = correct = 0
-        loss_sum = 0.0
+        total = 0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, correct
         for images, labels in loader:
             images, labels = self.to_device(images, labels)
             with self._autocast():
                 logits = self.module(images)
-            loss_sum += float(self.loss_fn(logits.float(), labels)) * len(labels)
-            correct += int((logits.argmax(1) == labels).sum())
+            loss = self.loss_fn(logits.float(), labels) * len(labels)
+            sums += torch.stack([loss.double(), (logits.argmax(1) == labels).sum().double()])
             total += len(labels)
+        loss_sum, correct = sums.tolist()
         loss_sum, correct, total = self.all_sum(loss_sum, correct, total)
         return loss_sum / max(total, 1), correct / max(total, 1)
 
@@ -321,6 +324,22 @@ class Trainer:
         self.module.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
+
+
+def check_labels(reader: Reader, num_classes: int) -> None:
+    """Refuse, in one line, a data set whose labels fall outside 0..num_classes-1 (read once, on the CPU,
+    from the reader's label column where it has one), instead of checking each batch on the device."""
+    labels = getattr(reader, "labels", None)
+    if labels is None:
+        return
+    labels = np.asarray(labels, dtype=np.int64)
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"record {i} ({reader.source(i)}) has label {int(labels[i])}, outside 0..{num_classes - 1} "
+            f"({num_classes} classes); {len(bad)} record(s) in all: fix the labels or the class list and pack again"
+        )
 
 
 def data_fingerprint(reader: Reader) -> str:
@@ -426,6 +445,7 @@ def run_train(
                 f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {holdout:.0%}): every batch would be "
                 f"dropped; use --batch-size {max(1, per_rank)} or less, or more images"
             )
+        check_labels(reader, len(reader.classes))  # once, on the CPU: never per step on the device
         mix = None
         if mixup > 0 or cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
             mix = MixupCutmix(**mix_kw, num_classes=len(reader.classes), seed=seed * 1000 + ctx.rank)
@@ -538,7 +558,7 @@ def run_train(
             + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
             + (f", {', '.join(extras)}" if extras else "")
         )
-        mon = stack.enter_context(UtilizationMonitor(device_index=ctx.local_rank))
+        mon = stack.enter_context(UtilizationMonitor(device_index=ctx.device_index))
         for epoch in range(start_epoch, epochs):
             _set_epoch(train_loader, epoch)
             bs = getattr(train_loader, "batch_size", batch_size)

@@ -8,6 +8,7 @@ import torch
 
 from dali_fast.controller import (
     BatchSizeController,
+    DeviceMemoryProbe,
     HostProbe,
     MaxProbe,
     NvmlProbe,
@@ -158,7 +159,11 @@ def test_nvml_probe_unreadable_holds_once(caplog):
     assert len(warnings) == 1 and "Not Found" in warnings[0].getMessage()
 
 
-def test_nvml_probe_reads_fake_handles():
+def test_nvml_probe_reads_fake_handles(monkeypatch):
+    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
+    # torch would report the real GPU's, which the fake does not know).
+    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+
     class Mem:
         def __init__(self, used, total):
             self.used, self.total = used, total
@@ -276,7 +281,7 @@ def test_iterator_driven_by_controller_six_epochs(index_reader):
 def test_real_gpu_probes_read():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    for probe in (NvmlProbe(0), TorchCudaProbe(0)):
+    for probe in (NvmlProbe(0), DeviceMemoryProbe(0), TorchCudaProbe(0)):
         probe.reset_peak()
         x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
         frac = probe.peak_fraction()
@@ -588,19 +593,125 @@ def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
     assert probe.peak_fraction() < large / 10  # the cached 2 GiB no longer counts
 
 
+def oom_split_step(alloc, free: int, calls: list[int]):
+    """The step of the out-of-memory split tests: a batch of more than 2 samples keeps 0.6 x ``free`` (its
+    activations) and asks for 0.6 x ``free`` more, which cannot fit; a half keeps 0.5 x ``free``, which
+    fits only once the failed step's memory is gone."""
+
+    def step(x, y, w):
+        calls.append(len(y))
+        held = [alloc(int(free * 0.6))] if len(y) > 2 else []
+        held.append(alloc(int(free * (0.6 if len(y) > 2 else 0.5))))  # the full batch runs out of memory here
+        return torch.zeros((), device=x.device) * len(held)
+
+    return step
+
+
+class CountedDeviceMemory:
+    """A device of ``free`` bytes whose blocks are freed when nothing refers to them any more (as torch's
+    tensors are): an allocation that does not fit raises torch's out-of-memory error."""
+
+    def __init__(self, free: int) -> None:
+        self.free, self.live, self.peak = free, 0, 0
+
+    def alloc(self, n: int) -> object:
+        import weakref
+
+        if self.live + n > self.free:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (modelled): {n} more with {self.live} held")
+        block = type("Block", (), {})()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(block, self._release, n)
+        return block
+
+    def _release(self, n: int) -> None:
+        self.live -= n
+
+
+def test_oom_split_step_runs_out_of_memory_and_the_halves_fit_once_it_is_freed():
+    """What the GPU test below claims, on a model of the device: the full batch's step really runs out
+    of memory (its first allocation is kept), and the halves fit only because the failed step's memory
+    was let go before they ran."""
+    device, calls = CountedDeviceMemory(1000), []
+    oom_safe_step(oom_split_step(device.alloc, 1000, calls), torch.zeros(4, 1), torch.arange(4), zero_grad=lambda: None)
+    assert calls == [4, 2, 2] and device.live == 0 and device.peak == 600
+
+
 @pytest.mark.gpu
 def test_gpu_oom_split_frees_the_failed_step():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    calls = []
+    calls: list[int] = []
 
-    def step(x, y, w):
-        calls.append(len(y))
-        if len(y) > 2:
-            torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda")  # the forward's activations
-            torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda")  # ...out of memory here
-        return torch.zeros((), device="cuda")
+    def alloc(n):
+        return torch.empty(n, dtype=torch.uint8, device="cuda")
 
+    step = oom_split_step(alloc, free, calls)
     oom_safe_step(step, torch.zeros(4, 1, device="cuda"), torch.arange(4, device="cuda"), zero_grad=lambda: None)
-    assert calls == [4, 2, 2]
+    assert calls == [4, 2, 2]  # the whole batch ran out of memory; each half fitted
+    torch.cuda.empty_cache()
+
+
+class _FakeCuda:
+    """torch.cuda at its boundary on a GPU whose DALI pipeline holds memory torch's allocator does not
+    know: 60 of 80 GiB used device-wide, 2 GiB of it reserved by torch."""
+
+    total, used, reserved = 80 * 2**30, 60 * 2**30, 2 * 2**30
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": self.total})()
+        )
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.total - self.used, self.total))
+
+
+def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
+    """A container without the driver's `utility` capability has no NVML, and a MIG slice has no
+    `GPU-` UUID: torch's allocator alone would read 2 of 80 GiB and let the batch grow until DALI runs
+    out of memory. The device-wide reading (torch.cuda.mem_get_info) sees the 60 GiB."""
+    import sys
+    import types
+
+    broken = types.ModuleType("pynvml")
+
+    def no_library():
+        raise OSError("NVML Shared Library Not Found")
+
+    broken.nvmlInit = no_library
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    _FakeCuda().install(monkeypatch)
+    from dali_fast.controller import default_probe
+
+    probe = default_probe()
+    probe.reset_peak()
+    assert probe.peak_fraction() == pytest.approx(0.75)
+    assert probe.capacity_bytes == 80 * 2**30
+    c = BatchSizeController(64, 512, probe=probe, release=None, sync_ranks=False)
+    c.attach(256)
+    c.begin_epoch()
+    assert c.end_epoch(0) == 256  # 75 % now, 150 % predicted at 512: held, not grown
+
+
+def test_device_memory_probe_samples_the_epoch_s_peak():
+    readings = iter([10, 70, 40] + [40] * 1000)  # used GiB, as (free, total) readings go
+    probe = DeviceMemoryProbe(0, interval=0.01, mem_get_info=lambda d: (2**30 * (100 - next(readings)), 100 * 2**30))
+    assert probe.capacity_bytes == 100 * 2**30 and probe.name == "cuda.mem_get_info"
+    probe.reset_peak()
+    import time
+
+    time.sleep(0.05)
+    assert probe.peak_fraction() == pytest.approx(0.70)
+
+    def broken(d):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    dead = DeviceMemoryProbe(0, mem_get_info=broken)
+    dead.reset_peak()
+    assert dead.capacity_bytes is None and dead.peak_fraction() is None

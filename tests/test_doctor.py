@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import time
+
 import pytest
+from PIL import Image
 
 from dali_fast.cli import main
 from dali_fast.doctor import (
@@ -184,12 +188,54 @@ def test_probe_nvml_without_a_driver():
     assert r.nvml_error == "NVML Shared Library Not Found" and r.gpus == []
 
 
-def test_hw_check_on_a_gpu_without_jpeg_engine():
+def test_hw_check_on_a_gpu_without_jpeg_engine(monkeypatch):
+    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
+    # torch would report the real GPU's, which the fake does not know).
+    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+
     class NoEngine(FakeNvml):
         def nvmlDeviceGetJpgUtilization(self, h):
             raise FakeNVMLError("Not Supported")
 
     assert hw_decoder_check(0, nvml=NoEngine()) == {"jpeg_engine": False, "peak_util": None, "used": False}
+
+
+def test_hw_check_decodes_megapixel_images_for_longer_than_nvml_s_window(monkeypatch):
+    """NVML averages the JPEG engine's utilization over ~0.17-1 s: a few 64x48 thumbnails decode in a
+    sliver of that and can read 0 %. The check decodes batches of >= 1 MP baseline 4:2:0 JPEGs (what the
+    engine takes) for more than twice the longest window."""
+    import dali_fast.doctor as doctor
+
+    built, runs = [], []
+
+    class Pipe:
+        def run(self):
+            runs.append(1)
+            time.sleep(0.01)
+
+        def _shutdown(self):
+            built.append("shut")
+
+    def pipeline(data, device, device_id, batch, hw_load):
+        built.append((data, device, device_id, batch, hw_load))
+        return Pipe()
+
+    class Busy(FakeNvml):
+        def nvmlDeviceGetJpgUtilization(self, h):
+            return (41, 166666)
+
+    monkeypatch.setattr(doctor, "_decode_pipeline", pipeline)
+    monkeypatch.setattr(doctor, "nvml_handle", lambda nvml, i: i)
+    out = hw_decoder_check(0, seconds=0.2, nvml=Busy())
+    data, device, device_id, batch, hw_load = built[0]
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.width * im.height >= 1_000_000 and im.format == "JPEG"
+        assert im.layer == [(1, 2, 2, 0), (2, 1, 1, 1), (3, 1, 1, 1)]  # 4:2:0
+        assert "progressive" not in im.info  # baseline: the hardware decoder's format
+    assert (device, device_id, hw_load) == ("mixed", 0, 1.0) and batch >= 16 and built[-1] == "shut"
+    assert doctor.HW_CHECK_SECONDS >= 2.0  # > 2 x NVML's longest sampling window
+    assert out["peak_util"] == 41 and out["used"] is True and out["nvml_window_us"] == 166666
+    assert out["megapixels"] >= 1.0 and out["seconds"] >= 0.2 and out["images_per_s"] > 0
 
 
 # ---------------------------------------------------------------- real readings on this machine
@@ -255,6 +301,21 @@ def test_doctor_on_a_gpu_host(capsys):
     assert main(["doctor"]) == 0
     out, _ = capsys.readouterr()
     assert 'decode gpu  ok (device="mixed"' in out and "the GPU path works" in out
+
+
+@pytest.mark.gpu
+def test_gpu_hw_decoder_check_sees_the_jpeg_engine_work():
+    """On a GPU with a JPEG engine (A100, H100, H200, ...) the check reads it busy: megapixel images over
+    more than NVML's sampling window, not thumbnails that finish inside a sliver of it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("nvidia.dali")
+    r = hw_decoder_check(torch.cuda.current_device())
+    if r["jpeg_engine"] is False:
+        pytest.skip("this GPU has no hardware JPEG engine")
+    assert r["jpeg_engine"] is True and r["used"] is True and r["peak_util"] > 0, r
 
 
 def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):

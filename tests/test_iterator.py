@@ -422,10 +422,42 @@ def test_skip_mode_over_every_corrupt_kind(make, train, caplog):
 
 
 def test_local_rank_picks_the_gpu(monkeypatch):
-    from dali_fast.iterator import local_device_index
+    import dali_fast.iterator as it
 
+    monkeypatch.setattr(it, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert local_device_index() == 3  # torchrun's process on the node's fourth GPU → DALI device_id 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert it.local_device_index() == 3  # torchrun's process on the node's fourth GPU → DALI device_id 3
+
+
+def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeypatch, caplog):
+    """SLURM's --gpus-per-task=1 (and other launchers) show each process only its own GPU through
+    CUDA_VISIBLE_DEVICES: device LOCAL_RANK does not exist there ("invalid device ordinal")."""
+    import dali_fast.iterator as it
+
+    monkeypatch.setattr(it, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(it, "_SAID", set())
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with caplog.at_level(logging.INFO, logger="dali_fast.iterator"):
+        assert it.local_device_index() == 0
+        assert it.local_device_index() == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "LOCAL_RANK=3 of 4 local ranks sees 1 CUDA device(s) (the launcher set CUDA_VISIBLE_DEVICES per process): "
+        "using CUDA device 0 (LOCAL_RANK % 1)"
+    ]  # once, not per loader
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="dali_fast.iterator"):
+        assert it.local_device_index() == 1  # 4 ranks on 2 visible GPUs: they share, and the log warns
+    assert (
+        caplog.records[-1].levelno == logging.WARNING and "several ranks share a GPU" in caplog.records[-1].getMessage()
+    )
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert it.local_device_index() == 0  # no LOCAL_WORLD_SIZE: rank 3 still cannot be device 3 of 1
 
 
 def running_dali_pipelines() -> int:
@@ -566,19 +598,218 @@ def test_not_a_state_dict_is_one_line(make, index_reader):
 # ----------------------------------------------------------------------------- DALI's own failures
 
 
-def test_memory_and_decode_failures_are_told_apart():
-    pytest.importorskip("nvidia.dali")
-    from dali_fast.iterator import dali_message, is_memory_error
-
-    oom = RuntimeError(
-        "Critical error in pipeline:\nError in GPU operator `nvidia.dali.fn.decoders.image`,\n"
-        "Can't allocate 2147483648 bytes on device 0.\nCurrent pipeline object is no longer valid."
+def dali_error(text, op="nvidia.dali.fn.decoders.image_random_crop", device="MIXED", kind=RuntimeError):
+    """An error as DALI 2.4 raises it from a running pipeline (the layout of
+    dali/pipeline/operator/error_reporting.cc under the executor's "Critical error in pipeline:")."""
+    return kind(
+        "Critical error in pipeline:\nCritical error in pipeline:\n"
+        f"Error in {device} operator `{op}`,\nwhich was used in the pipeline definition with the following "
+        'traceback:\n\n  File "train.py", line 12, in pipe\n    images = fn.decoders.image_random_crop(jpegs)\n\n'
+        f"encountered:\n\n{text}\nCurrent pipeline object is no longer valid.\nCurrent pipeline object is no longer valid."
     )
-    host = RuntimeError("Critical error in pipeline:\nError in CPU operator `nvidia.dali.fn.resize`: std::bad_alloc")
-    decode = RuntimeError("Critical error in pipeline:\nError in CPU operator `decoders.image`: Bogus Huffman table")
-    assert is_memory_error(oom) and is_memory_error(host) and not is_memory_error(decode)
-    assert dali_message(decode) == "Error in CPU operator `decoders.image`: Bogus Huffman table"
+
+
+# What DALI 2.4 says when an allocation fails (dali/core/cuda_error.h: CUDABadAlloc's two constructors, also
+# thrown for cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY and by NvmlBadAlloc; std::bad_alloc;
+# CUDAError's layout; nvImageCodec's CHECK_NVIMGCODEC with NVIMGCODEC_STATUS_ALLOCATOR_FAILURE = 5).
+DALI_MEMORY_TEXTS = [
+    "CUDA allocation failed",
+    "Can't allocate 2147483648 bytes on device 0.",
+    "Can't allocate 1073741824 bytes on host.",
+    "std::bad_alloc",
+    "CUDA runtime API error cudaErrorMemoryAllocation (2):\nout of memory",
+    "CUDA driver API error CUDA_ERROR_OUT_OF_MEMORY (2):\nout of memory",
+    "nvImageCodec failure: '#5'",
+]
+DALI_OTHER_TEXTS = [
+    "Failed to decode sample #1 : ",  # the decoder's per-sample failure (image_decoder.h)
+    "nvImageCodec failure: '#3'",  # NVIMGCODEC_STATUS_BAD_CODESTREAM
+    'Assert on "roi_anchor.size() == roi_shape.size()" failed\nC++ context: [/opt/dali/dali/operators/generic/erase/erase_utils.h:123] ',
+]
+
+
+@pytest.mark.parametrize("text", DALI_MEMORY_TEXTS)
+def test_every_allocation_failure_dali_raises_is_a_memory_error(text):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.iterator import is_memory_error
+
+    assert is_memory_error(dali_error(text))
+    assert is_memory_error(
+        RuntimeError(f"Critical error in pipeline:\n{text}\nCurrent pipeline object is no longer valid.")
+    )
+
+
+@pytest.mark.parametrize("text", DALI_OTHER_TEXTS)
+def test_other_dali_failures_are_not_memory_errors(text):
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.iterator import is_memory_error
+
+    assert not is_memory_error(dali_error(text))
+
+
+def test_the_memory_texts_are_the_installed_dali_s():
+    """The texts above are in the installed DALI's own libraries, word for word."""
+    pytest.importorskip("nvidia.dali")
+    from pathlib import Path
+
+    import nvidia.dali
+
+    core = (Path(nvidia.dali.__file__).parent / "libdali_core.so").read_bytes()
+    for text in (
+        b"CUDA allocation failed",
+        b"Can't allocate %zu bytes on device %d.",
+        b"Can't allocate %zu bytes on host.",
+    ):
+        assert text in core, text
+    ops = (Path(nvidia.dali.__file__).parent / "libdali_operators.so").read_bytes()
+    assert b"Failed to decode sample #" in ops and b"nvImageCodec failure: '#" in ops
+
+
+def test_a_dali_error_names_its_operator_and_keeps_dali_s_text():
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.iterator import dali_message, parse_dali_error
+
+    oom = parse_dali_error(dali_error("CUDA allocation failed"))
+    assert (oom.operator, oom.device, oom.reason) == (
+        "nvidia.dali.fn.decoders.image_random_crop",
+        "MIXED",
+        "CUDA allocation failed",
+    )
+    assert oom.is_decoder
+    erase = parse_dali_error(dali_error(DALI_OTHER_TEXTS[2], op="nvidia.dali.fn.erase", device="GPU"))
+    assert not erase.is_decoder
+    assert (
+        erase.describe()
+        == 'GPU operator `nvidia.dali.fn.erase`: Assert on "roi_anchor.size() == roi_shape.size()" failed'
+    )
+    for op in (
+        "nvidia.dali.fn.decoders.image",
+        "nvidia.dali.fn.experimental.decoders.image",
+        "nvidia.dali.fn.image_decoder_crop",
+    ):
+        assert parse_dali_error(dali_error("x", op=op)).is_decoder, op
+    for op in ("nvidia.dali.fn.resize", "nvidia.dali.fn.crop_mirror_normalize", "nvidia.dali.fn.external_source"):
+        assert not parse_dali_error(dali_error("x", op=op)).is_decoder, op
+    bare = RuntimeError(
+        "Critical error in pipeline:\nCUDA allocation failed\nCurrent pipeline object is no longer valid."
+    )
+    assert dali_message(bare) == "CUDA allocation failed" and parse_dali_error(bare).operator is None
     assert dali_message(RuntimeError("")) == "RuntimeError"
+
+
+def _no_pillow_recheck(monkeypatch):
+    import dali_fast.pipeline as pl
+
+    def undecodable(*_a, **_k):
+        raise AssertionError("the records were re-decoded with Pillow: DALI's failure was blamed on the data")
+
+    monkeypatch.setattr(pl, "undecodable", undecodable)
+
+
+def test_dali_cuda_allocation_failure_is_memory_never_a_bad_record(index_reader, monkeypatch):
+    """DALI's real out-of-memory text ("CUDA allocation failed", from the `mixed` decoder) raises
+    DALIMemoryError and tells the controller; no record is blamed or re-decoded."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    from dali_fast import DALIIterator
+    from dali_fast.iterator import DALIMemoryError
+
+    class Ctrl(ScriptedController):
+        def __init__(self, sizes):
+            super().__init__(sizes)
+            self.ooms = []
+
+        def report_oom(self, batch_size):
+            self.ooms.append(batch_size)
+
+    calls = {"n": 0}
+    real_next = DALIGenericIterator.__next__
+
+    def failing_next(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise dali_error("CUDA allocation failed")
+        return real_next(self)
+
+    monkeypatch.setattr(DALIGenericIterator, "__next__", failing_next)
+    _no_pillow_recheck(monkeypatch)
+    ctrl = Ctrl([8])
+    loader = DALIIterator(index_reader, 8, image_size=16, device="cpu", num_threads=2, controller=ctrl)
+    with pytest.raises(DALIMemoryError) as e:
+        epoch_labels(loader, 0)
+    assert str(e.value).startswith(
+        "DALI ran out of memory at batch size 8: MIXED operator `nvidia.dali.fn.decoders.image_random_crop`: "
+        "CUDA allocation failed; use a smaller batch size"
+    )
+    assert "\n" not in str(e.value) and "record" not in str(e.value) and ctrl.ooms == [8]
+
+
+def test_a_decoder_failure_on_records_pillow_decodes_names_them_without_blaming_them(index_reader, monkeypatch):
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    from dali_fast import DALIIterator
+
+    calls = {"n": 0}
+    real_next = DALIGenericIterator.__next__
+
+    def failing_next(self):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second batch (records 4-7) and the one prefetched after it are in flight
+            raise dali_error("Failed to decode sample #1 : ", op="nvidia.dali.fn.decoders.image", device="CPU")
+        return real_next(self)
+
+    monkeypatch.setattr(DALIGenericIterator, "__next__", failing_next)
+    loader = DALIIterator(index_reader, 4, image_size=16, device="cpu", num_threads=2, train=False, prefetch=1)
+    with pytest.raises(RuntimeError) as e:
+        epoch_labels(loader, 0)
+    msg = str(e.value)
+    assert msg.startswith("DALI failed decoding one of records 4 (mem://4.jpg), 5 (mem://5.jpg)") and "\n" not in msg
+    assert "CPU operator `nvidia.dali.fn.decoders.image`: Failed to decode sample #1 :" in msg
+    assert msg.endswith(
+        "each of them decodes with Pillow, so they may not be at fault (DALI's decoder fails so too when it runs "
+        "short of memory): check them with `dali-fast inspect --verify`, or try a smaller batch size"
+    )
+
+
+def test_dali_out_of_memory_while_building_the_pipeline_is_memory_too(index_reader, monkeypatch):
+    """The decoder preallocates when the pipeline is built: an allocation failure there is the same story."""
+    pytest.importorskip("nvidia.dali")
+    import dali_fast.pipeline as pl
+    from dali_fast import DALIIterator
+    from dali_fast.iterator import DALIMemoryError
+
+    def build_fails(*_a, **_k):
+        raise RuntimeError(
+            "Critical error when building pipeline:\nError in MIXED operator `nvidia.dali.fn.decoders.image`,\n"
+            'which was used in the pipeline definition with the following traceback:\n\n  File "x.py", line 1\n\n'
+            "encountered:\n\nCan't allocate 211025920 bytes on device 0.\nCurrent pipeline object is no longer valid."
+        )
+
+    monkeypatch.setattr(pl, "build_pipeline", build_fails)
+    with pytest.raises(DALIMemoryError, match="Can't allocate 211025920 bytes on device 0"):
+        epoch_labels(DALIIterator(index_reader, 8, image_size=16, device="cpu", num_threads=2), 0)
+
+
+def test_a_failing_operator_other_than_the_decoder_is_named_not_blamed_on_records(index_reader, monkeypatch):
+    """A real DALI failure in `fn.erase` (malformed boxes): DALI's message with the operator named, no
+    record accused, no Pillow re-decode."""
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import DALIIterator
+    from dali_fast.iterator import DALIOperatorError
+
+    _no_pillow_recheck(monkeypatch)
+    monkeypatch.setattr(DALIIterator, "_boxes", lambda self: lambda i: np.zeros(2, np.float32))  # no shape part
+    recipe = Recipe(image_size=16, random_erasing=1.0)
+    for on_error in ("raise", "skip"):
+        loader = DALIIterator(index_reader, 8, device="cpu", num_threads=2, recipe=recipe, on_error=on_error)
+        with pytest.raises(DALIOperatorError) as e:
+            epoch_labels(loader, 0)
+        assert str(e.value) == (
+            'DALI failed: CPU operator `nvidia.dali.fn.erase`: Assert on "roi_anchor.size() == roi_shape.size()" failed'
+        )
+        assert loader.skipped == 0
 
 
 def test_injected_dali_out_of_memory_is_reported_as_memory(index_reader, monkeypatch):
@@ -615,14 +846,22 @@ def test_injected_dali_out_of_memory_is_reported_as_memory(index_reader, monkeyp
 # ----------------------------------------------------------------------------- arguments, defaults and state
 
 
+def auto_device() -> str:
+    """Where device="auto" puts a loader's output on this host: a test that leaves the device to the
+    loader asserts this, not "cpu" (the same suite runs on GPU hosts)."""
+    from dali_fast.iterator import cuda_usable
+
+    return "cuda" if cuda_usable() else "cpu"
+
+
 def test_defaults_are_the_documented_ones(index_reader):
     from dali_fast import TorchIterator
 
     loader = TorchIterator(index_reader, 8, num_workers=0)  # everything else default
     assert (loader.image_size, loader.seed, loader.train, loader.drop_last) == (224, 0, True, False)
-    assert loader.gpu is False and loader.cache_stats() is None  # no CUDA here: CPU; no cache
+    assert loader.gpu is (auto_device() == "cuda") and loader.cache_stats() is None  # the GPU when usable; no cache
     images, labels = next(iter(loader))
-    assert images.shape == (8, 3, 224, 224) and images.device.type == "cpu" and images.dtype == torch.float32
+    assert images.shape == (8, 3, 224, 224) and images.device.type == auto_device() and images.dtype == torch.float32
     same = TorchIterator(index_reader, 8, num_workers=0, seed=0, image_size=224)
     assert epoch_labels(loader, 3)[0] == epoch_labels(same, 3)[0]
     assert loader.last_indices.dtype == np.int64
@@ -649,6 +888,8 @@ def test_defaults_are_the_documented_ones(index_reader):
     ],
 )
 def test_bad_arguments_exact_message(make, index_reader, kw, message):
+    if kw.get("device") in ("cuda", "gpu") and auto_device() == "cuda":
+        pytest.skip("CUDA is usable on this host: device='cuda' is valid here")
     kw = {"batch_size": 4, **kw}
     bs = kw.pop("batch_size")
     with pytest.raises(ValueError) as e:
@@ -961,3 +1202,166 @@ def test_dataloader_attributes_tell_the_truth(make, index_reader):
     labels, sizes = epoch_labels(loader)
     assert loader.epoch == 3 and sizes == [16, 16, 5] and labels == list(loader.sampler)
     assert make(index_reader, 8, rank=1, world_size=2).sampler.__len__() == 19
+
+
+def _record_ops(monkeypatch):
+    """Replace the DALI operators `augment` uses by recorders: (name, args, kwargs) in call order."""
+    import nvidia.dali.fn as fn
+
+    from dali_fast import pipeline
+
+    seen = []
+
+    def record(name):
+        def op(*args, **kwargs):
+            seen.append((name, args, kwargs))
+            return name
+
+        return op
+
+    for name in ("resize", "crop_mirror_normalize", "erase", "cast"):
+        monkeypatch.setattr(fn, name, record(name))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
+    monkeypatch.setattr(fn.decoders, "image", record("decode_eval"))
+    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
+    return pipeline, seen
+
+
+class _Boxes:
+    def __getitem__(self, key):
+        return ("boxes", key.start, key.stop)
+
+
+def test_gpu_decoders_upsample_chroma_like_the_cpu_decoder(monkeypatch):
+    """The `mixed` decoder's default chroma upsampling is not libjpeg-turbo's "fancy" one, which DALI's CPU
+    decoder, Pillow and TorchIterator use: training on a GPU would see other pixels than on a CPU."""
+    pytest.importorskip("nvidia.dali")
+    pipeline, seen = _record_ops(monkeypatch)
+    for train in (True, False):
+        seen.clear()
+        pipeline.augment("jpegs", train=train, recipe=Recipe(), gpu=True, num_threads=4)
+        decode = seen[0]
+        assert decode[0] == ("decode" if train else "decode_eval") and decode[2]["device"] == "mixed"
+        assert decode[2]["jpeg_fancy_upsampling"] is True
+        seen.clear()
+        pipeline.augment("jpegs", train=train, recipe=Recipe(), gpu=False, num_threads=4)
+        assert seen[0][2]["device"] == "cpu" and "jpeg_fancy_upsampling" not in seen[0][2]  # the CPU decoder's own
+
+
+def test_gpu_float16_with_erasing_erases_in_float32_then_casts(monkeypatch):
+    """DALI 2.4's GPU `erase` has no float16 kernel (ERASE_SUPPORTED_TYPES of erase.cu; the CPU one has):
+    on the GPU the image is normalized to float32, erased, then cast to float16."""
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.types as types
+
+    pipeline, seen = _record_ops(monkeypatch)
+    recipe = Recipe(dtype=torch.float16, random_erasing=0.5)
+    out = pipeline.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=_Boxes())
+    names = [name for name, _, _ in seen]
+    assert names[-3:] == ["crop_mirror_normalize", "erase", "cast"] and out == "cast"
+    assert seen[-3][2]["dtype"] == types.FLOAT and seen[-1][2] == {"dtype": types.FLOAT16}
+    assert seen[-1][1] == ("erase",)
+    for gpu, erase in ((False, _Boxes()), (True, None)):  # the CPU erase has float16; no erase: no cast
+        seen.clear()
+        out = pipeline.augment("jpegs", train=True, recipe=recipe, gpu=gpu, num_threads=4, erase=erase)
+        assert "cast" not in [name for name, _, _ in seen]
+        assert [kw for name, _, kw in seen if name == "crop_mirror_normalize"][0]["dtype"] == types.FLOAT16
+
+
+@pytest.mark.gpu
+def test_gpu_float16_output_with_random_erasing(index_reader):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from dali_fast.recipe import sample_erasing_box
+
+    cls = loader_class("dali")
+    recipe = Recipe(image_size=16, dtype=torch.float16, random_erasing=1.0, erasing_scale=(0.1, 0.3))
+    loader = cls(index_reader, 8, device="cuda", seed=5, recipe=recipe)
+    loader.set_epoch(0)
+    for images, labels in loader:
+        assert images.is_cuda and images.dtype == torch.float16
+        for img, i in zip(images.cpu(), labels.tolist(), strict=True):
+            top, left, h, w = sample_erasing_box(recipe, 5, 0, i)
+            if h:
+                assert bool((img[:, top : top + h, left : left + w] == 0).all())
+    loader.close()
+
+
+@pytest.mark.gpu
+def test_gpu_and_cpu_loaders_give_the_same_pixels():
+    """With the mixed decoder upsampling chroma as the CPU decoder does, the eval transform on the GPU and
+    on the CPU gives the same pixels within a level or two (photo-like JPEGs: noise, 4:2:0 chroma)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cls = loader_class("dali")
+    reader = IndexReader([jpeg_bytes(96 + 8 * (i % 4), 72 + 8 * (i % 3), (40 * i % 250, 90, 200)) for i in range(16)])
+    out = {}
+    for device in ("cuda", "cpu"):
+        loader = cls(reader, 8, train=False, image_size=64, device=device)
+        out[device] = torch.cat([x.float().cpu() for x, _ in loader])
+        loader.close()
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    levels = (out["cuda"] - out["cpu"]).abs() * std
+    assert float(levels.mean()) < 1.5, float(levels.mean())
+
+
+def test_a_new_batch_size_shuts_the_old_pipeline_before_memory_is_released_and_measured(index_reader, monkeypatch):
+    """After a batch-size change the old pipeline goes first: its buffers return to DALI's pool, the
+    controller's release frees the pool, then the probe starts the new epoch's reading. In the other
+    order the first reading holds the old pipeline too (and can cause a second, needless shrink)."""
+    cls = loader_class("dali")
+    import dali_fast.pipeline as pl
+    from dali_fast import BatchSizeController
+
+    calls = []
+    real_shutdown = pl.shutdown_pipeline
+
+    def shutdown(pipe):
+        calls.append("shutdown")
+        real_shutdown(pipe)
+
+    class Probe:
+        def reset_peak(self):
+            calls.append("reset")
+
+        def peak_fraction(self):
+            return 0.1
+
+    monkeypatch.setattr(pl, "shutdown_pipeline", shutdown)
+    ctrl = BatchSizeController(8, 64, probe=Probe(), release=lambda: calls.append("release"), sync_ranks=False)
+    loader = cls(index_reader, 8, image_size=16, device="cpu", num_threads=2, controller=ctrl)
+    assert sorted(epoch_labels(loader, 0)[0]) == list(range(37))
+    assert ctrl.batch_size == 16 and calls == ["release", "reset"]  # the kept pipeline is still up
+    calls.clear()
+    assert sorted(epoch_labels(loader, 1)[0]) == list(range(37))
+    assert calls == ["shutdown", "release", "reset"]
+    loader.close()
+
+
+def test_tests_that_leave_the_device_to_the_loader_assume_no_cpu():
+    """The suite runs on GPU hosts too (benchmarks/gpu_check.sh --full): a loader built without a device
+    takes the GPU there, so a test that builds one must not assert CPU output or a CPU loader."""
+    import ast
+    import re
+    from pathlib import Path
+
+    loaders = {"TorchIterator", "DALIIterator", "make_loader", "make_loader_for", "cls"}
+    claims = re.compile(r'\.gpu is False|device(\.type)? == "cpu"|is_cuda is False|not [\w.\[\]]+\.is_cuda')
+    offenders = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        text = path.read_text()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, ast.FunctionDef) or not fn.name.startswith("test_"):
+                continue
+            if any("gpu" in ast.unparse(d) for d in fn.decorator_list):
+                continue
+            unpinned = [
+                c
+                for c in ast.walk(fn)
+                if isinstance(c, ast.Call)
+                and getattr(c.func, "id", getattr(c.func, "attr", None)) in loaders
+                and not any(k.arg in ("device", None) for k in c.keywords)  # device=... or **kwargs
+            ]
+            if unpinned and claims.search(ast.get_source_segment(text, fn) or ""):
+                offenders.append(f"{path.name}::{fn.name}")
+    assert offenders == []

@@ -306,6 +306,19 @@ def test_mixup_cutmix_on_batches_from_any_loader(source, photos):
         MixupCutmix(alpha_cutmix=0.0, num_classes=3)(uint8, torch.tensor([0, 1]))
 
 
+def test_mixup_cutmix_reads_nothing_back_from_the_device():
+    """The label check must not read labels back from the GPU each step (two host syncs). On the `meta`
+    device any read of a value fails, as a GPU read would stall: mixing works there, both ways. Labels on
+    the CPU are still checked (no sync there)."""
+    images, labels = batch()
+    for kw in ({"alpha_cutmix": 0.0}, {"alpha_mixup": 0.0}, {"prob": 0.0}):
+        mix = MixupCutmix(num_classes=5, seed=1, **kw)
+        out, targets = mix(images.to("meta"), labels.to("meta"))
+        assert out.device.type == "meta" and targets.shape == (8, 5)
+    with pytest.raises(ValueError, match=r"labels outside 0..4: set num_classes to the data set's classes"):
+        MixupCutmix(num_classes=5)(images, labels + 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
 def test_gpu_recipes_run_on_the_device_and_erase_the_cpu_boxes(policy, photos):

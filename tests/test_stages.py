@@ -60,6 +60,46 @@ def test_a_stage_that_cannot_run_is_named_with_its_reason(tiny, tmp_path, monkey
     assert "| + DALI | skipped: DALI cannot run here" in json.loads((tmp_path / "stages.json").read_text())["table"]
 
 
+class FakeGpuMonitor:
+    """The utilization monitor on a GPU whose DALI pipeline holds memory torch's allocator does not see:
+    NVML's per-process reading is 30 GiB in each timed epoch (12 GiB in the warm-up)."""
+
+    kind = "gpu"
+
+    def __init__(self, *args, **kwargs):
+        self.phases = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def phase(self, name):
+        import contextlib
+
+        self.phases.append(name)
+        return contextlib.nullcontext()
+
+    def summary(self, name):
+        peak = (12 if name.endswith("#0") else 30) * 2**30
+        return {"kind": "gpu", "samples": 4, "mean": 55.0, "p50": 55.0, "p95": 60.0, "peak_mem": peak}
+
+
+def test_stage_memory_is_the_process_reading_bench_uses(tiny, tmp_path, monkeypatch):
+    """Not torch's max_memory_reserved, which leaves DALI's pool and outputs out: the monitor's NVML
+    reading for this process, as `bench` reports it, over the stage's timed epochs."""
+    import dali_fast.monitor as monitor
+    import dali_fast.stages as stages
+
+    monkeypatch.setattr(monitor, "UtilizationMonitor", FakeGpuMonitor)
+    monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1])
+    monkeypatch.setattr(stages, "memory_capacity", lambda kind: 80 * 2**30 if kind == "gpu" else None, raising=False)
+    row = _run(tiny, tmp_path, epochs=2)["rows"][0]
+    assert row["util_kind"] == "gpu" and row["peak_mem_bytes"] == 30 * 2**30
+    assert row["peak_mem_fraction"] == pytest.approx(30 / 80)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [

@@ -85,6 +85,9 @@ def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
     from dali_fast.controller import NvmlProbe
     from dali_fast.system import nvml_handle
 
+    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
+    # torch would report the real GPU's, which the fake does not know).
+    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
     nvml = EightGpuNvml()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
     assert nvml_handle(nvml, 1) == 6  # rank 1 (LOCAL_RANK=1, CUDA device 1) is NVML device 6
@@ -108,6 +111,29 @@ def test_nvml_device_by_the_uuid_torch_reports(monkeypatch):
     assert nvml_handle(EightGpuNvml(), 1) == 6
 
 
+class MigNvml(EightGpuNvml):
+    """NVML on a MIG slice: the slice answers only to its "MIG-<uuid>" and has no index of its own."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid != "MIG-4f8d1c2e-aaaa-bbbb-cccc-0123456789ab":
+            raise type("NVMLError_NotFound", (Exception,), {})("Not Found")
+        return "mig-slice"
+
+
+def test_nvml_finds_a_mig_slice_by_its_mig_uuid(monkeypatch):
+    import torch
+
+    from dali_fast.system import cuda_device_uuid, nvml_handle
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    props = type("P", (), {"uuid": "4f8d1c2e-aaaa-bbbb-cccc-0123456789ab"})()  # torch's spelling: no prefix
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    assert cuda_device_uuid(0) == "4f8d1c2e-aaaa-bbbb-cccc-0123456789ab"
+    assert nvml_handle(MigNvml(), 0) == "mig-slice"
+    props.uuid = "MIG-4f8d1c2e-aaaa-bbbb-cccc-0123456789ab"  # a torch that spells it as NVML does
+    assert nvml_handle(MigNvml(), 0) == "mig-slice"
+
+
 @pytest.mark.gpu
 def test_gpu_nvml_handle_is_the_cuda_device():
     import torch
@@ -121,4 +147,5 @@ def test_gpu_nvml_handle_is_the_cuda_device():
     pynvml.nvmlInit()
     for i in range(torch.cuda.device_count()):
         uuid = pynvml.nvmlDeviceGetUUID(nvml_handle(pynvml, i))
-        assert (uuid.decode() if isinstance(uuid, bytes) else uuid) == cuda_device_uuid(i)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        assert uuid.split("-", 1) in (["GPU", cuda_device_uuid(i)], ["MIG", cuda_device_uuid(i)])

@@ -73,7 +73,9 @@ def test_a_modern_recipe_still_drives_the_held_out_loss_down(learnable, loader):
         pytest.importorskip("nvidia.dali")
     recipe = Recipe(image_size=48, auto_augment="randaugment", magnitude=5, random_erasing=0.25)
     rows, lines = _train_small(learnable, loader, recipe=recipe, mixup=0.2, cutmix=1.0, label_smoothing=0.1)
-    assert "augment=randaugment, alpha_mixup=0.2, alpha_cutmix=1.0, label_smoothing=0.1, random_erasing=0.25" in lines[0]
+    assert (
+        "augment=randaugment, alpha_mixup=0.2, alpha_cutmix=1.0, label_smoothing=0.1, random_erasing=0.25" in lines[0]
+    )
     val = [r["val_loss"] for r in rows]
     assert min(val[1:]) < 0.7 * val[0] and val[-1] < val[0], val
     assert rows[-1]["val_acc"] > 0.6, [r["val_acc"] for r in rows]
@@ -94,6 +96,117 @@ def test_controller_decisions_printed(learnable):
     )
     assert rows[0]["decision"] is not None and "controller:" in lines[1]
     assert "peak" in rows[0]["decision"]["reason"]  # a real host-memory reading
+
+
+def test_evaluation_reads_the_device_once_not_per_batch():
+    """Evaluation sums loss and hits on the device and reads them back once. On the `meta` device any
+    read back fails, as it would stall a GPU: the read comes only after the last batch."""
+    from dali_fast.train import Trainer
+
+    trainer = Trainer("resnet_tiny", 3, amp=False)
+    trainer.module.to("meta")
+    trainer.device = torch.device("meta")
+    served = []
+
+    def batches():
+        for k in range(3):
+            served.append(k)
+            yield torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+
+    with pytest.raises(RuntimeError, match="meta"):
+        trainer.evaluate(batches())
+    assert served == [0, 1, 2]  # all three batches went through before the one read
+
+
+def test_mixup_training_step_reads_nothing_back_from_the_device():
+    """A training step with mixup/cutmix (the label check included) reads no value back: on the `meta`
+    device, where any read fails, the steps run."""
+    from dali_fast.recipe import MixupCutmix
+    from dali_fast.train import Trainer
+
+    trainer = Trainer("resnet_tiny", 3, amp=False, mix=MixupCutmix(num_classes=3, seed=0))
+    trainer.module.to("meta")
+    trainer.device = torch.device("meta")
+    modes = set()
+    for _ in range(6):
+        loss = trainer.step(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0]))
+        assert loss.device.type == "meta"
+        modes.add(trainer.mix.last["mode"])
+    assert modes == {"mixup", "cutmix"}
+
+
+@pytest.mark.gpu
+def test_gpu_mixup_steps_and_evaluation_do_not_stop_the_gpu():
+    """torch's sync debug mode raises at any operation that waits for the GPU: mixup/cutmix steps run
+    through it, and evaluation reaches its one read only after the last batch."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from dali_fast.recipe import MixupCutmix
+    from dali_fast.train import Trainer
+
+    trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(num_classes=3, seed=0))
+    x = torch.randn(8, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 3, (8,), device="cuda")
+    trainer.step(x, y)  # the first step picks cudnn's kernels
+    torch.cuda.synchronize()
+    served = []
+
+    def batches():
+        for k in range(3):
+            served.append(k)
+            yield x, y
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            trainer.step(x, y)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            trainer.evaluate(batches())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert served == [0, 1, 2]
+
+
+def test_labels_are_checked_once_where_they_come_from(learnable):
+    from conftest import IndexReader, jpeg_bytes
+
+    from dali_fast.train import check_labels
+
+    check_labels(learnable, 3)  # every label in 0..2
+    reader = IndexReader([jpeg_bytes() for _ in range(6)], classes=4)  # labels 0..5 (the index), 4 classes
+    with pytest.raises(ValueError) as e:
+        check_labels(reader, 4)
+    assert str(e.value) == (
+        "record 4 (mem://4.jpg) has label 4, outside 0..3 (4 classes); 2 record(s) in all: "
+        "fix the labels or the class list and pack again"
+    )
+    with pytest.raises(ValueError, match=r"^record 4 \(mem://4.jpg\) has label 4"):
+        run_train(reader, loader="torch", epochs=1, model="resnet_tiny", batch_size=2, image_size=16, num_workers=0)
+
+
+def test_each_rank_drives_a_visible_gpu_when_the_launcher_shows_it_only_its_own(monkeypatch):
+    """SLURM --gpus-per-task=1: WORLD_SIZE=2, LOCAL_RANK=1, one visible GPU. Device 1 does not exist."""
+    import torch.distributed as dist
+
+    import dali_fast.iterator as it
+    import dali_fast.train as tr
+
+    monkeypatch.setattr(it, "cuda_usable", lambda: True)
+    monkeypatch.setattr(tr, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: chosen.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with tr.distributed_context() as ctx:
+        assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.device_index) == (1, 2, 1, 0)
+    assert chosen == [0, "nccl"]
 
 
 def test_split_disjoint_and_complete(learnable):
