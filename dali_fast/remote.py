@@ -817,7 +817,10 @@ class RemoteShardsReader:
                 self._fetching_bytes += int(self.shard_bytes[s])
             fd: Any = None
             try:
-                fd = self._fetch(s, pin=True, cancel=lambda: self._closed or generation != self._generation)
+                # Ahead of need: only into room the budget has (never over it); tried again later if none.
+                fd = self._fetch(
+                    s, pin=True, block_for_room=False, cancel=lambda: self._closed or generation != self._generation
+                )
             except (ShardError, _Cancelled):
                 pass
             except Exception as e:  # noqa: BLE001 - never leave a reader waiting on a dead thread
@@ -826,7 +829,9 @@ class RemoteShardsReader:
             with self._cond:
                 self._fetching.discard(s)
                 self._fetching_bytes -= int(self.shard_bytes[s])
-                if isinstance(fd, int):
+                if fd is False:  # no room now (other processes' pins): wait for a release
+                    self._cond.wait(0.2)
+                elif isinstance(fd, int):
                     if generation != self._generation or self._last_use.get(s, -1) < self._delivered:
                         self.cache.release(self.infos[s].key(), fd, used=False)  # no longer wanted
                     else:

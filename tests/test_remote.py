@@ -482,3 +482,12 @@ def test_sigkill_mid_epoch_then_resume_gives_each_sample_once_and_fetches_only_w
     open_dataset(SPEC, **opts(s3, tmp_path, cache="c1"))
     assert not list((tmp_path / "c1" / "shards").glob("*.part-*"))
     assert all(p.read_bytes() in s3.objects.values() for p in (tmp_path / "c1" / "shards").glob("*.tar"))
+
+
+def test_the_command_line_takes_a_url(s3, tmp_path):
+    env = {**_env(), "AWS_ENDPOINT_URL": s3.endpoint, "DALI_FAST_CACHE": str(tmp_path / "cli-cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dali_fast", "inspect", SPEC], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"data set: {SPEC} (RemoteShardsReader)" in proc.stdout and f"records:  {N}" in proc.stdout
