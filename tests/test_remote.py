@@ -341,7 +341,23 @@ def test_elastic_resume_on_another_world_size(s3, tmp_path):
     r.close()
 
 
+def _alarm(_signum, _frame):
+    raise TimeoutError("a lock a forked worker kept open blocks the loader")
+
+
 def test_forked_workers_do_not_keep_the_parents_pins(s3, tmp_path):
+    # Without care a forked DataLoader worker keeps its parent's locks (flock locks belong to the open
+    # file, which fork shares): the loader then waits for ever. Bounded here, so that shows as a failure.
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(120)
+    try:
+        _forked_workers(s3, tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _forked_workers(s3, tmp_path):
     r = open_dataset(SPEC, **opts(s3, tmp_path, shuffle_window=2))
     loader = TorchIterator(r, 4, image_size=16, num_workers=2, rank=0, world_size=1, seed=7)
     loader.set_epoch(0)
