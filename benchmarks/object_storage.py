@@ -147,14 +147,15 @@ def main() -> None:
             rows["s3 cold"].append(timed_epoch(loaders["s3"], epoch))
             fetched = remote.stats()["downloaded_bytes"] - before
             rows["s3 warm"].append(timed_epoch(loaders["s3"], epoch))
-            print(f"round {r}: cold epoch downloaded {fetched / 2**20:.1f} MiB", file=sys.stderr)
+            cells = ", ".join(f"{k} {v[-1][0]:.0f}" for k, v in rows.items())
+            print(f"round {r}: img/s {cells}; the cold epoch downloaded {fetched / 2**20:.1f} MiB")
         for loader in loaders.values():
             loader.close()
         remote.close()
 
         n = len(local)
         print(
-            f"## DALIIterator: local shards vs moto's S3 server, {n} images in {len(shards)} shards "
+            f"\n## DALIIterator: local shards vs moto's S3 server, {n} images in {len(shards)} shards "
             f"({total / 2**20:.1f} MiB), batch {args.batch_size}, {args.image_size}px, {args.rounds} rounds\n"
         )
         print(f"Index built once before timing (every shard fetched and walked): {t_index:.2f}s.\n")
