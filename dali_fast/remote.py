@@ -384,7 +384,8 @@ class RemoteShardsReader:
     ``{"endpoint_url": ...}`` for an S3-compatible server; ``AWS_ENDPOINT_URL`` works too).
     ``on_error`` as for local shards: ``"skip"`` counts and names what indexing left out, ``"raise"``
     refuses it; a shard that fails later is reported through the loaders' own ``on_error``.
-    ``prefetch_next_epoch``: near an epoch's end, download the next epoch's first shards too.
+    ``prefetch_next_epoch``: once this epoch's shards are local or under way, download the next epoch's
+    first shards too, as the budget allows (no stall when an epoch starts).
     """
 
     streaming = True  # the loaders use the streaming order (`shard_order.StreamingOrder`) over it
@@ -428,7 +429,9 @@ class RemoteShardsReader:
         self.index_dir = Path(index_dir) if index_dir is not None else root / "index"
         self._fs, self.infos = list_shards(self.spec, self.storage_options)
         self.shards = [s.url for s in self.infos]
+        self.shard_bytes = np.array([s.size for s in self.infos], dtype=np.int64)
         self.path = self.spec
+        self._check_budget()  # before any download
         self._reset_process_state()
         self._build()
         _READERS.add(self)
@@ -453,7 +456,6 @@ class RemoteShardsReader:
         starts = np.cumsum([0] + [len(b) for b in blobs[:-1]])
         self._names = np.concatenate(blobs).astype(np.uint8)
         self._name_ends = np.concatenate([p["name_ends"] + o for p, o in zip(parts, starts, strict=True)])  # type: ignore[index]
-        self.shard_bytes = np.array([s.size for s in self.infos], dtype=np.int64)
         self.shard_crc = np.array([int(p["crc"]) for p in parts], dtype=np.int64)  # type: ignore[index]
         self.skipped: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["skipped"]]  # type: ignore[index,misc]
         self.ignored: Counter[str] = sum((Counter(p["ignored"]) for p in parts), Counter())  # type: ignore[index]
@@ -467,7 +469,6 @@ class RemoteShardsReader:
         if not len(self._labels):
             raise ValueError(f"{self.shards[0]}: no samples with an image and a label in {n} shard(s)")
         self.classes = [str(i) for i in range(int(self._labels.max()) + 1)]
-        self._check_budget()
 
     def _check_budget(self) -> None:
         limit = self.cache.limit

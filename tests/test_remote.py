@@ -135,9 +135,11 @@ def test_open_errors_are_one_line(s3, tmp_path):
     with pytest.raises(FileNotFoundError, match="no .tar shards there"):
         open_dataset("s3://data/nothing-here/", **opts(s3, tmp_path))
     shard = len(s3.objects["train-000000.tar"])
+    s3.counts.reset()
     with pytest.raises(ValueError) as e:
         open_dataset(SPEC, **opts(s3, tmp_path, cache_limit=3 * shard, shuffle_window=2))
     assert "\n" not in str(e.value) and "too small" in str(e.value) and f">= {2 * 2 * shard}" in str(e.value)
+    assert served_per_shard(s3) == {}  # refused before any download
 
 
 def test_a_missing_cloud_extra_says_what_to_install(monkeypatch):
@@ -269,13 +271,20 @@ def _open_after_index(s3, tmp_path, **kw) -> RemoteShardsReader:
     return open_dataset(SPEC, **opts(s3, tmp_path, retry_seconds=2, **kw))
 
 
-@pytest.mark.parametrize("fault", ["deleted", "truncated", "changed"])
-def test_a_shard_gone_truncated_or_changed_on_the_server_is_a_bad_shard(s3, tmp_path, fault, caplog):
+@pytest.mark.parametrize(
+    ("fault", "backend"), [("deleted", "torch"), ("truncated", "torch"), ("changed", "torch"), ("deleted", "dali")]
+)
+def test_a_shard_gone_truncated_or_changed_on_the_server_is_a_bad_shard(s3, tmp_path, fault, backend, caplog):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+        from dali_fast import DALIIterator as Loader
+
+        kw = {}
+    else:
+        Loader, kw = TorchIterator, {"num_workers": 0}
     bad_key, bad = "train-000002.tar", set(range(2 * PER_SHARD, 3 * PER_SHARD))
     r = _open_after_index(s3, tmp_path)  # both opened (the shard listed and indexed), then the fault
-    skipping = TorchIterator(
-        _open_after_index(s3, tmp_path, cache="skip-cache"), 4, image_size=16, num_workers=0, on_error="skip"
-    )
+    skipping = Loader(_open_after_index(s3, tmp_path, cache="skip-cache"), 4, image_size=16, on_error="skip", **kw)
     body = s3.objects[bad_key]
     if fault == "deleted":
         s3.client.delete_object(Bucket="data", Key=bad_key)
@@ -288,7 +297,7 @@ def test_a_shard_gone_truncated_or_changed_on_the_server_is_a_bad_shard(s3, tmp_
         assert len(changed) == len(body) and changed != body
         s3.client.put_object(Bucket="data", Key=bad_key, Body=changed)
         why = "changed on the server since it was indexed"
-    loader = TorchIterator(r, 4, image_size=16, num_workers=0, rank=0, world_size=1, seed=4)
+    loader = Loader(r, 4, image_size=16, rank=0, world_size=1, seed=4, **kw)
     with pytest.raises(BadRecordError) as e:
         epoch_labels(loader)
     msg = str(e.value)
