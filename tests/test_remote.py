@@ -509,6 +509,7 @@ def test_sigkill_mid_epoch_then_resume_gives_each_sample_once_and_fetches_only_w
     assert all(p.read_bytes() in s3.objects.values() for p in (tmp_path / "c1" / "shards").glob("*.tar"))
 
 
+@pytest.mark.slow
 def test_the_command_line_takes_a_url(s3, tmp_path):
     env = {**_env(), "AWS_ENDPOINT_URL": s3.endpoint, "DALI_FAST_CACHE": str(tmp_path / "cli-cache")}
     proc = subprocess.run(
