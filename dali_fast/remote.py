@@ -704,28 +704,51 @@ class RemoteShardsReader:
     def _map(self, s: int) -> np.ndarray:
         """Shard ``s`` memory-mapped: waits for its download ahead when one is under way, else fetches it now."""
         path = self.cache.path(self.infos[s].key())
-        while True:
+        with self._cond:
+            m = self._maps.get(s)
+            if m is not None:
+                return m
+            while s in self._fetching:
+                self._cond.wait(0.1)
+            pinned = s in self._pins
+        bad = self._bad.get(s)
+        if bad is not None:
+            raise bad
+        if pinned:
+            m = np.memmap(path, dtype=np.uint8, mode="r")
+        else:
+            # Not scheduled (random access, a DataLoader worker) or not reached by the downloads ahead:
+            # fetch it now, pinned at least until it is mapped (a mapped file stays readable if evicted).
+            size = int(self.shard_bytes[s])
             with self._cond:
-                m = self._maps.get(s)
-                if m is not None:
-                    return m
-                while s in self._fetching:
-                    self._cond.wait(0.1)
-                pinned = s in self._pins
-            bad = self._bad.get(s)
-            if bad is not None:
-                raise bad
-            if not pinned:
-                self._fetch(s, pin=False)  # not scheduled (random access, a DataLoader worker) or not yet reached
+                scheduled = self._last_use.get(s, -1) >= self._delivered
+                if scheduled:  # counted as under way, and before any shard pinned for later
+                    self._give_way(s)
+                    self._fetching.add(s)
+                    self._fetching_bytes += size
+            try:
+                fd = self._fetch(s, pin=True)
+            finally:
+                if scheduled:
+                    with self._cond:
+                        self._fetching.discard(s)
+                        self._fetching_bytes -= size
+                        self._cond.notify_all()
+            assert isinstance(fd, int)
+            keep = False
             try:
                 m = np.memmap(path, dtype=np.uint8, mode="r")
-                break
-            except FileNotFoundError:  # evicted between the fetch and the map (another process needed room)
-                continue
+                with self._cond:
+                    if s not in self._pins and self._last_use.get(s, -1) >= self._delivered:
+                        self._pins[s] = fd  # part of the schedule: released by `advance`, as the others
+                        self._pinned_bytes += int(self.shard_bytes[s])
+                        keep = True
+            finally:
+                if not keep:
+                    self.cache.release(self.infos[s].key(), fd, used=False)
         with self._cond:
             if s not in self._pins and len(self._maps) > 2 * self.shuffle_window:
-                # Unpinned maps (random access, DataLoader workers): keep a few; an evicted file stays
-                # readable while mapped, and its space returns when the map goes.
+                # Unpinned maps: keep a few; an evicted file's space returns when its map goes.
                 for old in [k for k in self._maps if k not in self._pins][: len(self._maps) // 2]:
                     del self._maps[old]
             self._maps[s] = m
@@ -769,6 +792,18 @@ class RemoteShardsReader:
                 self._unpin(s)
             if done:
                 self._cond.notify_all()
+
+    def _give_way(self, s: int) -> None:
+        """Under ``_cond``: unpin shards pinned for later than ``s`` until ``s`` fits this process's share,
+        so a shard needed now never waits on room held for shards needed after it."""
+        position = {x: k for k, x in enumerate(self._plan)}
+        later = sorted((x for x in self._pins if position.get(x, -1) > position.get(s, -1)), key=position.get)
+        while later and self._pinned_bytes + self._fetching_bytes + self.shard_bytes[s] > self._share():
+            x = later.pop()
+            fd = self._pins.pop(x)
+            self._pinned_bytes -= int(self.shard_bytes[x])
+            self._maps.pop(x, None)
+            self.cache.release(self.infos[x].key(), fd, used=False)  # not used yet: evicted last
 
     def _unpin(self, s: int) -> None:
         fd = self._pins.pop(s)
@@ -833,8 +868,12 @@ class RemoteShardsReader:
                 if fd is False:  # no room now (other processes' pins): wait for a release
                     self._cond.wait(0.2)
                 elif isinstance(fd, int):
-                    if generation != self._generation or self._last_use.get(s, -1) < self._delivered:
-                        self.cache.release(self.infos[s].key(), fd, used=False)  # no longer wanted
+                    if (
+                        generation != self._generation
+                        or self._last_use.get(s, -1) < self._delivered
+                        or s in self._pins  # a read that could not wait pinned it meanwhile
+                    ):
+                        self.cache.release(self.infos[s].key(), fd, used=False)  # not wanted twice
                     else:
                         self._pins[s] = fd
                         self._pinned_bytes += int(self.shard_bytes[s])
