@@ -25,6 +25,7 @@ from .pipeline import BadRecordError, SkipLog
 from .recipe import Recipe, resolve_recipe, sample_erasing_box
 from .records import Reader
 from .sampler import EpochSampler, dist_rank_world
+from .shard_order import StreamingOrder, make_order
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +160,10 @@ class LoaderBase:
         self.on_error = on_error
         self.prefetch = int(prefetch)
         self.memory_format = self.recipe.memory_format
-        self.order = EpochSampler(
-            len(dataset),
-            seed=self.seed,
-            shuffle=self.train,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=self.drop_last,
-        )
+        self._data = dataset
+        # A reader that streams shards (remote data) is told each pass's order, to download ahead.
+        self._streaming: Any = dataset if getattr(dataset, "streaming", False) else None
+        self.order: EpochSampler | StreamingOrder = self._new_order(self.rank, self.world_size)
         self.controller = controller
         self._batch_size = int(batch_size)
         if controller is not None:
@@ -218,6 +215,12 @@ class LoaderBase:
         """Records skipped as undecodable (``on_error='skip'``), over the iterator's life."""
         return self._skips.count
 
+    def _new_order(self, rank: int, world_size: int) -> EpochSampler | StreamingOrder:
+        """The epoch order: shards streamed for a streaming reader, else random access (`shard_order.make_order`)."""
+        return make_order(
+            self._data, seed=self.seed, shuffle=self.train, rank=rank, world_size=world_size, drop_last=self.drop_last
+        )
+
     def cache_stats(self) -> dict[str, float] | None:
         return self.cache.stats() if self.cache is not None else None
 
@@ -234,9 +237,7 @@ class LoaderBase:
             )
         epoch = self.order.epoch
         self.rank, self.world_size = rank, world
-        self.order = EpochSampler(
-            self.order.n, seed=self.seed, shuffle=self.train, rank=rank, world_size=world, drop_last=self.drop_last
-        )
+        self.order = self._new_order(rank, world)
         self.order.set_epoch(epoch)
         log.info("loader: now rank %d of %d (the process group started after the loader was made)", rank, world)
 
@@ -296,6 +297,12 @@ class LoaderBase:
             raise ValueError(
                 "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
             )
+        saved_kind, kind = state["sampler"].get("order", "random"), getattr(self.order, "kind", "random")
+        if saved_kind != kind:
+            raise ValueError(
+                f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
+                "order; resume with the data set it was saved with"
+            )
         self.order.load_state_dict(state["sampler"])
         self._finished = bool(state.get("finished", False))
         self._batch_size = int(state.get("batch_size", self._batch_size))
@@ -347,11 +354,16 @@ class LoaderBase:
             self.controller.begin_epoch()
             self._ctrl_epoch = self.order.epoch
         shard = self.order.indices()
+        if self._streaming is not None:  # what this pass reads, then the next epoch: downloaded ahead
+            upcoming = np.concatenate(plan) if plan else shard[:0]
+            self._streaming.schedule(upcoming, then=self.order.indices(self.order.epoch + 1))
         try:
             for images, labels, consumed in self._run(plan, start):
                 at = self.order.position
                 self.last_indices = shard[at : at + consumed]
                 self.order.position += consumed
+                if self._streaming is not None:
+                    self._streaming.advance(consumed)  # the batch is decoded: its shards' use may be over
                 yield images, labels
                 if self._current_pass is not token:
                     raise RuntimeError(_ABANDONED)

@@ -463,9 +463,15 @@ class ImageFolderReader:
 def open_dataset(path: str | os.PathLike, **webdataset_kw: object) -> Reader:
     """Open a packed data set (folder with ``index.bin``), WebDataset shards (``a.tar``, a folder of .tar
     files, or ``train-{000000..000146}.tar``; ``webdataset_kw`` go to `WebDatasetReader`) or an
-    ImageFolder root."""
+    ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
+    shards, streamed through a node-local cache (`remote.RemoteShardsReader`, which takes the keywords)."""
+    from .remote import is_remote
     from .webdataset import WebDatasetReader, is_webdataset
 
+    if is_remote(path):
+        from .remote import RemoteShardsReader
+
+        return RemoteShardsReader(str(path), **webdataset_kw)  # type: ignore[arg-type]
     p = Path(path)
     if is_webdataset(path):
         return WebDatasetReader(str(path), **webdataset_kw)  # type: ignore[arg-type]
