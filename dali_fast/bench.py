@@ -12,15 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
+from .decode import Decoder
 from .fallback import shutdown_workers
 from .recipe import MixupCutmix, Recipe, resolve_recipe
-from .records import open_dataset, pack
+from .records import open_dataset, pack, read_checked
 from .synthetic import default_cache_dir, make_synthetic
 from .system import atomic_write, available_cpus
 from .train import LOADERS, Trainer, make_loader_for
+from .workers import _as_is, worker_init
 
 log = logging.getLogger(__name__)
+
+LIMIT = "limit"  # the row of the machine's decode-only ceiling
 
 
 def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
@@ -167,13 +172,87 @@ def bench_loader(
     }
 
 
+class _DecodeOnly(Dataset):
+    """The limit row's work: read and decode each record of a batch whole (no crop, no resize), with
+    the decoder `TorchIterator` uses (libjpeg-turbo for plain JPEGs, Pillow for the rest)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self._decoder: Decoder | None = None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitems__(self, indices: list[int]) -> int:
+        if self._decoder is None:
+            self._decoder = Decoder()
+        done = 0
+        for i in indices:
+            data, _, reason = read_checked(self.reader, i)
+            if reason is None:
+                try:
+                    self._decoder.open(data).decode()
+                except Exception:  # noqa: BLE001 - a bad record is no image: it only costs its failed decode
+                    continue
+                done += 1
+        return done
+
+
+def decode_limit(
+    reader: Any, *, workers: int, epochs: int, batch_size: int, monitor: Any, progress: bool
+) -> dict[str, Any]:
+    """The machine's ceiling on this data: img/s of reading and decoding every record whole (no crop) in
+    ``workers`` processes, a warm-up epoch then ``epochs`` timed ones: what a loader would reach if
+    decoding were all it did. Loaders read as a share of it."""
+    from torch.utils.data import DataLoader
+
+    order = list(range(len(reader)))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    kw: dict[str, Any] = {"persistent_workers": True, "worker_init_fn": worker_init} if workers else {}
+    loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=_as_is, **kw)
+    times, counts = [], []
+    try:
+        for epoch in range(epochs + 1):
+            bar = _progress(f"limit epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
+            t0, n = time.perf_counter(), 0
+            with monitor.phase("limit" if epoch else "limit-warmup"):
+                for done in loader:
+                    n += done
+                    bar.update(done)
+            bar.close()
+            if epoch > 0:
+                times.append(time.perf_counter() - t0)
+                counts.append(n)
+    finally:
+        shutdown_workers(loader)
+    util = monitor.summary("limit")
+    return {
+        "loader": LIMIT,
+        "augment": "none",
+        "img_per_s": sum(counts) / sum(times),
+        "epoch_s": sum(times) / len(times),
+        "epoch_times": times,
+        "images_per_epoch": counts[0],
+        "workers": workers,
+        "util_kind": util["kind"],
+        "util_mean": util["mean"],
+        "util_p50": util["p50"],
+        "util_p95": util["p95"],
+        "peak_mem_bytes": util["peak_mem"],
+        "cache": None,
+        "batch_decisions": [],
+    }
+
+
 def _fmt_mem(b: Any) -> str:
     return f"{b / 2**30:.2f} GiB" if isinstance(b, int | float) else "n/a"
 
 
 def label(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
     """A row's name: the loader, with its augmentation when the rows differ in it or it is not 'none'."""
-    augments = {r.get("augment", "none") for r in rows}
+    if row["loader"] == LIMIT:
+        return f"limit: decode only, {row['workers']} processes"
+    augments = {r.get("augment", "none") for r in rows if r["loader"] != LIMIT}
     aug = row.get("augment", "none")
     return row["loader"] if augments == {"none"} else f"{row['loader']} + {aug}"
 
@@ -184,34 +263,42 @@ def _baseline_for(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> float 
         (
             r["img_per_s"]
             for r in rows
-            if r["loader"] == "baseline" and "error" not in r and r.get("augment") == row.get("augment")
+            if r["loader"] == "baseline" and "error" not in r and r.get("augment", "none") == row.get("augment", "none")
         ),
         None,
     )
 
 
-def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], limit: dict[str, Any] | None = None) -> str:
+    """The rows side by side, and with ``limit`` (the decode-only ceiling) its row and each row's share of it."""
     kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
+    head = (
+        f"| loader | img/s | epoch s | {'GPU' if kind == 'gpu' else 'CPU'} util % | peak mem | cache hit | x baseline |"
+    )
     lines = [
-        f"| loader | img/s | epoch s | {'GPU' if kind == 'gpu' else 'CPU'} util % | peak mem | cache hit | x baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        head + (" of limit |" if limit else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if limit else ""),
     ]
-    for r in rows:
+    shown = [*rows, limit] if limit else list(rows)
+    for r in shown:
         if "error" in r:
-            lines.append(f"| {label(r, rows)} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {label(r, rows)} | failed: {r['error']} | | | | | |" + (" |" if limit else ""))
             continue
         util = f"{r['util_mean']:.0f}" if isinstance(r["util_mean"], float) else "n/a"
         cache = f"{r['cache']['hit_rate']:.0%}" if r.get("cache") else "-"
-        base = _baseline_for(r, rows)
+        base = _baseline_for(r, rows)  # the limit row: against the baseline without augmentation
         ratio = f"{r['img_per_s'] / base:.2f}x" if base else "-"
-        lines.append(
+        line = (
             f"| {label(r, rows)} | {r['img_per_s']:.0f} | {r['epoch_s']:.2f} | {util} | {_fmt_mem(r['peak_mem_bytes'])} "
             f"| {cache} | {ratio} |"
         )
+        if limit:
+            line += f" {r['img_per_s'] / limit['img_per_s']:.0%} |" if "error" not in limit else " - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, limit: dict[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,6 +311,9 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     colors = ["#999999" if n == "baseline" else "#76b900" if n == "dali" else "#ee4c2c" for n in kinds]
     bars = a1.bar(names, [r["img_per_s"] for r in ok], color=colors)
     a1.bar_label(bars, fmt="%.0f")
+    if limit and "error" not in limit:
+        a1.axhline(limit["img_per_s"], color="#555555", linestyle="--", linewidth=1)
+        a1.annotate(f"limit: decode only {limit['img_per_s']:.0f}", (0, limit["img_per_s"]), va="bottom", fontsize=8)
     a1.set_ylabel("images / s")
     a1.set_title("throughput")
     kind = ok[0]["util_kind"] if ok else "cpu"
@@ -264,12 +354,15 @@ def run_bench(
     recipe: Recipe | None = None,
     augments: Sequence[str | None] | None = None,
     mix: dict[str, float] | None = None,
+    limit: bool = True,
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
 
     Each of ``augments`` (automatic augmentations, None or 'none' for none; default: the recipe's own)
-    is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others."""
+    is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others. With
+    ``limit``, the machine's decode-only ceiling on the same data and processes comes first
+    (`decode_limit`), and each row reads as a share of it."""
     from .monitor import UtilizationMonitor
 
     for k in loaders:
@@ -293,7 +386,24 @@ def run_bench(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    ceiling: dict[str, Any] | None = None
     with UtilizationMonitor() as mon:
+        if limit:
+            emit("measuring the decode-only limit ...")
+            source = open_dataset(folder if folder is not None else packed)
+            try:
+                ceiling = decode_limit(
+                    source,
+                    workers=available_cpus(),
+                    epochs=epochs,
+                    batch_size=batch_size,
+                    monitor=mon,
+                    progress=progress,
+                )
+            except (RuntimeError, ValueError, OSError) as e:
+                why = one_line(e)
+                log.error("the limit row failed: %s", why)
+                ceiling = {"loader": LIMIT, "augment": "none", "workers": available_cpus(), "error": why}
         for kind, variant in ((k, v) for v in variants for k in loaders):
             aug = variant.auto_augment or "none"
             emit(f"benchmarking {kind}{'' if len(variants) == 1 else ' + ' + aug} ...")
@@ -324,6 +434,8 @@ def run_bench(
         base = _baseline_for(r, rows)
         if base and "error" not in r:
             r["x_baseline"] = r["img_per_s"] / base
+        if ceiling and "error" not in ceiling and "error" not in r:
+            r["of_limit"] = r["img_per_s"] / ceiling["img_per_s"]
     info = machine_info()
     result = {
         "settings": {
@@ -341,9 +453,10 @@ def run_bench(
         },
         "machine": info,
         "rows": rows,
-        "table": markdown_table(rows),
+        "limit": ceiling,
+        "table": markdown_table(rows, ceiling),
     }
     atomic_write(out / "results.json", lambda f: f.write(json.dumps(result, indent=1, default=str).encode()))
     where = info["gpu"] or f"{info['cpu_count']} CPU cores, no GPU"
-    plot(rows, out / "bench.png", f"model={model}, {image_size}px, batch {batch_size} — {where}")
+    plot(rows, out / "bench.png", f"model={model}, {image_size}px, batch {batch_size} — {where}", ceiling)
     return result
