@@ -1,7 +1,8 @@
 """Memory of each loader's processes over many epochs: does a decode worker's resident set stay flat?
 
     python benchmarks/worker_rss.py DATASET [--epochs 30] [--loaders baseline,torch,dali] [--workers 2]
-                                            [--batch-size 32] [--image-size 224] [--json OUT.json]
+                                            [--batch-size 32] [--image-size 224] [--augment POLICY] [--eval]
+                                            [--json OUT.json]
 
 Each loader runs in a fresh Python process of its own (so the main process's figure is that loader's
 alone): ``--epochs`` training epochs (random-resized-crop, flip, normalize) over DATASET (an ImageFolder
@@ -9,9 +10,10 @@ or a packed set), with ``--workers`` decode processes for the DataLoader-based l
 threads for DALI. After each epoch it reads, from /proc, the resident set (RSS) of the main process
 and of each of its worker processes, and their private memory (USS: pages no other process maps).
 
-The table shows each process's RSS after epoch 1, the middle epoch and the last, and the growth from
-epoch 1 to the last; RSS of workers includes pages they share with the main process (torch's
-libraries), so USS is shown beside it. Linux only (reads /proc).
+The table shows each process's RSS after epoch 1, the largest RSS over the first ten epochs and over
+the last ten, and the growth between those two (a batch in flight more or less moves a single
+reading; the maxima of ten readings do not). RSS of workers includes pages they share with the main
+process (torch's libraries, the shared batch memory), so USS is shown beside it. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -62,14 +64,18 @@ def memory(pid: int) -> dict[str, float]:
     return {"rss": rss * 1024 / MIB, "uss": private * 1024 / MIB}
 
 
-def run_one(kind: str, dataset: str, epochs: int, workers: int, batch_size: int, image_size: int) -> dict:
+def run_one(
+    kind: str, dataset: str, epochs: int, workers: int, batch_size: int, image_size: int, augment: str, train: bool
+) -> dict:
     """Run ``epochs`` epochs of one loader in this process; memory of the process tree after each."""
+    from dali_fast.recipe import Recipe
     from dali_fast.records import open_dataset
     from dali_fast.train import make_loader_for
 
     reader = open_dataset(dataset)
+    recipe = Recipe(image_size=image_size, auto_augment=None if augment == "none" else augment)
     loader = make_loader_for(
-        kind, reader, batch_size, train=True, image_size=image_size, num_workers=workers, seed=0
+        kind, reader, batch_size, train=train, image_size=image_size, num_workers=workers, seed=0, recipe=recipe
     )
     me = os.getpid()
     per_epoch = []
@@ -101,28 +107,30 @@ def run_one(kind: str, dataset: str, epochs: int, workers: int, batch_size: int,
 
 
 def table(results: list[dict]) -> str:
-    """One row per process: RSS (USS) after epoch 1, the middle epoch and the last; growth of RSS."""
-    lines = []
+    """One row per process: RSS (USS) after epoch 1, the largest over the first and the last ten epochs."""
+    lines = [
+        "| loader | process | epoch 1 RSS (USS) | max, epochs 1-10 | max, last 10 epochs | growth |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['loader']} | failed: {r['error']} | | | | |")
             continue
         eps = r["epochs"]
-        picks = [eps[0], eps[len(eps) // 2], eps[-1]]
-        if not lines:
-            head = " | ".join(f"epoch {e['epoch']} RSS (USS)" for e in picks)
-            lines += [f"| loader | process | {head} | RSS growth |", "|---|---|" + "---:|" * (len(picks) + 1)]
+        first, last = eps[: min(10, len(eps))], eps[-min(10, len(eps)) :]
         procs = [("main", lambda e: e["main"])]
-        workers = list(eps[-1]["workers"])
-        for k, pid in enumerate(workers):
+        for k, pid in enumerate(eps[-1]["workers"]):
             procs.append((f"worker {k}", lambda e, pid=pid: e["workers"].get(pid)))
         for name, get in procs:
-            cells = []
-            for e in picks:
-                m = get(e)
-                cells.append("-" if m is None else f"{m['rss']:.0f} ({m['uss']:.0f})")
-            first, last = get(eps[0]), get(eps[-1])
-            growth = "-" if first is None or last is None else f"{last['rss'] - first['rss']:+.0f} MiB"
+
+            def peak(window, get=get):
+                seen = [m for m in (get(e) for e in window) if m is not None]
+                return (max(m["rss"] for m in seen), max(m["uss"] for m in seen)) if seen else None
+
+            one, early, late = get(eps[0]), peak(first), peak(last)
+            cells = ["-" if one is None else f"{one['rss']:.0f} ({one['uss']:.0f})"]
+            cells += ["-" if p is None else f"{p[0]:.0f} ({p[1]:.0f})" for p in (early, late)]
+            growth = "-" if early is None or late is None else f"{late[0] - early[0]:+.0f} MiB"
             lines.append(f"| {r['loader']} | {name} | {' | '.join(cells)} | {growth} |")
     return "\n".join(lines)
 
@@ -135,16 +143,20 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="decode processes (DALI: threads); default 2")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--augment", default="none", help="automatic augmentation (randaugment, trivialaugment...)")
+    ap.add_argument("--eval", action="store_true", help="the evaluation transform (resize, centre crop)")
     ap.add_argument("--json", type=Path, help="also write every epoch's figures here")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one loader in this process, print JSON
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_one(a.one, a.dataset, a.epochs, a.workers, a.batch_size, a.image_size)))
+        args = (a.one, a.dataset, a.epochs, a.workers, a.batch_size, a.image_size, a.augment, not a.eval)
+        print(json.dumps(run_one(*args)))
         return
     results = []
     for kind in [k.strip() for k in a.loaders.split(",") if k.strip()]:
         cmd = [sys.executable, __file__, a.dataset, "--one", kind, "--epochs", str(a.epochs)]
         cmd += ["--workers", str(a.workers), "--batch-size", str(a.batch_size), "--image-size", str(a.image_size)]
+        cmd += ["--augment", a.augment] + (["--eval"] if a.eval else [])
         print(f"{kind}: {a.epochs} epochs ...", file=sys.stderr, flush=True)
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
@@ -154,7 +166,8 @@ def main() -> None:
         results.append(json.loads(p.stdout.strip().splitlines()[-1]))
     print(
         f"RSS and (USS) in MiB of each process after epochs; {a.epochs} epochs of {a.dataset}, "
-        f"batch {a.batch_size}, {a.image_size} px, {a.workers} workers/threads\n"
+        f"{'eval' if a.eval else 'train'}, augment {a.augment}, batch {a.batch_size}, {a.image_size} px, "
+        f"{a.workers} workers/threads\n"
     )
     print(table(results))
     if a.json:
