@@ -163,3 +163,18 @@ def test_tame_malloc_applies_on_glibc():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert out.strip() == str(glibc)
+
+
+@pytest.mark.parametrize("size", [224, 8])  # one image per cache-sized step, or the whole batch in one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_finish_in_cache_sized_steps_is_bit_identical_to_whole_batch_ops(size, dtype, memory_format):
+    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+    u8 = torch.randint(0, 256, (5, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # an NHWC slot's view
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    want = u8.to(torch.float32).sub_(mean).mul_(1.0 / std).to(dtype)
+    got = finish_batch(u8, dtype, memory_format, IMAGENET_MEAN, IMAGENET_STD)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=memory_format)
+    assert torch.equal(got, want)
