@@ -33,6 +33,7 @@ from .workers import (
     finish_batch,
     image_shape,
     slot_layout,
+    split,
     worker_init,
 )
 
@@ -174,20 +175,27 @@ def one_intra_op_thread() -> Iterator[None]:
 
 
 class _PlanSampler(Sampler):
-    """The current pass's batches as `Task`s, each given a free slot of the ring when it is sent to a
-    worker (DataLoader draws from this as it dispatches); re-armed before each pass."""
+    """The current pass's batches as `Task`s: each batch split among the workers (`split`), and given a
+    free slot of the ring when its first part is sent (DataLoader draws from this as it dispatches).
+    Splitting keeps every worker on the batch the main process waits for, and lets the last batch of an
+    epoch end as soon as possible. Re-armed before each pass."""
 
     def __init__(self) -> None:
         self.keys: Sequence[list[tuple]] = []
+        self.sizes: list[int] = []
         self.ring: SlotRing | None = None
+        self.workers = 1
 
     def __iter__(self) -> Iterator[Task]:
         ring = self.ring
         for keys in self.keys:
-            yield Task(ring.take(), keys)  # type: ignore[union-attr]
+            slot = ring.take()  # type: ignore[union-attr]
+            parts = split(len(keys), self.workers)
+            for k, (start, stop) in enumerate(parts):
+                yield Task(slot, keys[start:stop], start, k, len(parts))
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return sum(len(split(n, self.workers)) for n in self.sizes)
 
 
 class TorchIterator(LoaderBase):
@@ -301,20 +309,21 @@ class TorchIterator(LoaderBase):
         ring = self._slots_for(max(len(b) for b in plan))
         ring.reset()  # DataLoader drains an earlier pass's tasks before it sends this one's
         self._plan.keys, self._plan.ring = self._keys(plan), ring
+        self._plan.sizes, self._plan.workers = [len(b) for b in plan], max(1, self.num_workers)
         if self.num_workers:
-            batches: Iterator[dict[str, Any]] = iter(self._dataloader())
+            parts: Iterator[dict[str, Any]] = iter(self._dataloader())
         else:
             maker = self._maker
-            batches = (maker.make(task) for task in self._plan)  # type: ignore[union-attr]
+            parts = (maker.make(task) for task in self._plan)  # type: ignore[union-attr]
         carry = 0  # planned samples of batches that were all bad, accounted with the next batch
-        for b in batches:
+        for b in _whole_batches(parts):
             event = None
             try:
                 self._handle_bad(b["bad"])
                 if b["n"] == 0:
                     carry += b["consumed"]
                     continue
-                images, labels, event = self._finish(ring.view(b["slot"], b["n"]), b)
+                images, labels, event = self._finish(_pixels(ring, b), b)
             finally:
                 ring.give_back(b["slot"], event)
             consumed, carry = b["consumed"] + carry, 0
@@ -354,6 +363,38 @@ class TorchIterator(LoaderBase):
             if self.on_error == "raise":
                 raise BadRecordError(bad_record_message(self.dataset, index, reason))
             self._skips.add(index, self.dataset.source(index), reason)
+
+
+def _whole_batches(parts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Join the parts of each batch (they arrive in order) into one batch's metadata; ``ranges`` holds
+    each part's (offset, images) in the slot."""
+    pending: list[dict[str, Any]] = []
+    for part in parts:
+        pending.append(part)
+        if part["part"] + 1 < part["parts"]:
+            continue
+        boxes = [p["boxes"] for p in pending if p["boxes"] is not None]
+        yield {
+            "slot": part["slot"],
+            "n": sum(p["n"] for p in pending),
+            "ranges": [(p["offset"], p["n"]) for p in pending],
+            "labels": np.concatenate([p["labels"] for p in pending]),
+            "boxes": np.concatenate(boxes) if boxes else None,
+            "consumed": sum(p["consumed"] for p in pending),
+            "bad": [bad for p in pending for bad in p["bad"]],
+        }
+        pending = []
+
+
+def _pixels(ring: SlotRing, b: dict[str, Any]) -> torch.Tensor:
+    """The batch's images in its slot: a view when its parts lie end to end (no bad record among them),
+    else the good images gathered into one tensor."""
+    at = 0
+    for offset, n in b["ranges"]:
+        if offset != at:
+            return torch.cat([ring.buffer[b["slot"], o : o + k] for o, k in b["ranges"] if k])
+        at += n
+    return ring.view(b["slot"], b["n"])
 
 
 class _LazyCachedKeys:

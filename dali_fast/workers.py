@@ -147,11 +147,26 @@ class SlotRing:
 
 @dataclass
 class Task:
-    """One batch for a worker: the slot to write and the records' keys ((index, epoch) or, with the main
-    process's cache, (index, epoch, bytes, label, reason))."""
+    """A part of one batch for a worker: the slot to write from ``offset`` on, and the records' keys
+    ((index, epoch) or, with the main process's cache, (index, epoch, bytes, label, reason)). A batch is
+    split into ``parts`` tasks (``part`` = 0, 1, ...) so that every worker works on the same batch."""
 
     slot: int
     keys: list[tuple] = field(default_factory=list)
+    offset: int = 0
+    part: int = 0
+    parts: int = 1
+
+
+MIN_PART = 4  # images: a batch is split among the workers in parts of at least this many
+
+
+def split(size: int, workers: int) -> list[tuple[int, int]]:
+    """(start, stop) of the parts of a batch of ``size`` for ``workers`` workers: as equal as can be,
+    one per worker, none under `MIN_PART` images (a batch under 2 x MIN_PART stays whole)."""
+    parts = max(1, min(workers, size // MIN_PART))
+    edges = [size * k // parts for k in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def slot_layout(memory_format: torch.memory_format) -> str:
@@ -167,9 +182,9 @@ def image_shape(layout: str, size: int) -> tuple[int, int, int]:
 
 
 class BatchMaker(Dataset):
-    """Runs in the workers: a `Task` → its images written into the slot, and the batch's metadata.
+    """Runs in the workers: a `Task` → its images written into the slot, and the part's metadata.
 
-    Good samples are packed at the front of the slot in plan order; bad records (unreadable, failing
+    Good samples are packed from the task's offset on, in plan order; bad records (unreadable, failing
     the structural check, undecodable) are listed with their reason, never raised, so the consumer
     decides (``on_error``) and names them.
     """
@@ -210,7 +225,7 @@ class BatchMaker(Dataset):
             else:
                 data, label, reason = read_checked(self.reader, index)
             if reason is None:
-                reason, box = self._sample(data, index, epoch, slot[len(labels)])
+                reason, box = self._sample(data, index, epoch, slot[task.offset + len(labels)])
             if reason is not None:
                 bad.append((index, reason))
                 continue
@@ -219,6 +234,9 @@ class BatchMaker(Dataset):
                 boxes.append(box)
         return {
             "slot": task.slot,
+            "offset": task.offset,
+            "part": task.part,
+            "parts": task.parts,
             "n": len(labels),
             "labels": np.asarray(labels, dtype=np.int64),
             "boxes": np.asarray(boxes, dtype=np.int64).reshape(-1, 4) if boxes else None,

@@ -178,3 +178,14 @@ def test_finish_in_cache_sized_steps_is_bit_identical_to_whole_batch_ops(size, d
     got = finish_batch(u8, dtype, memory_format, IMAGENET_MEAN, IMAGENET_STD)
     assert got.dtype == dtype and got.is_contiguous(memory_format=memory_format)
     assert torch.equal(got, want)
+
+
+def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
+    from dali_fast.workers import split
+
+    assert split(32, 2) == [(0, 16), (16, 32)]
+    assert split(37, 3) == [(0, 12), (12, 24), (24, 37)]
+    assert split(7, 2) == [(0, 7)]  # under two parts of 4: whole
+    assert split(9, 8) == [(0, 4), (4, 9)]
+    assert split(256, 8) == [(32 * k, 32 * (k + 1)) for k in range(8)]
+    assert split(5, 1) == [(0, 5)] and split(1, 4) == [(0, 1)]
