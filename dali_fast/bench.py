@@ -74,12 +74,86 @@ def _progress(desc: str, total: int, enabled: bool):
     return tqdm(total=total, desc=desc, unit="img", leave=False, disable=not enabled)
 
 
-def bench_loader(
+class _Row:
+    """One row of the table, run an epoch at a time: epoch 0 warms up, the others are timed.
+
+    ``consume`` turns one batch into the number of images it delivered (a loader row runs its training
+    step or mix there); ``close`` releases the loader's workers or pipeline, failed or not."""
+
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        loader: Any,
+        images: int,
+        consume: Callable[[Any], int],
+        *,
+        monitor: Any,
+        progress: bool,
+        augment: str = "none",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.kind, self.name, self.loader, self.images, self.consume = kind, name, loader, images, consume
+        self.monitor, self.progress, self.augment, self.extra = monitor, progress, augment, extra or {}
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.epochs_run = 0
+
+    def epoch(self) -> None:
+        epoch, loader = self.epochs_run, self.loader
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        phase = self.name if epoch > 0 else f"{self.name}-warmup"
+        bar = _progress(f"{self.name} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", self.images, self.progress)
+        t0, n = time.perf_counter(), 0
+        with self.monitor.phase(phase):
+            for batch in loader:
+                done = self.consume(batch)
+                n += done
+                bar.update(done)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        bar.close()
+        if epoch > 0:
+            self.times.append(time.perf_counter() - t0)
+            self.counts.append(n)
+        self.epochs_run += 1
+
+    def close(self) -> None:
+        loader, self.loader = self.loader, None
+        if loader is None:
+            return
+        if hasattr(loader, "close"):
+            loader.close()
+        else:
+            shutdown_workers(loader)
+
+    def result(self) -> dict[str, Any]:
+        util = self.monitor.summary(self.name)
+        extra = {k: (v() if callable(v) else v) for k, v in self.extra.items()}
+        return {
+            "loader": self.kind,
+            "augment": self.augment,
+            "img_per_s": sum(self.counts) / sum(self.times),
+            "epoch_s": sum(self.times) / len(self.times),
+            "epoch_times": self.times,
+            "images_per_epoch": self.counts[0],
+            "util_kind": util["kind"],
+            "util_mean": util["mean"],
+            "util_p50": util["p50"],
+            "util_p95": util["p95"],
+            # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
+            # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
+            "peak_mem_bytes": util["peak_mem"],
+            **extra,
+        }
+
+
+def loader_row(
     kind: str,
     folder: Path | None,
     packed: Path,
     *,
-    epochs: int,
     batch_size: int,
     image_size: int,
     model: str,
@@ -90,11 +164,10 @@ def bench_loader(
     on_error: str = "raise",
     recipe: Recipe | None = None,
     mix: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """Warm-up epoch, then ``epochs`` timed epochs of loading (+ a training step unless model='none').
-
-    ``recipe`` is the per-image transform; ``mix`` (MixupCutmix settings) mixes each batch on the
-    device it arrives on, inside the timed loop (with a model, the step trains on the soft targets)."""
+    name: str | None = None,
+) -> _Row:
+    """A loader's row: loading (+ a training step unless model='none'), ``recipe`` per image, ``mix``
+    (MixupCutmix settings) on each batch on the device it arrives on, inside the timed loop."""
     from .controller import BatchSizeController
 
     # The baseline reads the image files, as a plain script does; the others read the packed set.
@@ -119,57 +192,49 @@ def bench_loader(
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    times, counts = [], []
+
+    def consume(batch: Any) -> int:
+        images, labels = batch
+        if trainer is not None:
+            trainer.step(images, labels, ctrl)
+        else:
+            if gpu:
+                images = images.to("cuda", non_blocking=True)
+            if mixer is not None:
+                images, _ = mixer(images, labels.to(images.device))
+        return len(labels)
+
+    augment = (recipe.auto_augment if recipe is not None else None) or "none"
+    extra = {
+        "cache": lambda: loader.cache_stats() if hasattr(loader, "cache_stats") else None,
+        "batch_decisions": lambda: ctrl.history if ctrl is not None else [],
+    }
+    return _Row(
+        kind,
+        name or kind,
+        loader,
+        len(reader),
+        consume,
+        monitor=monitor,
+        progress=progress,
+        augment=augment,
+        extra=extra,
+    )
+
+
+def bench_loader(kind: str, folder: Path | None, packed: Path, *, epochs: int, **kw: Any) -> dict[str, Any]:
+    """Warm-up epoch, then ``epochs`` timed epochs of one loader (`loader_row`'s arguments), then closed."""
+    return _run_alone(loader_row(kind, folder, packed, **kw), epochs)
+
+
+def _run_alone(row: _Row, epochs: int) -> dict[str, Any]:
     try:
-        for epoch in range(epochs + 1):
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            phase = kind if epoch > 0 else f"{kind}-warmup"
-            bar = _progress(f"{kind} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
-            t0, n = time.perf_counter(), 0
-            with monitor.phase(phase):
-                for images, labels in loader:
-                    if trainer is not None:
-                        trainer.step(images, labels, ctrl)
-                    else:
-                        if gpu:
-                            images = images.to("cuda", non_blocking=True)
-                        if mixer is not None:
-                            images, _ = mixer(images, labels.to(images.device))
-                    n += len(labels)
-                    bar.update(len(labels))
-                if gpu:
-                    torch.cuda.synchronize()
-            bar.close()
-            if epoch > 0:
-                times.append(time.perf_counter() - t0)
-                counts.append(n)
+        for _ in range(epochs + 1):
+            row.epoch()
+        return row.result()
     finally:
         # Worker pools and a DALI pipeline kept between epochs end with their row, failed or not.
-        if hasattr(loader, "close"):
-            loader.close()
-        else:
-            shutdown_workers(loader)
-    util = monitor.summary(kind)
-    cache = loader.cache_stats() if hasattr(loader, "cache_stats") else None
-    # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
-    # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
-    peak = util["peak_mem"]
-    return {
-        "loader": kind,
-        "augment": (recipe.auto_augment if recipe is not None else None) or "none",
-        "img_per_s": sum(counts) / sum(times),
-        "epoch_s": sum(times) / len(times),
-        "epoch_times": times,
-        "images_per_epoch": counts[0],
-        "util_kind": util["kind"],
-        "util_mean": util["mean"],
-        "util_p50": util["p50"],
-        "util_p95": util["p95"],
-        "peak_mem_bytes": peak,
-        "cache": cache,
-        "batch_decisions": ctrl.history if ctrl is not None else [],
-    }
+        row.close()
 
 
 class _DecodeOnly(Dataset):
@@ -198,50 +263,23 @@ class _DecodeOnly(Dataset):
         return done
 
 
-def decode_limit(
-    reader: Any, *, workers: int, epochs: int, batch_size: int, monitor: Any, progress: bool
-) -> dict[str, Any]:
-    """The machine's ceiling on this data: img/s of reading and decoding every record whole (no crop) in
-    ``workers`` processes, a warm-up epoch then ``epochs`` timed ones: what a loader would reach if
-    decoding were all it did. Loaders read as a share of it."""
+def limit_row(reader: Any, *, workers: int, batch_size: int, monitor: Any, progress: bool) -> _Row:
+    """The machine's ceiling on this data: reading and decoding every record whole (no crop) in
+    ``workers`` processes, what a loader would reach if decoding were all it did. Loaders read as a
+    share of it."""
     from torch.utils.data import DataLoader
 
     order = list(range(len(reader)))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     kw: dict[str, Any] = {"persistent_workers": True, "worker_init_fn": worker_init} if workers else {}
     loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=_as_is, **kw)
-    times, counts = [], []
-    try:
-        for epoch in range(epochs + 1):
-            bar = _progress(f"limit epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
-            t0, n = time.perf_counter(), 0
-            with monitor.phase("limit" if epoch else "limit-warmup"):
-                for done in loader:
-                    n += done
-                    bar.update(done)
-            bar.close()
-            if epoch > 0:
-                times.append(time.perf_counter() - t0)
-                counts.append(n)
-    finally:
-        shutdown_workers(loader)
-    util = monitor.summary("limit")
-    return {
-        "loader": LIMIT,
-        "augment": "none",
-        "img_per_s": sum(counts) / sum(times),
-        "epoch_s": sum(times) / len(times),
-        "epoch_times": times,
-        "images_per_epoch": counts[0],
-        "workers": workers,
-        "util_kind": util["kind"],
-        "util_mean": util["mean"],
-        "util_p50": util["p50"],
-        "util_p95": util["p95"],
-        "peak_mem_bytes": util["peak_mem"],
-        "cache": None,
-        "batch_decisions": [],
-    }
+    extra = {"workers": workers, "cache": None, "batch_decisions": []}
+    return _Row(LIMIT, LIMIT, loader, len(reader), int, monitor=monitor, progress=progress, extra=extra)
+
+
+def decode_limit(reader: Any, *, epochs: int, **kw: Any) -> dict[str, Any]:
+    """`limit_row` for a warm-up epoch and ``epochs`` timed ones."""
+    return _run_alone(limit_row(reader, **kw), epochs)
 
 
 def _fmt_mem(b: Any) -> str:
@@ -355,6 +393,7 @@ def run_bench(
     augments: Sequence[str | None] | None = None,
     mix: dict[str, float] | None = None,
     limit: bool = True,
+    alternate: bool = False,
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
@@ -362,7 +401,10 @@ def run_bench(
     Each of ``augments`` (automatic augmentations, None or 'none' for none; default: the recipe's own)
     is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others. With
     ``limit``, the machine's decode-only ceiling on the same data and processes comes first
-    (`decode_limit`), and each row reads as a share of it."""
+    (`limit_row`), and each row reads as a share of it. With ``alternate``, every row is started and
+    warmed up, then the rows take turns, one timed epoch each, ``epochs`` times: a machine whose load
+    changes during the run then slows every row alike (all loaders stay alive meanwhile, so peak memory
+    is that of them all)."""
     from .monitor import UtilizationMonitor
 
     for k in loaders:
@@ -385,51 +427,78 @@ def run_bench(
         packed = Path(dataset)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    ceiling: dict[str, Any] | None = None
-    with UtilizationMonitor() as mon:
-        if limit:
-            emit("measuring the decode-only limit ...")
+    specs: list[tuple[str, Recipe | None]] = [(LIMIT, None)] if limit else []
+    specs += [(k, v) for v in variants for k in loaders]
+    results: dict[int, dict[str, Any]] = {}
+    live: dict[int, _Row] = {}
+
+    def augment_of(variant: Recipe | None) -> str:
+        return "none" if variant is None else variant.auto_augment or "none"
+
+    def failed(k: int, e: BaseException) -> None:
+        kind, variant = specs[k]
+        why = one_line(e)
+        log.error("%s failed: %s", "the limit row" if kind == LIMIT else kind, why)
+        results[k] = {"loader": kind, "augment": augment_of(variant), "error": why}
+        if kind == LIMIT:
+            results[k]["workers"] = available_cpus()
+        row = live.pop(k, None)
+        if row is not None:
+            row.close()
+
+    def make_row(kind: str, variant: Recipe | None, monitor: Any) -> _Row:
+        if kind == LIMIT:
             source = open_dataset(folder if folder is not None else packed)
-            try:
-                ceiling = decode_limit(
-                    source,
-                    workers=available_cpus(),
-                    epochs=epochs,
-                    batch_size=batch_size,
-                    monitor=mon,
-                    progress=progress,
-                )
-            except (RuntimeError, ValueError, OSError) as e:
-                why = one_line(e)
-                log.error("the limit row failed: %s", why)
-                ceiling = {"loader": LIMIT, "augment": "none", "workers": available_cpus(), "error": why}
-        for kind, variant in ((k, v) for v in variants for k in loaders):
-            aug = variant.auto_augment or "none"
-            emit(f"benchmarking {kind}{'' if len(variants) == 1 else ' + ' + aug} ...")
-            try:
-                rows.append(
-                    bench_loader(
-                        kind,
-                        folder,
-                        packed,
-                        epochs=epochs,
-                        batch_size=batch_size,
-                        image_size=image_size,
-                        model=model,
-                        cache_bytes=cache_bytes,
-                        controller=controller,
-                        monitor=mon,
-                        progress=progress,
-                        on_error=on_error,
-                        recipe=variant,
-                        mix=mix,
-                    )
-                )
-            except (ImportError, RuntimeError, ValueError, OSError) as e:
-                why = one_line(e)
-                log.error("%s failed: %s", kind, why)
-                rows.append({"loader": kind, "augment": aug, "error": why})
+            return limit_row(
+                source, workers=available_cpus(), batch_size=batch_size, monitor=monitor, progress=progress
+            )
+        return loader_row(
+            kind,
+            folder,
+            packed,
+            batch_size=batch_size,
+            image_size=image_size,
+            model=model,
+            cache_bytes=cache_bytes,
+            controller=controller,
+            monitor=monitor,
+            progress=progress,
+            on_error=on_error,
+            recipe=variant,
+            mix=mix,
+            name=kind if len(variants) == 1 else f"{kind} + {augment_of(variant)}",
+        )
+
+    errors = (ImportError, RuntimeError, ValueError, OSError)
+    with UtilizationMonitor() as mon:
+        try:
+            for k, (kind, variant) in enumerate(specs):
+                what = "the decode-only limit" if kind == LIMIT else kind
+                what += "" if kind == LIMIT or len(variants) == 1 else f" + {augment_of(variant)}"
+                emit(f"{'starting' if alternate else 'benchmarking'} {what} ...")
+                try:
+                    live[k] = make_row(kind, variant, mon)
+                    if alternate:
+                        live[k].epoch()  # its warm-up
+                    else:
+                        results[k] = _run_alone(live.pop(k), epochs)
+                except errors as e:
+                    failed(k, e)
+            if alternate:
+                emit(f"timing {len(live)} rows in turn, one epoch each, {epochs} times ...")
+                for _ in range(epochs):
+                    for k in list(live):
+                        try:
+                            live[k].epoch()
+                        except errors as e:
+                            failed(k, e)
+                results.update({k: row.result() for k, row in live.items()})
+        finally:
+            for row in live.values():
+                row.close()
+    ordered = [results[k] for k in sorted(results)]
+    ceiling = next((r for r in ordered if r["loader"] == LIMIT), None)
+    rows = [r for r in ordered if r["loader"] != LIMIT]
     for r in rows:
         base = _baseline_for(r, rows)
         if base and "error" not in r:
@@ -450,6 +519,7 @@ def run_bench(
             "controller": controller,
             "recipes": [v.describe() for v in variants],
             "mix": mix,
+            "alternate": alternate,
         },
         "machine": info,
         "rows": rows,

@@ -197,3 +197,59 @@ def test_no_limit_is_refused_with_stages(tmp_path, capsys):
     assert main(["bench", str(tmp_path), "--stages", "--no-limit"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--no-limit" in err
+
+
+def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
+    """--alternate: every row warms up, then the rows take turns, one timed epoch each."""
+    from dali_fast import bench
+
+    order = []
+    real = bench._Row.epoch
+
+    def spy(self):
+        order.append((self.name, self.epochs_run))
+        real(self)
+
+    monkeypatch.setattr(bench._Row, "epoch", spy)
+    result = run_bench(
+        str(tiny_packed / "packed"),
+        loaders=["baseline", "torch"],
+        epochs=2,
+        batch_size=8,
+        image_size=32,
+        out=tmp_path,
+        progress=False,
+        alternate=True,
+    )
+    assert order == [("limit", 0), ("baseline", 0), ("torch", 0)] + [
+        (name, e) for e in (1, 2) for name in ("limit", "baseline", "torch")
+    ]
+    assert [len(r["epoch_times"]) for r in result["rows"]] == [2, 2] and len(result["limit"]["epoch_times"]) == 2
+    assert all(r["images_per_epoch"] == 36 for r in [*result["rows"], result["limit"]])
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["alternate"] is True
+
+
+def test_a_row_failing_while_alternating_is_named_and_the_others_finish(tiny_packed, tmp_path, monkeypatch):
+    from dali_fast import bench
+
+    real = bench._Row.epoch
+
+    def flaky(self):
+        if self.kind == "torch" and self.epochs_run == 1:
+            raise RuntimeError("decode worker lost")
+        real(self)
+
+    monkeypatch.setattr(bench._Row, "epoch", flaky)
+    result = run_bench(
+        str(tiny_packed / "packed"),
+        loaders=["baseline", "torch"],
+        epochs=2,
+        batch_size=8,
+        image_size=32,
+        out=tmp_path,
+        progress=False,
+        alternate=True,
+        limit=False,
+    )
+    assert result["rows"][1] == {"loader": "torch", "augment": "none", "error": "RuntimeError: decode worker lost"}
+    assert len(result["rows"][0]["epoch_times"]) == 2
