@@ -11,8 +11,8 @@ threads for DALI. After each epoch it reads, from /proc, the resident set (RSS) 
 and of each of its worker processes, and their private memory (USS: pages no other process maps).
 
 The table shows each process's RSS after epoch 1, the largest RSS over the first ten epochs and over
-the last ten, and the growth between those two (a batch in flight more or less moves a single
-reading; the maxima of ten readings do not). RSS of workers includes pages they share with the main
+the last ten, and the growth from epoch 1 and from the first ten to the last ten (a batch in flight
+more or less moves a single reading; the maxima of ten readings do not). RSS of workers includes pages they share with the main
 process (torch's libraries, the shared batch memory), so USS is shown beside it. Linux only (/proc).
 """
 
@@ -109,12 +109,13 @@ def run_one(
 def table(results: list[dict]) -> str:
     """One row per process: RSS (USS) after epoch 1, the largest over the first and the last ten epochs."""
     lines = [
-        "| loader | process | epoch 1 RSS (USS) | max, epochs 1-10 | max, last 10 epochs | growth |",
-        "|---|---|---:|---:|---:|---:|",
+        "| loader | process | epoch 1 RSS (USS) | max, epochs 1-10 | max, last 10 epochs | growth since epoch 1 "
+        "| growth, first to last 10 |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['loader']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['loader']} | failed: {r['error']} | | | | | |")
             continue
         eps = r["epochs"]
         first, last = eps[: min(10, len(eps))], eps[-min(10, len(eps)) :]
@@ -130,8 +131,9 @@ def table(results: list[dict]) -> str:
             one, early, late = get(eps[0]), peak(first), peak(last)
             cells = ["-" if one is None else f"{one['rss']:.0f} ({one['uss']:.0f})"]
             cells += ["-" if p is None else f"{p[0]:.0f} ({p[1]:.0f})" for p in (early, late)]
+            since = "-" if one is None or late is None else f"{late[0] - one['rss']:+.0f} MiB"
             growth = "-" if early is None or late is None else f"{late[0] - early[0]:+.0f} MiB"
-            lines.append(f"| {r['loader']} | {name} | {' | '.join(cells)} | {growth} |")
+            lines.append(f"| {r['loader']} | {name} | {' | '.join(cells)} | {since} | {growth} |")
     return "\n".join(lines)
 
 
