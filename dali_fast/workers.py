@@ -126,9 +126,14 @@ class SlotRing:
         if self._pinned:
             return True
         buf = self.buffer
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-        if int(err) != 0:
-            log.warning("could not page-lock the batch slots (CUDA error %d); GPU copies are synchronous", int(err))
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+        except (RuntimeError, AttributeError, TypeError) as e:
+            err, why = -1, str(e)
+        else:
+            why = f"CUDA error {err}"
+        if err != 0:
+            log.warning("could not page-lock the batch slots (%s); copies to the GPU wait for the host", why)
             return False
         self._pinned = True
         return True

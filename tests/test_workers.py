@@ -189,3 +189,24 @@ def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
     assert split(9, 8) == [(0, 4), (4, 9)]
     assert split(256, 8) == [(32 * k, 32 * (k + 1)) for k in range(8)]
     assert split(5, 1) == [(0, 5)] and split(1, 4) == [(0, 1)]
+
+
+def test_a_refused_page_lock_is_said_once_and_copies_still_work(monkeypatch, caplog):
+    """Where CUDA refuses to page-lock the slots, the ring says so and stays usable (copies then wait)."""
+    import logging
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+            calls.append((ptr, size, flags))
+            return 1  # cudaErrorInvalidValue
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    ring = SlotRing(2, 3, (3, 4, 4))
+    with caplog.at_level(logging.WARNING):
+        assert ring.pin() is False
+    assert calls == [(ring.buffer.data_ptr(), ring.buffer.numel(), 0)]
+    assert "could not page-lock the batch slots (CUDA error 1)" in caplog.text
+    assert ring.take() == 0 and not ring._pinned  # noqa: SLF001
+    ring.close()  # nothing to unregister
