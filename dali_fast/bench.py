@@ -12,15 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
+from .decode import Decoder
 from .fallback import shutdown_workers
 from .recipe import MixupCutmix, Recipe, resolve_recipe
-from .records import open_dataset, pack
+from .records import open_dataset, pack, read_checked
 from .synthetic import default_cache_dir, make_synthetic
 from .system import atomic_write, available_cpus
 from .train import LOADERS, Trainer, make_loader_for
+from .workers import _as_is, worker_init
 
 log = logging.getLogger(__name__)
+
+LIMIT = "limit"  # the row of the machine's decode-only ceiling
 
 
 def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
@@ -69,12 +74,86 @@ def _progress(desc: str, total: int, enabled: bool):
     return tqdm(total=total, desc=desc, unit="img", leave=False, disable=not enabled)
 
 
-def bench_loader(
+class _Row:
+    """One row of the table, run an epoch at a time: epoch 0 warms up, the others are timed.
+
+    ``consume`` turns one batch into the number of images it delivered (a loader row runs its training
+    step or mix there); ``close`` releases the loader's workers or pipeline, failed or not."""
+
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        loader: Any,
+        images: int,
+        consume: Callable[[Any], int],
+        *,
+        monitor: Any,
+        progress: bool,
+        augment: str = "none",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.kind, self.name, self.loader, self.images, self.consume = kind, name, loader, images, consume
+        self.monitor, self.progress, self.augment, self.extra = monitor, progress, augment, extra or {}
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.epochs_run = 0
+
+    def epoch(self) -> None:
+        epoch, loader = self.epochs_run, self.loader
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        phase = self.name if epoch > 0 else f"{self.name}-warmup"
+        bar = _progress(f"{self.name} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", self.images, self.progress)
+        t0, n = time.perf_counter(), 0
+        with self.monitor.phase(phase):
+            for batch in loader:
+                done = self.consume(batch)
+                n += done
+                bar.update(done)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        bar.close()
+        if epoch > 0:
+            self.times.append(time.perf_counter() - t0)
+            self.counts.append(n)
+        self.epochs_run += 1
+
+    def close(self) -> None:
+        loader, self.loader = self.loader, None
+        if loader is None:
+            return
+        if hasattr(loader, "close"):
+            loader.close()
+        else:
+            shutdown_workers(loader)
+
+    def result(self) -> dict[str, Any]:
+        util = self.monitor.summary(self.name)
+        extra = {k: (v() if callable(v) else v) for k, v in self.extra.items()}
+        return {
+            "loader": self.kind,
+            "augment": self.augment,
+            "img_per_s": sum(self.counts) / sum(self.times),
+            "epoch_s": sum(self.times) / len(self.times),
+            "epoch_times": self.times,
+            "images_per_epoch": self.counts[0],
+            "util_kind": util["kind"],
+            "util_mean": util["mean"],
+            "util_p50": util["p50"],
+            "util_p95": util["p95"],
+            # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
+            # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
+            "peak_mem_bytes": util["peak_mem"],
+            **extra,
+        }
+
+
+def loader_row(
     kind: str,
     folder: Path | None,
     packed: Path,
     *,
-    epochs: int,
     batch_size: int,
     image_size: int,
     model: str,
@@ -85,11 +164,10 @@ def bench_loader(
     on_error: str = "raise",
     recipe: Recipe | None = None,
     mix: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """Warm-up epoch, then ``epochs`` timed epochs of loading (+ a training step unless model='none').
-
-    ``recipe`` is the per-image transform; ``mix`` (MixupCutmix settings) mixes each batch on the
-    device it arrives on, inside the timed loop (with a model, the step trains on the soft targets)."""
+    name: str | None = None,
+) -> _Row:
+    """A loader's row: loading (+ a training step unless model='none'), ``recipe`` per image, ``mix``
+    (MixupCutmix settings) on each batch on the device it arrives on, inside the timed loop."""
     from .controller import BatchSizeController
 
     # The baseline reads the image files, as a plain script does; the others read the packed set.
@@ -114,57 +192,94 @@ def bench_loader(
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    times, counts = [], []
+
+    def consume(batch: Any) -> int:
+        images, labels = batch
+        if trainer is not None:
+            trainer.step(images, labels, ctrl)
+        else:
+            if gpu:
+                images = images.to("cuda", non_blocking=True)
+            if mixer is not None:
+                images, _ = mixer(images, labels.to(images.device))
+        return len(labels)
+
+    augment = (recipe.auto_augment if recipe is not None else None) or "none"
+    extra = {
+        "cache": lambda: loader.cache_stats() if hasattr(loader, "cache_stats") else None,
+        "batch_decisions": lambda: ctrl.history if ctrl is not None else [],
+    }
+    return _Row(
+        kind,
+        name or kind,
+        loader,
+        len(reader),
+        consume,
+        monitor=monitor,
+        progress=progress,
+        augment=augment,
+        extra=extra,
+    )
+
+
+def bench_loader(kind: str, folder: Path | None, packed: Path, *, epochs: int, **kw: Any) -> dict[str, Any]:
+    """Warm-up epoch, then ``epochs`` timed epochs of one loader (`loader_row`'s arguments), then closed."""
+    return _run_alone(loader_row(kind, folder, packed, **kw), epochs)
+
+
+def _run_alone(row: _Row, epochs: int) -> dict[str, Any]:
     try:
-        for epoch in range(epochs + 1):
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            phase = kind if epoch > 0 else f"{kind}-warmup"
-            bar = _progress(f"{kind} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", len(reader), progress)
-            t0, n = time.perf_counter(), 0
-            with monitor.phase(phase):
-                for images, labels in loader:
-                    if trainer is not None:
-                        trainer.step(images, labels, ctrl)
-                    else:
-                        if gpu:
-                            images = images.to("cuda", non_blocking=True)
-                        if mixer is not None:
-                            images, _ = mixer(images, labels.to(images.device))
-                    n += len(labels)
-                    bar.update(len(labels))
-                if gpu:
-                    torch.cuda.synchronize()
-            bar.close()
-            if epoch > 0:
-                times.append(time.perf_counter() - t0)
-                counts.append(n)
+        for _ in range(epochs + 1):
+            row.epoch()
+        return row.result()
     finally:
         # Worker pools and a DALI pipeline kept between epochs end with their row, failed or not.
-        if hasattr(loader, "close"):
-            loader.close()
-        else:
-            shutdown_workers(loader)
-    util = monitor.summary(kind)
-    cache = loader.cache_stats() if hasattr(loader, "cache_stats") else None
-    # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
-    # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
-    peak = util["peak_mem"]
-    return {
-        "loader": kind,
-        "augment": (recipe.auto_augment if recipe is not None else None) or "none",
-        "img_per_s": sum(counts) / sum(times),
-        "epoch_s": sum(times) / len(times),
-        "epoch_times": times,
-        "images_per_epoch": counts[0],
-        "util_kind": util["kind"],
-        "util_mean": util["mean"],
-        "util_p50": util["p50"],
-        "util_p95": util["p95"],
-        "peak_mem_bytes": peak,
-        "cache": cache,
-        "batch_decisions": ctrl.history if ctrl is not None else [],
-    }
+        row.close()
+
+
+class _DecodeOnly(Dataset):
+    """The limit row's work: read and decode each record of a batch whole (no crop, no resize), with
+    the decoder `TorchIterator` uses (libjpeg-turbo for plain JPEGs, Pillow for the rest)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self._decoder: Decoder | None = None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitems__(self, indices: list[int]) -> int:
+        if self._decoder is None:
+            self._decoder = Decoder()
+        done = 0
+        for i in indices:
+            data, _, reason = read_checked(self.reader, i)
+            if reason is None:
+                try:
+                    self._decoder.open(data).decode()
+                except Exception:  # noqa: BLE001 - a bad record is no image: it only costs its failed decode
+                    continue
+                done += 1
+        return done
+
+
+def limit_row(reader: Any, *, workers: int, batch_size: int, monitor: Any, progress: bool) -> _Row:
+    """The machine's ceiling on this data: reading and decoding every record whole (no crop) in
+    ``workers`` processes, what a loader would reach if decoding were all it did. Loaders read as a
+    share of it."""
+    from torch.utils.data import DataLoader
+
+    order = list(range(len(reader)))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    kw: dict[str, Any] = {"persistent_workers": True, "worker_init_fn": worker_init} if workers else {}
+    loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=_as_is, **kw)
+    extra = {"workers": workers, "cache": None, "batch_decisions": []}
+    return _Row(LIMIT, LIMIT, loader, len(reader), int, monitor=monitor, progress=progress, extra=extra)
+
+
+def decode_limit(reader: Any, *, epochs: int, **kw: Any) -> dict[str, Any]:
+    """`limit_row` for a warm-up epoch and ``epochs`` timed ones."""
+    return _run_alone(limit_row(reader, **kw), epochs)
 
 
 def _fmt_mem(b: Any) -> str:
@@ -173,7 +288,9 @@ def _fmt_mem(b: Any) -> str:
 
 def label(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
     """A row's name: the loader, with its augmentation when the rows differ in it or it is not 'none'."""
-    augments = {r.get("augment", "none") for r in rows}
+    if row["loader"] == LIMIT:
+        return f"limit: decode only, {row['workers']} processes"
+    augments = {r.get("augment", "none") for r in rows if r["loader"] != LIMIT}
     aug = row.get("augment", "none")
     return row["loader"] if augments == {"none"} else f"{row['loader']} + {aug}"
 
@@ -184,34 +301,42 @@ def _baseline_for(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> float 
         (
             r["img_per_s"]
             for r in rows
-            if r["loader"] == "baseline" and "error" not in r and r.get("augment") == row.get("augment")
+            if r["loader"] == "baseline" and "error" not in r and r.get("augment", "none") == row.get("augment", "none")
         ),
         None,
     )
 
 
-def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], limit: dict[str, Any] | None = None) -> str:
+    """The rows side by side, and with ``limit`` (the decode-only ceiling) its row and each row's share of it."""
     kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
+    head = (
+        f"| loader | img/s | epoch s | {'GPU' if kind == 'gpu' else 'CPU'} util % | peak mem | cache hit | x baseline |"
+    )
     lines = [
-        f"| loader | img/s | epoch s | {'GPU' if kind == 'gpu' else 'CPU'} util % | peak mem | cache hit | x baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        head + (" of limit |" if limit else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if limit else ""),
     ]
-    for r in rows:
+    shown = [*rows, limit] if limit else list(rows)
+    for r in shown:
         if "error" in r:
-            lines.append(f"| {label(r, rows)} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {label(r, rows)} | failed: {r['error']} | | | | | |" + (" |" if limit else ""))
             continue
         util = f"{r['util_mean']:.0f}" if isinstance(r["util_mean"], float) else "n/a"
         cache = f"{r['cache']['hit_rate']:.0%}" if r.get("cache") else "-"
-        base = _baseline_for(r, rows)
+        base = _baseline_for(r, rows)  # the limit row: against the baseline without augmentation
         ratio = f"{r['img_per_s'] / base:.2f}x" if base else "-"
-        lines.append(
+        line = (
             f"| {label(r, rows)} | {r['img_per_s']:.0f} | {r['epoch_s']:.2f} | {util} | {_fmt_mem(r['peak_mem_bytes'])} "
             f"| {cache} | {ratio} |"
         )
+        if limit:
+            line += f" {r['img_per_s'] / limit['img_per_s']:.0%} |" if "error" not in limit else " - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, limit: dict[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,6 +349,9 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     colors = ["#999999" if n == "baseline" else "#76b900" if n == "dali" else "#ee4c2c" for n in kinds]
     bars = a1.bar(names, [r["img_per_s"] for r in ok], color=colors)
     a1.bar_label(bars, fmt="%.0f")
+    if limit and "error" not in limit:
+        a1.axhline(limit["img_per_s"], color="#555555", linestyle="--", linewidth=1)
+        a1.annotate(f"limit: decode only {limit['img_per_s']:.0f}", (0, limit["img_per_s"]), va="bottom", fontsize=8)
     a1.set_ylabel("images / s")
     a1.set_title("throughput")
     kind = ok[0]["util_kind"] if ok else "cpu"
@@ -264,12 +392,19 @@ def run_bench(
     recipe: Recipe | None = None,
     augments: Sequence[str | None] | None = None,
     mix: dict[str, float] | None = None,
+    limit: bool = True,
+    alternate: bool = False,
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
 
     Each of ``augments`` (automatic augmentations, None or 'none' for none; default: the recipe's own)
-    is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others."""
+    is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others. With
+    ``limit``, the machine's decode-only ceiling on the same data and processes comes first
+    (`limit_row`), and each row reads as a share of it. With ``alternate``, every row is started and
+    warmed up, then the rows take turns, one timed epoch each, ``epochs`` times: a machine whose load
+    changes during the run then slows every row alike (all loaders stay alive meanwhile, so peak memory
+    is that of them all)."""
     from .monitor import UtilizationMonitor
 
     for k in loaders:
@@ -292,38 +427,84 @@ def run_bench(
         packed = Path(dataset)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
+    specs: list[tuple[str, Recipe | None]] = [(LIMIT, None)] if limit else []
+    specs += [(k, v) for v in variants for k in loaders]
+    results: dict[int, dict[str, Any]] = {}
+    live: dict[int, _Row] = {}
+
+    def augment_of(variant: Recipe | None) -> str:
+        return "none" if variant is None else variant.auto_augment or "none"
+
+    def failed(k: int, e: BaseException) -> None:
+        kind, variant = specs[k]
+        why = one_line(e)
+        log.error("%s failed: %s", "the limit row" if kind == LIMIT else kind, why)
+        results[k] = {"loader": kind, "augment": augment_of(variant), "error": why}
+        if kind == LIMIT:
+            results[k]["workers"] = available_cpus()
+        row = live.pop(k, None)
+        if row is not None:
+            row.close()
+
+    def make_row(kind: str, variant: Recipe | None, monitor: Any) -> _Row:
+        if kind == LIMIT:
+            source = open_dataset(folder if folder is not None else packed)
+            return limit_row(
+                source, workers=available_cpus(), batch_size=batch_size, monitor=monitor, progress=progress
+            )
+        return loader_row(
+            kind,
+            folder,
+            packed,
+            batch_size=batch_size,
+            image_size=image_size,
+            model=model,
+            cache_bytes=cache_bytes,
+            controller=controller,
+            monitor=monitor,
+            progress=progress,
+            on_error=on_error,
+            recipe=variant,
+            mix=mix,
+            name=kind if len(variants) == 1 else f"{kind} + {augment_of(variant)}",
+        )
+
+    errors = (ImportError, RuntimeError, ValueError, OSError)
     with UtilizationMonitor() as mon:
-        for kind, variant in ((k, v) for v in variants for k in loaders):
-            aug = variant.auto_augment or "none"
-            emit(f"benchmarking {kind}{'' if len(variants) == 1 else ' + ' + aug} ...")
-            try:
-                rows.append(
-                    bench_loader(
-                        kind,
-                        folder,
-                        packed,
-                        epochs=epochs,
-                        batch_size=batch_size,
-                        image_size=image_size,
-                        model=model,
-                        cache_bytes=cache_bytes,
-                        controller=controller,
-                        monitor=mon,
-                        progress=progress,
-                        on_error=on_error,
-                        recipe=variant,
-                        mix=mix,
-                    )
-                )
-            except (ImportError, RuntimeError, ValueError, OSError) as e:
-                why = one_line(e)
-                log.error("%s failed: %s", kind, why)
-                rows.append({"loader": kind, "augment": aug, "error": why})
+        try:
+            for k, (kind, variant) in enumerate(specs):
+                what = "the decode-only limit" if kind == LIMIT else kind
+                what += "" if kind == LIMIT or len(variants) == 1 else f" + {augment_of(variant)}"
+                emit(f"{'starting' if alternate else 'benchmarking'} {what} ...")
+                try:
+                    live[k] = make_row(kind, variant, mon)
+                    if alternate:
+                        live[k].epoch()  # its warm-up
+                    else:
+                        results[k] = _run_alone(live.pop(k), epochs)
+                except errors as e:
+                    failed(k, e)
+            if alternate:
+                emit(f"timing {len(live)} rows in turn, one epoch each, {epochs} times ...")
+                for _ in range(epochs):
+                    for k in list(live):
+                        try:
+                            live[k].epoch()
+                        except errors as e:
+                            failed(k, e)
+                results.update({k: row.result() for k, row in live.items()})
+        finally:
+            for row in live.values():
+                row.close()
+    ordered = [results[k] for k in sorted(results)]
+    ceiling = next((r for r in ordered if r["loader"] == LIMIT), None)
+    rows = [r for r in ordered if r["loader"] != LIMIT]
     for r in rows:
         base = _baseline_for(r, rows)
         if base and "error" not in r:
             r["x_baseline"] = r["img_per_s"] / base
+        if ceiling and "error" not in ceiling and "error" not in r:
+            r["of_limit"] = r["img_per_s"] / ceiling["img_per_s"]
     info = machine_info()
     result = {
         "settings": {
@@ -338,12 +519,14 @@ def run_bench(
             "controller": controller,
             "recipes": [v.describe() for v in variants],
             "mix": mix,
+            "alternate": alternate,
         },
         "machine": info,
         "rows": rows,
-        "table": markdown_table(rows),
+        "limit": ceiling,
+        "table": markdown_table(rows, ceiling),
     }
     atomic_write(out / "results.json", lambda f: f.write(json.dumps(result, indent=1, default=str).encode()))
     where = info["gpu"] or f"{info['cpu_count']} CPU cores, no GPU"
-    plot(rows, out / "bench.png", f"model={model}, {image_size}px, batch {batch_size} — {where}")
+    plot(rows, out / "bench.png", f"model={model}, {image_size}px, batch {batch_size} — {where}", ceiling)
     return result

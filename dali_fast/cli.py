@@ -191,6 +191,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
     if args.stages:
+        if args.no_limit or args.alternate:
+            flag = "--no-limit" if args.no_limit else "--alternate"
+            raise UserError(f"{flag} belongs to the loader rows; --stages runs its stages one after another")
         return _cmd_stages(args)
     if args.total_epochs != 90 or args.total_images != 1_281_167:
         raise UserError("--total-epochs and --total-images project a whole run: use them with --stages")
@@ -219,6 +222,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         recipe=recipe,
         augments=augments,
         mix=mix if args.mixup or args.cutmix else None,
+        limit=not args.no_limit,
+        alternate=args.alternate,
         emit=log.info,
     )
     m = result["machine"]
@@ -382,6 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
+    s.add_argument(
+        "--no-limit",
+        action="store_true",
+        help="skip the limit row (the machine's decode-only img/s on the same data and processes)",
+    )
+    s.add_argument(
+        "--alternate",
+        action="store_true",
+        help="start every row, then time them in turn, one epoch each (a changing machine load then slows "
+        "every row alike; all loaders stay alive meanwhile)",
+    )
     _add_recipe_args(s, several=True)
     s.add_argument(
         "--stages",

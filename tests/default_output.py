@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 GOLDEN = Path(__file__).parent / "data" / "default_output.json"
-PACKAGES = ("numpy", "pillow", "torch", "nvidia-dali-cuda120")
+PACKAGES = ("numpy", "pillow", "torch", "nvidia-dali-cuda120", "simplejpeg")  # simplejpeg: TorchIterator's JPEG path
 
 
 def versions() -> dict[str, str]:

@@ -139,3 +139,117 @@ def test_bench_puts_each_augmentation_side_by_side(tiny_packed, tmp_path):
     assert data["settings"]["mix"]["alpha_mixup"] == 0.2 and data["settings"]["recipes"][0]["random_erasing"] == 0.5
     names = [line.split("|")[1].strip() for line in markdown_table(data["rows"]).splitlines()[2:]]
     assert names == ["baseline + none", "dali + none", "baseline + trivialaugment", "dali + trivialaugment"]
+
+
+def test_the_limit_row_measures_decode_only_with_the_same_processes(tiny_packed, tmp_path):
+    """The machine's ceiling on the same data, in the same run: every record read and decoded whole by
+    as many processes as the loaders get; each loader row reads as a share of it."""
+    from dali_fast.system import available_cpus
+
+    result = run_bench(
+        str(tiny_packed / "images"),
+        loaders=["baseline", "torch"],
+        epochs=1,
+        batch_size=8,
+        image_size=32,
+        out=tmp_path,
+        progress=False,
+    )
+    limit = json.loads((tmp_path / "results.json").read_text())["limit"]
+    assert limit["loader"] == "limit" and "error" not in limit
+    assert limit["images_per_epoch"] == 36 and limit["img_per_s"] > 0 and limit["workers"] == available_cpus()
+    for r in result["rows"]:
+        assert r["of_limit"] == pytest.approx(r["img_per_s"] / limit["img_per_s"])
+    lines = result["table"].splitlines()
+    assert lines[0].endswith("| x baseline | of limit |")
+    assert lines[-1].startswith(f"| limit: decode only, {available_cpus()} processes | ") and lines[-1].endswith(
+        " 100% |"
+    )
+    without = run_bench(
+        str(tiny_packed / "images"),
+        loaders=["torch"],
+        epochs=1,
+        batch_size=8,
+        image_size=32,
+        out=tmp_path,
+        progress=False,
+        limit=False,
+    )
+    assert without["limit"] is None and "of limit" not in without["table"] and "of_limit" not in without["rows"][0]
+
+
+def test_table_with_a_limit_row():
+    row = {"loader": "torch", "img_per_s": 300.0, "epoch_s": 1.0, "util_kind": "cpu", "util_mean": 90.0}
+    row.update(peak_mem_bytes=2**30, cache=None)
+    base = {**row, "loader": "baseline", "img_per_s": 100.0}
+    limit = {**row, "loader": "limit", "img_per_s": 400.0, "workers": 2}
+    t = markdown_table([base, row], limit).splitlines()
+    assert t[2] == "| baseline | 100 | 1.00 | 90 | 1.00 GiB | - | 1.00x | 25% |"
+    assert t[3] == "| torch | 300 | 1.00 | 90 | 1.00 GiB | - | 3.00x | 75% |"
+    assert t[4] == "| limit: decode only, 2 processes | 400 | 1.00 | 90 | 1.00 GiB | - | 4.00x | 100% |"
+    failed = markdown_table([base], {"loader": "limit", "workers": 2, "error": "OSError: gone"}).splitlines()
+    assert failed[2].endswith("| 1.00x | - |") and "failed: OSError: gone" in failed[3]
+
+
+def test_no_limit_is_refused_with_stages(tmp_path, capsys):
+    from dali_fast.cli import main
+
+    assert main(["bench", str(tmp_path), "--stages", "--no-limit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--no-limit" in err
+
+
+def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
+    """--alternate: every row warms up, then the rows take turns, one timed epoch each."""
+    from dali_fast import bench
+
+    order = []
+    real = bench._Row.epoch
+
+    def spy(self):
+        order.append((self.name, self.epochs_run))
+        real(self)
+
+    monkeypatch.setattr(bench._Row, "epoch", spy)
+    result = run_bench(
+        str(tiny_packed / "packed"),
+        loaders=["baseline", "torch"],
+        epochs=2,
+        batch_size=8,
+        image_size=32,
+        out=tmp_path,
+        progress=False,
+        alternate=True,
+    )
+    assert order == [("limit", 0), ("baseline", 0), ("torch", 0)] + [
+        (name, e) for e in (1, 2) for name in ("limit", "baseline", "torch")
+    ]
+    assert [len(r["epoch_times"]) for r in result["rows"]] == [2, 2] and len(result["limit"]["epoch_times"]) == 2
+    assert all(r["images_per_epoch"] == 36 for r in [*result["rows"], result["limit"]])
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["alternate"] is True
+
+
+def test_a_row_failing_while_alternating_is_named_and_the_others_finish(tiny_packed, tmp_path, monkeypatch):
+    from dali_fast import bench
+
+    real = bench._Row.epoch
+
+    def flaky(self):
+        if self.kind == "torch" and self.epochs_run == 1:
+            raise RuntimeError("decode worker lost")
+        real(self)
+
+    monkeypatch.setattr(bench._Row, "epoch", flaky)
+    result = run_bench(
+        str(tiny_packed / "packed"),
+        loaders=["baseline", "torch"],
+        epochs=2,
+        batch_size=8,
+        image_size=32,
+        out=tmp_path,
+        progress=False,
+        alternate=True,
+        limit=False,
+    )
+    assert result["rows"][1] == {"loader": "torch", "augment": "none", "error": "RuntimeError: decode worker lost"}
+    assert len(result["rows"][0]["epoch_times"]) == 2

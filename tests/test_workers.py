@@ -1,0 +1,212 @@
+"""The decode workers' parts: the slot ring's accounting, a batch written in place, the batch's finish."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from conftest import IndexReader, jpeg_bytes
+from PIL import Image
+
+from dali_fast.recipe import Recipe, sample_rng
+from dali_fast.workers import (
+    BatchMaker,
+    SlotRing,
+    Task,
+    decode_crop,
+    finish_batch,
+    image_shape,
+    slot_layout,
+)
+
+
+class FakeEvent:
+    """Stands in for a CUDA event: records whether the ring waited for it."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(self.name)
+
+
+def test_ring_hands_out_each_slot_once_and_refuses_to_overbook():
+    ring = SlotRing(3, 4, (3, 8, 8))
+    assert ring.buffer.is_shared() and ring.buffer.shape == (3, 4, 3, 8, 8)
+    got = [ring.take() for _ in range(3)]
+    assert sorted(got) == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="no free batch slot"):
+        ring.take()  # a fourth batch in flight would overwrite one in use
+    ring.give_back(got[1])
+    assert ring.take() == got[1]
+    ring.give_back(got[0])
+    with pytest.raises(RuntimeError, match="given back twice"):
+        ring.give_back(got[0])
+    ring.reset()
+    assert sorted(ring.take() for _ in range(3)) == [0, 1, 2]
+
+
+def test_a_slot_still_read_by_a_device_copy_is_waited_for_before_reuse():
+    """On a GPU the copy out of a slot runs asynchronously: the slot goes to a worker only after it ends."""
+    waited: list[str] = []
+    ring = SlotRing(2, 1, (3, 4, 4), shared=False)
+    a, b = ring.take(), ring.take()
+    ring.give_back(a, FakeEvent(waited, "copy of a"))
+    ring.give_back(b)
+    assert waited == []
+    assert ring.take() == a and waited == ["copy of a"]  # waited at hand-out, not before
+    assert ring.take() == b and waited == ["copy of a"]
+    ring.give_back(a, FakeEvent(waited, "second copy of a"))
+    ring.reset()  # a new pass: the pending copy is still waited for when the slot is taken
+    assert ring.take() == 0 and waited[-1] == "second copy of a"
+    ring.give_back(0, FakeEvent(waited, "last"))
+    ring.close()
+    assert waited[-1] == "last" and ring.buffer.numel() == 0
+
+
+def test_layouts():
+    assert slot_layout(torch.channels_last) == "HWC" and slot_layout(torch.contiguous_format) == "CHW"
+    assert image_shape("HWC", 5) == (5, 5, 3) and image_shape("CHW", 5) == (3, 5, 5)
+
+
+def maker(reader, layout="CHW", train=True, recipe=None, capacity=8, slots=2):
+    recipe = recipe or Recipe(image_size=16)
+    ring = SlotRing(slots, capacity, image_shape(layout, recipe.image_size), shared=False)
+    return BatchMaker(reader, train, recipe, 5, ring.buffer, layout), ring
+
+
+def test_a_batch_is_written_into_its_slot_with_bad_records_listed_not_raised():
+    items = [jpeg_bytes(40 + i, 30, (20 * i, 100, 200)) for i in range(6)]
+    items[2] = items[2][:100]  # truncated: fails the structural check
+    reader = IndexReader(items)
+    m, ring = maker(reader)
+    before = ring.buffer[0].clone()
+    out = m.make(Task(1, [(i, 0) for i in range(6)]))
+    assert out["slot"] == 1 and out["n"] == 5 and out["consumed"] == 6
+    assert out["labels"].tolist() == [0, 1, 3, 4, 5] and out["boxes"] is None
+    assert [i for i, _ in out["bad"]] == [2] and "mem://2.jpg" not in out["bad"][0][1]  # the reason only
+    assert torch.equal(ring.buffer[0], before)  # only the task's slot is written
+    assert (ring.buffer[1, :5].float().mean((1, 2, 3)) > 20).all()  # good samples packed at the front
+    # each image is exactly what decode_crop draws for its (seed, epoch, index), mirrored as drawn
+    for k, i in enumerate([0, 1, 3, 4, 5]):
+        rng = sample_rng(5, 0, i)
+        img = decode_crop(items[i], train=True, recipe=m.recipe, rng=rng)
+        if rng.random() < m.recipe.hflip:
+            img = img.flip(1)
+        assert torch.equal(ring.buffer[1, k], img.permute(2, 0, 1))
+
+
+def test_both_layouts_hold_the_same_pixels(index_reader):
+    keys = [(i, 3) for i in range(8)]
+    chw, ring_chw = maker(index_reader, "CHW")
+    hwc, ring_hwc = maker(index_reader, "HWC")
+    chw.make(Task(0, keys))
+    hwc.make(Task(0, keys))
+    assert torch.equal(ring_chw.buffer[0], ring_hwc.buffer[0].permute(0, 3, 1, 2))
+
+
+def test_erasing_boxes_and_policies_come_back_per_sample(index_reader):
+    from dali_fast.recipe import sample_erasing_box
+
+    recipe = Recipe(image_size=16, random_erasing=1.0, auto_augment="trivialaugment")
+    m, ring = maker(index_reader, recipe=recipe)
+    out = m.make(Task(0, [(i, 2) for i in range(8)]))
+    assert out["boxes"].tolist() == [list(sample_erasing_box(recipe, 5, 2, i)) for i in range(8)]
+    plain, plain_ring = maker(index_reader, recipe=Recipe(image_size=16))
+    plain.make(Task(0, [(i, 2) for i in range(8)]))
+    assert not torch.equal(ring.buffer[0], plain_ring.buffer[0])  # the policy changed pixels
+
+
+def test_eval_is_the_centre_of_the_resized_image():
+    data = jpeg_bytes(90, 60)
+    recipe = Recipe(image_size=32)
+    got = decode_crop(data, train=False, recipe=recipe, rng=np.random.default_rng(0))
+    im = Image.open(io.BytesIO(data)).convert("RGB")
+    short = recipe.resize_shorter  # 37
+    rw, rh = round(90 * short / 60), short
+    ref = np.asarray(im.resize((rw, rh), Image.BILINEAR))
+    x0, y0 = (rw - 32 + 1) // 2, (rh - 32 + 1) // 2
+    diff = np.abs(got.numpy().astype(int) - ref[y0 : y0 + 32, x0 : x0 + 32].astype(int))
+    assert got.shape == (32, 32, 3) and diff.max() <= 1
+
+
+def test_finish_never_returns_the_slots_memory():
+    """The slot is reused for the next batch right after: every output is a new tensor."""
+    u8 = torch.randint(0, 255, (4, 3, 8, 8), dtype=torch.uint8)
+    for dtype, fmt in [(torch.uint8, torch.contiguous_format), (torch.float16, torch.contiguous_format)]:
+        out = finish_batch(u8, dtype, fmt)
+        assert out.untyped_storage().data_ptr() != u8.untyped_storage().data_ptr()
+        assert torch.equal(out.to(torch.float32), u8.to(torch.float32))
+    hwc = torch.randint(0, 255, (4, 8, 8, 3), dtype=torch.uint8)
+    out = finish_batch(hwc.permute(0, 3, 1, 2), torch.uint8, torch.channels_last)
+    assert out.untyped_storage().data_ptr() != hwc.untyped_storage().data_ptr()
+    assert out.is_contiguous(memory_format=torch.channels_last) and torch.equal(out, hwc.permute(0, 3, 1, 2))
+
+
+def test_finish_normalizes_and_erases():
+    u8 = torch.full((2, 3, 4, 4), 128, dtype=torch.uint8)
+    mean, std = (128.0, 0.0, 255.0), (2.0, 128.0, 1.0)
+    out = finish_batch(u8, torch.float32, mean=mean, std=std, boxes=torch.tensor([[0, 0, 2, 2], [0, 0, 0, 0]]))
+    assert out[1, :, 0, 0].tolist() == [0.0, 1.0, -127.0]
+    assert (out[0, :, :2, :2] == 0).all() and out[0, 2, 3, 3] == -127.0
+
+
+def test_tame_malloc_applies_on_glibc():
+    """In a process of its own: the settings are per process, and this one runs the other tests."""
+    import platform
+    import subprocess
+    import sys
+
+    code = "from dali_fast.workers import tame_malloc; print(tame_malloc())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert out.strip() == str(glibc)
+
+
+@pytest.mark.parametrize("size", [224, 8])  # one image per cache-sized step, or the whole batch in one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_finish_in_cache_sized_steps_is_bit_identical_to_whole_batch_ops(size, dtype, memory_format):
+    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+    u8 = torch.randint(0, 256, (5, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # an NHWC slot's view
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    want = u8.to(torch.float32).sub_(mean).mul_(1.0 / std).to(dtype)
+    got = finish_batch(u8, dtype, memory_format, IMAGENET_MEAN, IMAGENET_STD)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=memory_format)
+    assert torch.equal(got, want)
+
+
+def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
+    from dali_fast.workers import split
+
+    assert split(32, 2) == [(0, 16), (16, 32)]
+    assert split(37, 3) == [(0, 12), (12, 24), (24, 37)]
+    assert split(7, 2) == [(0, 7)]  # under two parts of 4: whole
+    assert split(9, 8) == [(0, 4), (4, 9)]
+    assert split(256, 8) == [(32 * k, 32 * (k + 1)) for k in range(8)]
+    assert split(5, 1) == [(0, 5)] and split(1, 4) == [(0, 1)]
+
+
+def test_a_refused_page_lock_is_said_once_and_copies_still_work(monkeypatch, caplog):
+    """Where CUDA refuses to page-lock the slots, the ring says so and stays usable (copies then wait)."""
+    import logging
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+            calls.append((ptr, size, flags))
+            return 1  # cudaErrorInvalidValue
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    ring = SlotRing(2, 3, (3, 4, 4))
+    with caplog.at_level(logging.WARNING):
+        assert ring.pin() is False
+    assert calls == [(ring.buffer.data_ptr(), ring.buffer.numel(), 0)]
+    assert "could not page-lock the batch slots (CUDA error 1)" in caplog.text
+    assert ring.take() == 0 and not ring._pinned  # noqa: SLF001
+    ring.close()  # nothing to unregister
