@@ -1,20 +1,29 @@
 """Is the external source the bottleneck? DALI's own file reader vs DALIIterator's feeds, side by side.
 
-    python benchmarks/iterator_overhead.py [--images 600] [--epochs 2] [--batch-size 64] [--image-size 224]
+    pip install scikit-image      # the photos extra (benchmarks/photos.py makes the default data)
+    python benchmarks/iterator_overhead.py [--data FOLDER] [--images 400] [--rounds 5] [--batch-size 64]
 
-Rows (images/s over full epochs, after one warm-up epoch each, all in this one run):
-  (a) DALI fn.readers.file over the ImageFolder, the same operators        (the reference)
+Rows (images/s over full epochs, all in this one run, the same operators after the source):
+  (a) DALI fn.readers.file over the ImageFolder                            (the reference)
   (b) DALIIterator over the ImageFolder (files read on demand)
   (c) DALIIterator over the packed data set (memory-mapped)
   (d) DALIIterator over the packed data set with a warm LRU cache
+
+The data are real photos (benchmarks/photos.py: 470x370, quality 90, as the speed facts use), or
+``--data`` (an ImageFolder). Every row runs one warm-up epoch, then one epoch per round, rows alternating
+(each round starts at the next row), so drift of the machine's speed falls on every row alike; the table
+gives each row's median over the rounds and its ratio to row (a).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,17 +31,12 @@ import torch
 from dali_fast import DALIIterator, open_dataset, pack
 from dali_fast.pipeline import augment, default_num_threads
 from dali_fast.recipe import Recipe
-from dali_fast.synthetic import make_synthetic
+
+sys.path.insert(0, str(Path(__file__).parent))
+from photos import make_photos  # noqa: E402 - a sibling script
 
 
-def time_epochs(run_epoch, epochs: int) -> float:
-    run_epoch()  # warm-up
-    t0 = time.perf_counter()
-    n = sum(run_epoch() for _ in range(epochs))
-    return n / (time.perf_counter() - t0)
-
-
-def file_reader_rate(root: Path, args, threads: int) -> float:
+def file_reader_epochs(root: Path, args, threads: int) -> Callable[[], int]:
     import nvidia.dali.fn as fn
     from nvidia.dali import pipeline_def
     from nvidia.dali.plugin.base_iterator import LastBatchPolicy
@@ -43,7 +47,8 @@ def file_reader_rate(root: Path, args, threads: int) -> float:
     @pipeline_def(batch_size=args.batch_size, num_threads=threads, device_id=0 if gpu else None, seed=0)
     def pipe():
         jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="files")
-        return augment(jpegs, train=True, recipe=Recipe(image_size=args.image_size), gpu=gpu), labels
+        recipe = Recipe(image_size=args.image_size)
+        return augment(jpegs, train=True, recipe=recipe, gpu=gpu, num_threads=threads), labels
 
     p = pipe()
     p.build()
@@ -54,10 +59,10 @@ def file_reader_rate(root: Path, args, threads: int) -> float:
         it.reset()
         return n
 
-    return time_epochs(epoch, args.epochs)
+    return epoch
 
 
-def iterator_rate(dataset, args, threads: int, cache_bytes: int = 0) -> float:
+def iterator_epochs(dataset, args, threads: int, cache_bytes: int = 0) -> tuple[Callable[[], int], DALIIterator]:
     loader = DALIIterator(
         dataset, args.batch_size, image_size=args.image_size, num_threads=threads, cache_bytes=cache_bytes
     )
@@ -68,38 +73,56 @@ def iterator_rate(dataset, args, threads: int, cache_bytes: int = 0) -> float:
         state["epoch"] += 1
         return sum(int(labels.shape[0]) for _, labels in loader)
 
-    rate = time_epochs(epoch, args.epochs)
-    if cache_bytes:
-        print(f"    cache: {loader.cache_stats()}")
-    return rate
+    return epoch, loader
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=600)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--data", type=Path, default=None, help="an ImageFolder (default: real photos, made here)")
+    ap.add_argument("--images", type=int, default=400, help="photos to make when --data is not given")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--data", type=Path, default=None, help="an ImageFolder (default: a synthetic one)")
     args = ap.parse_args()
     threads = default_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        root = args.data or make_synthetic(Path(tmp) / "images", images=args.images, classes=10)
+        root = args.data or make_photos(Path(tmp) / "photos", args.images, 10, (470, 370), 90, 0)
         packed = Path(tmp) / "packed"
         pack(root, packed, progress=False, verify=False)
         n = len(open_dataset(root))
+        kb = open_dataset(packed).data_size / n / 1024
         print(
-            f"{n} images, batch {args.batch_size}, {args.image_size}px, {threads} threads, "
-            f"{'GPU' if torch.cuda.is_available() else 'CPU-only'} mode, {os.cpu_count()} cpus"
+            f"{n} images ({kb:.0f} KB each on average), batch {args.batch_size}, {args.image_size}px, "
+            f"{threads} threads, {'GPU' if torch.cuda.is_available() else 'CPU-only'} mode, {os.cpu_count()} cpus"
         )
-        rows = [("(a) DALI fn.readers.file", file_reader_rate(root, args, threads))]
-        rows.append(("(b) DALIIterator, ImageFolder", iterator_rate(open_dataset(root), args, threads)))
-        rows.append(("(c) DALIIterator, packed", iterator_rate(open_dataset(packed), args, threads)))
-        rows.append(("(d) DALIIterator, packed + LRU", iterator_rate(open_dataset(packed), args, threads, 2**31)))
-        ref = rows[0][1]
-        print("\n| feed | img/s | x (a) |\n|---|---:|---:|")
-        for name, rate in rows:
-            print(f"| {name} | {rate:.0f} | {rate / ref:.2f} |")
+        folder_epoch, folder_loader = iterator_epochs(open_dataset(root), args, threads)
+        packed_epoch, packed_loader = iterator_epochs(open_dataset(packed), args, threads)
+        cached_epoch, cached_loader = iterator_epochs(open_dataset(packed), args, threads, 2**31)
+        rows = {
+            "(a) DALI fn.readers.file": file_reader_epochs(root, args, threads),
+            "(b) DALIIterator, ImageFolder": folder_epoch,
+            "(c) DALIIterator, packed": packed_epoch,
+            "(d) DALIIterator, packed + LRU": cached_epoch,
+        }
+        names = list(rows)
+        for run in rows.values():  # warm-up: page cache, pipelines, the LRU cache
+            assert run() == n
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                t0 = time.perf_counter()
+                got = rows[name]()
+                times[name].append(time.perf_counter() - t0)
+                assert got == n, (name, got)
+        print(f"    cache: {cached_loader.cache_stats()}")
+        rate = {name: n / statistics.median(ts) for name, ts in times.items()}
+        ref = rate[names[0]]
+        print(f"\nmedian of {args.rounds} rounds, rows alternating in one process\n")
+        print("| feed | img/s | x (a) |\n|---|---:|---:|")
+        for name, value in rate.items():
+            print(f"| {name} | {value:.0f} | {value / ref:.2f} |")
+        for loader in (folder_loader, packed_loader, cached_loader):
+            loader.close()
 
 
 if __name__ == "__main__":
