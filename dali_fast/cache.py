@@ -156,7 +156,7 @@ class CachedReader:
         was cached, so it costs a lookup; the misses are read and checked by the reader as one batch (in
         parallel for a folder), and the good ones cached. A bad record is never cached: it is read, and
         reported, again each time."""
-        keys = np.asarray(indices, dtype=np.int64).tolist()
+        keys = [int(i) for i in indices]
         values = self.cache.get_many(keys)
         missing = [pos for pos, value in enumerate(values) if type(value) is not _Checked]  # or cached unchecked
         bad: dict[int, str] = {}
@@ -167,7 +167,7 @@ class CachedReader:
                     bad[pos] = why[k]
                     values[pos] = (datas[k], int(labels[k]))
                     continue
-                value = _Checked((np.array(datas[k], dtype=np.uint8, copy=True), int(labels[k])))
+                value = _Checked((np.frombuffer(datas[k], dtype=np.uint8).copy(), int(labels[k])))  # a private copy
                 self.cache.put(keys[pos], value, value[0].nbytes)
                 values[pos] = value
         return [v[0] for v in values], np.array([v[1] for v in values], dtype=np.int64), bad  # type: ignore[index]

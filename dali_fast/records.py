@@ -127,7 +127,7 @@ PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # a PNG's last chunk: length 0, ty
 _JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RST0-7: markers without a length
 _JPEG_SOI_BYTES, _JPEG_EOI_BYTES = np.frombuffer(JPEG_SOI, np.uint8), np.frombuffer(JPEG_EOI, np.uint8)
 _PNG_SIGNATURE_BYTES, _PNG_IEND_BYTES = np.frombuffer(PNG_SIGNATURE, np.uint8), np.frombuffer(PNG_IEND, np.uint8)
-QUICK_MIN = 20  # bytes: shorter records (no real image is) skip the quick check for the full one
+QUICK_MIN = 20  # bytes: records shorter (no real image is) get the full check instead of the quick look
 
 
 def _check_jpeg(buf: bytes | memoryview) -> str | None:
@@ -369,15 +369,18 @@ class MemmapReader:
         first: the label is one of the classes, a JPEG starts with its SOI and ends with its EOI, a
         PNG starts with its signature and ends with IEND. Those bytes are gathered for the whole batch
         at once; the few records that do not pass (data after the image's end, damage) get the full
-        `check_encoded`, which names what is wrong. What still breaks a decoder (damage inside the
-        compressed data) is the pipeline's to find: `verify` (crc) finds it before.
+        `check_encoded`, which names what is wrong. Damage between the ends (in the headers or the
+        compressed data) passes: the pipeline finds what breaks its decoder by decoding the failed
+        batch's records one by one, and `verify` finds all of it beforehand by the crc.
         """
         views, labels, offsets, lengths = self._batch(indices)
-        edges = self._edges(offsets, lengths)
+        ok = (lengths >= QUICK_MIN) & (labels < len(self.classes))
+        rows = np.flatnonzero(ok)  # the others are bad, or too short for the quick look: the full check decides
+        edges = self._edges(offsets[rows], lengths[rows])
         heads, tails = edges[:, :8], edges[:, 8:]
         jpeg = (heads[:, :3] == _JPEG_SOI_BYTES).all(axis=1) & (tails[:, -2:] == _JPEG_EOI_BYTES).all(axis=1)
         png = (heads == _PNG_SIGNATURE_BYTES).all(axis=1) & (tails == _PNG_IEND_BYTES).all(axis=1)
-        ok = (jpeg | png) & (lengths >= QUICK_MIN) & (labels < len(self.classes))
+        ok[rows] = jpeg | png
         bad: dict[int, str] = {}
         for pos in np.flatnonzero(~ok).tolist():  # rare: data after the image's end, or damage
             reason = check_label(int(labels[pos]), len(self.classes)) or check_encoded(views[pos])
@@ -389,33 +392,27 @@ class MemmapReader:
         """(views, labels, offsets, lengths) of ``indices``, the arrays int64 (negative indices count from the end)."""
         rows = self._rows[np.asarray(indices, dtype=np.int64)]
         offsets, lengths = rows["offset"].astype(np.int64), rows["length"].astype(np.int64)
-        starts, ends = offsets.tolist(), (offsets + lengths).tolist()
         if not self.shard_size:
             data = self._flat[0]
-            views = [data[a:b] for a, b in zip(starts, ends, strict=True)]
-        else:  # a record never spans two shards: shard k holds global offsets [k * size, (k + 1) * size)
+            views = [data[a:b] for a, b in np.stack([offsets, offsets + lengths], axis=1).tolist()]
+        else:  # shard k holds the global offsets [k * size, (k + 1) * size); a record never spans two
             size, shards = self.shard_size, self._flat
-            base = (offsets // size).tolist()
-            views = [shards[k][a - k * size : b - k * size] for a, b, k in zip(starts, ends, base, strict=True)]
+            spans = np.stack([offsets // size, offsets % size, offsets % size + lengths], axis=1).tolist()
+            views = [shards[k][a:b] for k, a, b in spans]
         return views, rows["label"].astype(np.int64), offsets, lengths
 
     def _edges(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Each record's first 8 and last 12 bytes, as one (records, 20) uint8 array, gathered at once.
-
-        In a record shorter than 20 bytes the two overlap; in an empty one they are meaningless (both
-        fail the quick check on length)."""
-        last = np.maximum(lengths - 1, 0)[:, None]
+        """The first 8 and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records, 20) uint8
+        array, gathered from the maps at once (once per shard the records are in)."""
         at = np.concatenate(
-            [np.minimum(np.arange(8), last), np.maximum(lengths[:, None] - np.arange(12, 0, -1), 0)], axis=1
-        )  # positions inside each record, 0 <= at <= last
-        out = np.zeros(at.shape, np.uint8)
-        shard = offsets // self.shard_size if self.shard_size else np.zeros_like(offsets)
-        for k in np.unique(shard).tolist():  # one pass for an unsharded set
+            [offsets[:, None] + np.arange(8), (offsets + lengths)[:, None] - np.arange(12, 0, -1)], axis=1
+        )
+        span = self.shard_size or self.data_size  # unsharded: one shard, in which every such record starts
+        shard = offsets // span
+        out = np.empty(at.shape, np.uint8)
+        for k in np.unique(shard).tolist():
             rows = shard == k
-            data = self._flat[k]
-            if len(data):  # a shard (or data file) of empty records only: nothing to gather
-                local = offsets[rows, None] - k * self.shard_size + at[rows]
-                out[rows] = data[np.minimum(local, len(data) - 1)]
+            out[rows] = self._flat[k][at[rows] - k * span]
         return out
 
     def source(self, i: int) -> str:

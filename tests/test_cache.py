@@ -146,8 +146,10 @@ def test_get_many_counts_each_key_and_refreshes_the_hits():
         c.put(k, k.upper(), 4)
     assert c.get_many(["a", "x", "c", "a"]) == ["A", None, "C", "A"]
     assert c.stats() == {"hits": 3, "misses": 1, "hit_rate": 0.75, "evictions": 0, "bytes": 12}
-    c.put("d", "D", 4)  # evicts b: a and c were used since
-    assert c.keys() == ["c", "a", "d"] and c.get_many([]) == []
+    assert c.get_many(["y", "b"]) == [None, "B"] and c.get("a") == "A"
+    assert c.stats() == {"hits": 5, "misses": 2, "hit_rate": 5 / 7, "evictions": 0, "bytes": 12}
+    c.put("d", "D", 4)  # evicts c: b and a were used since
+    assert c.keys() == ["b", "a", "d"] and c.get_many([]) == []
 
 
 class BatchReader(ListReader):

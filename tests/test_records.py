@@ -17,6 +17,7 @@ from dali_fast.records import (
     FORMAT_VERSION,
     HEADER_DTYPE,
     INDEX_FILE,
+    QUICK_MIN,
     RECORD_DTYPE,
     ImageFolderReader,
     MemmapReader,
@@ -922,9 +923,9 @@ def test_a_destination_that_cannot_be_created_is_one_line(small_folder, tmp_path
 # ----------------------------------------------------------------------------- batch reads and read-time checks
 
 
-def _tiny_jpeg() -> bytes:
-    """18 bytes whose JPEG structure is whole (SOI, a scan, EOI): shorter than the quick check's window."""
-    return SOI + SOS + EOI
+def _tiny_jpeg(scan: bytes = b"") -> bytes:
+    """18 bytes (+ ``scan``) whose JPEG structure is whole: SOI, a scan, EOI."""
+    return SOI + SOS + scan + EOI
 
 
 def _set_length(dst: Path, record: int, length: int) -> None:
@@ -937,8 +938,9 @@ def _set_length(dst: Path, record: int, length: int) -> None:
 
 @pytest.fixture
 def mixed_pack(tmp_path):
-    """A packed set (not verified) of a JPEG, a PNG, a JPEG with data after its end, a tiny whole JPEG, a
-    progressive JPEG and a gray PNG; returns (path, the source bytes in record order)."""
+    """A packed set (not verified) of a JPEG, a PNG, a JPEG with data after its end, a whole JPEG of 18 bytes
+    (shorter than the quick look), a progressive JPEG, a gray PNG and a whole JPEG of exactly 20 bytes (the
+    quick look's least); returns (path, the source bytes in record order)."""
     import odd_images
 
     valid = odd_images.odd_valid()
@@ -949,7 +951,9 @@ def mixed_pack(tmp_path):
         _tiny_jpeg(),
         valid["progressive_jpeg"],
         valid["gray16_png"],
+        _tiny_jpeg(b"\x12\x34"),
     ]
+    assert len(items[3]) == 18 and len(items[6]) == QUICK_MIN == 20
     src = make_folder(tmp_path / "src", {"a": items[:3], "b": items[3:]})
     report = pack(src, tmp_path / "p", verify=False, progress=False)
     assert report.records == len(items)
@@ -962,7 +966,7 @@ def test_packed_batch_reads_are_exact_and_quick_checked(mixed_pack):
     window (these two by the full check); any order, repeats and negative indices."""
     path, data = mixed_pack
     r = MemmapReader(path)
-    order = [5, 0, 2, 2, -1, 3, 1, 4]
+    order = [5, 0, 2, 2, -1, 3, 1, 4, 6]
     views, labels, bad = r.read_batch_checked(order)
     assert bad == {}
     assert [bytes(v) for v in views] == [data[i] for i in order]
@@ -985,20 +989,22 @@ def test_damage_after_packing_that_the_quick_check_sees_is_named(mixed_pack):
     _flip_byte(path / DATA_FILE, off[1], 0xFF)  # the PNG's signature
     _flip_byte(path / DATA_FILE, off[5] + n[5] - 7, 0x20)  # the gray PNG's last chunk: "IEND" -> "IeND"
     _flip_byte(path / DATA_FILE, off[4] + 1, 0x01)  # the progressive JPEG's SOI: FFD8 -> FFD9
-    _rewrite_label(path, 3, 7, fix_crc=True)  # the tiny JPEG: a label outside the 2 classes
+    _rewrite_label(path, 3, 2, fix_crc=True)  # the 18-byte JPEG: label 2 of 2 classes (0 and 1)
+    _rewrite_label(path, 6, 2, fix_crc=True)  # the 20-byte one, too
     _set_length(path, 2, 0)  # the trailing-data JPEG: now empty
     r = MemmapReader(path)
-    views, labels, bad = r.read_batch_checked(range(6))
+    views, labels, bad = r.read_batch_checked(range(7))
     assert bad == {
         0: "truncated JPEG (no end-of-image marker)",
         1: "not a JPEG or PNG (unknown signature)",
         2: "empty record",
-        3: "label 7 is not one of the data set's 2 classes (0..1)",
+        3: "label 2 is not one of the data set's 2 classes (0..1)",
         4: "not a JPEG or PNG (unknown signature)",
         5: "truncated PNG (no IEND chunk)",
+        6: "label 2 is not one of the data set's 2 classes (0..1)",
     }
-    assert labels.tolist() == [0, 0, 0, 7, 1, 1] and bytes(views[2]) == b""
-    assert [pos for pos in range(6) if bytes(views[pos]) != data[pos]] == [0, 1, 2, 4, 5]
+    assert labels.tolist() == [0, 0, 0, 2, 1, 1, 2] and bytes(views[2]) == b""
+    assert [pos for pos in range(7) if bytes(views[pos]) != data[pos]] == [0, 1, 2, 4, 5]
 
 
 def test_damage_inside_a_packed_record_is_left_to_the_decoder(mixed_pack):
@@ -1017,6 +1023,28 @@ def test_damage_inside_a_packed_record_is_left_to_the_decoder(mixed_pack):
     assert bad == {}
     assert check_encoded(r[0][0]) == f"corrupt JPEG (no marker at byte {second})"
     assert r.verify() == [0]  # and the crc stored at pack time finds it
+
+
+def test_whole_packed_records_cost_no_full_check(mixed_pack, photo_folder, tmp_path, monkeypatch):
+    """O(1) per record: a whole record is passed on its ends alone, with no walk of its headers; only what
+    does not end in its marker (data after the image) or is too short for the quick look gets one."""
+    import warnings
+
+    import dali_fast.records as records
+
+    walked = []
+    real = records.check_encoded
+    monkeypatch.setattr(records, "check_encoded", lambda data: walked.append(bytes(data)) or real(data))
+    path, data = mixed_pack
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division by zero or other numpy complaint on the way
+        _, _, bad = MemmapReader(path).read_batch_checked([6, 5, 4, 3, 2, 1, 0, 0])
+        assert bad == {} and sorted(walked) == sorted([data[3], data[2]])
+        pack(photo_folder, tmp_path / "sharded", shard_size=200_000, progress=False)
+        sharded = MemmapReader(tmp_path / "sharded")
+        walked.clear()
+        _, _, bad = sharded.read_batch_checked(np.arange(len(sharded))[::-1])
+        assert bad == {} and walked == [] and sharded.shard_size and len(sharded.shards) > 3
 
 
 def test_sharded_batch_reads_and_checks_match_the_unsharded(photo_folder, tmp_path):
