@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
+import importlib.util
 import io
 import os
 import pstats
@@ -30,12 +32,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
-from dali_fast import DALIIterator, open_dataset, pack
-from dali_fast.pipeline import BatchSource, SkipLog
-from dali_fast.recipe import Recipe
+import dali_fast
+from dali_fast import open_dataset, pack
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import make_photos  # noqa: E402 - a sibling script
@@ -79,18 +81,51 @@ def plans(n: int, batch: int, epochs: int) -> list[list[np.ndarray]]:
     return out
 
 
-def source_epoch(loader: DALIIterator, plan: list[np.ndarray]) -> int:
-    """One epoch through the loader's external source, wired as DALIIterator wires it."""
-    source = BatchSource(loader.dataset, plan, loader.on_error, SkipLog(), boxes=loader._boxes())  # noqa: SLF001
-    n = 0
-    try:
-        while True:
-            out = source()
-            n += len(out[0])
-            source.consume()
-    except StopIteration:
-        pass
-    return n
+def load_package(folder: Path, name: str = "dali_fast_compared") -> ModuleType:
+    """The dali_fast package in ``folder`` (another revision of it), imported under another name beside
+    this one: its modules import each other relatively, so they stay within that copy."""
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def source_rows(package: ModuleType, paths: dict[str, Path], batch: int, cache_bytes: int) -> dict[str, Callable]:
+    """One epoch of each source, through ``package``'s DALIIterator wiring (its reader, cache, erasing
+    boxes and BatchSource), as a function of the epoch's plan."""
+    iterator = importlib.import_module(f"{package.__name__}.iterator")
+    pipeline = importlib.import_module(f"{package.__name__}.pipeline")
+    recipe = importlib.import_module(f"{package.__name__}.recipe")
+    packed = package.open_dataset(paths["packed"])
+
+    def dali(reader, **kw):
+        return iterator.DALIIterator(reader, batch, device="cpu", **kw)
+
+    loaders = {
+        "packed": dali(packed),
+        "packed + erasing boxes": dali(packed, recipe=recipe.Recipe(random_erasing=0.25)),
+        "packed + LRU cache (warm)": dali(packed, cache_bytes=cache_bytes),
+        "ImageFolder": dali(package.open_dataset(paths["folder"])),
+        "WebDataset shards": dali(package.open_dataset(paths["shards"])),
+    }
+
+    def epoch(loader, plan: list[np.ndarray]) -> int:
+        """One epoch through the loader's external source, wired as DALIIterator wires it."""
+        boxes = loader._boxes()  # noqa: SLF001
+        source = pipeline.BatchSource(loader.dataset, plan, loader.on_error, pipeline.SkipLog(), boxes=boxes)
+        n = 0
+        try:
+            while True:
+                n += len(source()[0])
+                source.consume()
+        except StopIteration:
+            pass
+        return n
+
+    return {name: (lambda plan, lo=lo: epoch(lo, plan)) for name, lo in loaders.items()}
 
 
 def pool_epoch(pool: ThreadPoolExecutor, read: Callable[[int], bytes], plan: list[np.ndarray]) -> int:
@@ -117,22 +152,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8, help="threads of the reference thread-pool reads")
     ap.add_argument("--keep", type=Path, default=None, help="make (or reuse) the data here instead of a temp dir")
     ap.add_argument("--profile", action="store_true", help="one epoch of each row under cProfile")
+    ap.add_argument(
+        "--compare-with",
+        type=Path,
+        default=None,
+        help="a dali_fast package folder of another revision (git archive REV dali_fast | tar -x -C DIR; "
+        "pass DIR/dali_fast): every source row runs with both, alternating, and the table gives the ratio",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("DALI_FAST_CACHE", str(work / "cache"))
         paths = prepare(work, args.images)
-        packed, folder = open_dataset(paths["packed"]), open_dataset(paths["folder"])
-        shards = open_dataset(paths["shards"])
+        packed, folder, shards = (open_dataset(paths[k]) for k in ("packed", "folder", "shards"))
         n = len(packed)
         mb = packed.data_size / n / 1e6  # MB per record
         print(f"{n} photos {SIZE[0]}x{SIZE[1]} q{QUALITY}, {mb * 1000:.0f} KB each on average; batch {args.batch_size}")
-
-        def dali(reader, **kw) -> DALIIterator:
-            return DALIIterator(reader, args.batch_size, device="cpu", **kw)
-
-        erasing = Recipe(random_erasing=0.25)
+        cache_bytes = 2 * packed.data_size + 2**20
+        rows = source_rows(dali_fast, paths, args.batch_size, cache_bytes)
+        names = list(rows)
+        compared = args.compare_with and source_rows(
+            load_package(args.compare_with), paths, args.batch_size, cache_bytes
+        )
+        if compared:
+            rows.update({f"{name} [compared]": run for name, run in compared.items()})
         files = [folder.source(i) for i in range(len(folder))]
         members = [
             (str(shards.shards[int(s)]), int(o), int(z))
@@ -150,22 +194,12 @@ def main() -> None:
             path, offset, size = members[i]
             return os.pread(fds[path], size, offset)
 
-        loaders = {
-            "packed": dali(packed),
-            "packed + erasing boxes": dali(packed, recipe=erasing),
-            "packed + LRU cache (warm)": dali(packed, cache_bytes=2 * int(mb * 1e6) * n + 2**20),
-            "ImageFolder": dali(folder),
-            "WebDataset shards": dali(shards),
+        targets = {
+            "ImageFolder": f"ImageFolder files read by {args.threads} threads (target)",
+            "WebDataset shards": f"WebDataset members read by {args.threads} threads (target)",
         }
-        rows: dict[str, Callable[[list[np.ndarray]], int]] = {
-            name: (lambda plan, lo=lo: source_epoch(lo, plan)) for name, lo in loaders.items()
-        }
-        rows[f"ImageFolder files read by {args.threads} threads (target)"] = lambda plan: pool_epoch(
-            pool, read_file, plan
-        )
-        rows[f"WebDataset members read by {args.threads} threads (target)"] = lambda plan: pool_epoch(
-            pool, read_member, plan
-        )
+        rows[targets["ImageFolder"]] = lambda plan: pool_epoch(pool, read_file, plan)
+        rows[targets["WebDataset shards"]] = lambda plan: pool_epoch(pool, read_member, plan)
         epoch_plans = plans(n, args.batch_size, args.rounds + 1)
         for run in rows.values():  # warm-up: page cache, the LRU cache, lazy maps and pools
             assert run(epoch_plans[0]) == n
@@ -186,20 +220,22 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
                 assert got == n, (name, got)
         rate = {name: n / statistics.median(ts) for name, ts in times.items()}
-        target = {
-            "ImageFolder": rate[f"ImageFolder files read by {args.threads} threads (target)"],
-            "WebDataset shards": rate[f"WebDataset members read by {args.threads} threads (target)"],
-        }
         print(f"\nmedian of {args.rounds} rounds, rows alternating in one process\n")
-        print("| source | records/s | µs/record | MB/s | x target |\n|---|---:|---:|---:|---:|")
-        for name, value in rate.items():
-            ratio = f"{value / target[name]:.2f}" if name in target else "-"
-            print(f"| {name} | {value:,.0f} | {1e6 / value:.1f} | {value * mb:,.0f} | {ratio} |")
+        head = "| source | records/s | µs/record | MB/s | x target |"
+        if compared:
+            head += f" records/s, {args.compare_with.parent.name} | x that |"
+        print(head + "\n|---|" + "---:|" * (head.count("|") - 2))
+        for name in names + list(targets.values()):
+            value = rate[name]
+            ratio = f"{value / rate[targets[name]]:.2f}" if name in targets else "-"
+            line = f"| {name} | {value:,.0f} | {1e6 / value:.1f} | {value * mb:,.0f} | {ratio} |"
+            if compared:
+                other = rate.get(f"{name} [compared]")
+                line += f" {other:,.0f} | {value / other:.1f} |" if other else " - | - |"
+            print(line)
         pool.shutdown()
         for fd in fds.values():
             os.close(fd)
-        for lo in loaders.values():
-            lo.close()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
 """Is the external source the bottleneck? DALI's own file reader vs DALIIterator's feeds, side by side.
 
     pip install scikit-image      # the photos extra (benchmarks/photos.py makes the default data)
-    python benchmarks/iterator_overhead.py [--data FOLDER] [--images 400] [--rounds 5] [--batch-size 64]
+    python benchmarks/iterator_overhead.py [--data FOLDER] [--images 400] [--rounds 5] [--batch-size 64] [--rss-epochs 30]
 
 Rows (images/s over full epochs, all in this one run, the same operators after the source):
   (a) DALI fn.readers.file over the ImageFolder                            (the reference)
-  (b) DALIIterator over the ImageFolder (files read on demand)
+  (b) DALIIterator over the ImageFolder (each batch's files read by the reader threads)
   (c) DALIIterator over the packed data set (memory-mapped)
   (d) DALIIterator over the packed data set with a warm LRU cache
 
 The data are real photos (benchmarks/photos.py: 470x370, quality 90, as the speed facts use), or
 ``--data`` (an ImageFolder). Every row runs one warm-up epoch, then one epoch per round, rows alternating
 (each round starts at the next row), so drift of the machine's speed falls on every row alike; the table
-gives each row's median over the rounds and its ratio to row (a).
+gives each row's median over the rounds and its ratio to row (a). ``--rss-epochs N`` then runs rows
+(b)-(d) N more epochs each and prints the process's resident memory and threads: flat when nothing grows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +85,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument(
+        "--rss-epochs",
+        type=int,
+        default=0,
+        help="then run each DALIIterator row this many epochs, printing the process's resident memory and thread count",
+    )
     args = ap.parse_args()
     threads = default_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,8 +129,29 @@ def main() -> None:
         print("| feed | img/s | x (a) |\n|---|---:|---:|")
         for name, value in rate.items():
             print(f"| {name} | {value:.0f} | {value / ref:.2f} |")
+        if args.rss_epochs:
+            print(f"\nresident memory over {args.rss_epochs} more epochs of each row, one row after the other\n")
+            print(
+                "| feed | RSS after its 1st | after its last | highest | threads 1st / last |\n|---|---:|---:|---:|---:|"
+            )
+            for name in names[1:]:
+                rss, threads_seen = [], []
+                for _ in range(args.rss_epochs):
+                    assert rows[name]() == n
+                    rss.append(resident_mib())
+                    threads_seen.append(threading.active_count())
+                print(
+                    f"| {name} | {rss[0]:.0f} MiB | {rss[-1]:.0f} MiB | {max(rss):.0f} MiB | "
+                    f"{threads_seen[0]} / {threads_seen[-1]} |"
+                )
         for loader in (folder_loader, packed_loader, cached_loader):
             loader.close()
+
+
+def resident_mib() -> float:
+    """This process's resident memory (VmRSS), MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 if __name__ == "__main__":
