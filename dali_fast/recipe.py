@@ -272,7 +272,8 @@ def erasing_boxes(recipe: Recipe, seed: int, epoch: int, indices: Sequence[int] 
     return boxes
 
 
-def _log_aspects(recipe: Recipe, u):
+def _log_aspects(recipe: Recipe, u: Any) -> Any:
+    """Log-uniform aspects from uniforms ``u`` (a float or an array), by `erasing_ratio`."""
     log_low, log_high = math.log(recipe.erasing_ratio[0]), math.log(recipe.erasing_ratio[1])
     return log_low + (log_high - log_low) * u
 
@@ -303,7 +304,7 @@ _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / the golden ratio
 
 
-def _mix64(z):
+def _mix64(z: Any) -> Any:
     """SplitMix64's finalizer, a bijective scramble of 64-bit words: on a Python int, or on a uint64
     array (whose arithmetic wraps by itself), with the same result."""
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _M64
@@ -311,7 +312,9 @@ def _mix64(z):
     return z ^ (z >> 31)
 
 
-def sample_uniforms(seed: int, epoch: int, indices, salt: int, count: int):
+def sample_uniforms(
+    seed: int, epoch: int, indices: int | np.ndarray, salt: int, count: int
+) -> list[float] | np.ndarray:
     """``count`` uniform floats in [0, 1) per sample: a counter-based generator (SplitMix64 over the key
     (seed, epoch, salt), the index and the draw number), so each sample's draws are the same whatever
     else is drawn with it, and a batch's are a few array operations. ``indices``: an int64 array (gives

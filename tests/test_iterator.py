@@ -1002,7 +1002,7 @@ def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_a_packed_record_damaged_inside_after_packing_is_found_by_decoding(on_error, tmp_path):
+def test_dali_finds_a_packed_record_damaged_inside_after_packing_by_decoding(on_error, tmp_path):
     """Read time checks a packed record's ends only (pack walked its headers): damage in between reaches
     DALI, and the failed batch's records are then checked one by one, which names it."""
     from conftest import make_folder
