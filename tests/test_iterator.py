@@ -1042,11 +1042,12 @@ def test_dali_over_a_folder_keeps_its_threads_over_epochs(tmp_path):
     from dali_fast.records import ImageFolderReader
 
     cls = loader_class("dali")
-    root = make_folder(tmp_path / "imgs", {"a": [jpeg_bytes(30 + k, 24) for k in range(12)]})
+    root = make_folder(tmp_path / "imgs", {f"c{k:02d}": [jpeg_bytes(30 + k, 24)] for k in range(13)})
     loader = cls(ImageFolderReader(root), 4, image_size=16, device="cpu", num_threads=2)
     epoch_labels(loader, 0)
     before = threading.active_count()
-    for epoch in range(1, 6):
-        assert sorted(epoch_labels(loader, epoch)[0]) == [0] * 12
+    for epoch in range(1, 6):  # one image per class: the labels name the records, each exactly once
+        labels, sizes = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(13)) and sizes == [4, 4, 4, 1]
     assert threading.active_count() == before
     loader.close()

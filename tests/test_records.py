@@ -1165,6 +1165,28 @@ def test_read_threads_do_not_grow_with_readers_or_batches(tmp_path):
     assert threading.active_count() == before and 1 <= len(names) <= READ_THREADS
 
 
+def test_batch_reads_leave_no_file_open_and_the_process_exits_cleanly(tmp_path):
+    """Every read closes its file, failed ones too; the idle reader threads do not hold the process at exit."""
+    good = jpeg_bytes(32, 24)
+    root = make_folder(tmp_path / "imgs", {"a": [good] * 6 + [good[:-30]]})
+    reader = ImageFolderReader(root)
+    (root / "a" / "003.jpg").unlink()  # gone after the listing
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        _, _, bad = reader.read_batch_checked(range(7))
+        assert set(bad) == {3, 6}
+        with pytest.raises(FileNotFoundError):
+            reader.read_batch(range(7))
+    assert len(os.listdir("/proc/self/fd")) == fds
+    script = (
+        "from dali_fast.records import ImageFolderReader; "
+        f"r = ImageFolderReader({str(root)!r}); d, _, bad = r.read_batch_checked(range(6)); "
+        "print(len(d), sorted(bad))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "6 [5]", done.stderr[-2000:]
+
+
 def test_check_encoded_gives_one_verdict_for_bytes_arrays_and_views():
     """Bytes are searched in place, other buffers walked in place and their scan copied once: the same answer."""
     import odd_images

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -278,6 +279,7 @@ def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, mo
     blob[start : start + 8] = b"NOTAPNG!"
     last = int(r._offset[20]) + int(r._size[20]) // 2  # the last image, cut in the middle
     shard.write_bytes(bytes(blob[:last]))
+    fds = len(os.listdir("/proc/self/fd"))
     datas, _, bad = r.read_batch_checked([13, 14, 20])
     assert bad == {
         1: "not a JPEG or PNG (unknown signature)",
@@ -286,3 +288,4 @@ def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, mo
     assert bytes(datas[0]) == samples[13][0] and datas[2] is None
     with pytest.raises(OSError, match="inside this member"):
         r.read_batch([20])
+    assert len(os.listdir("/proc/self/fd")) == fds  # every read closed its shard, failed ones too
