@@ -7,7 +7,7 @@ Synthetic images decode faster than photographs (smooth areas compress well), so
 measured on these. Each image is a random crop (40-100 % of the largest box of the output's aspect
 ratio that fits, anywhere in the photo, sometimes mirrored) of one of the colour photos, resized with
 Pillow's Lanczos filter to ``--size`` and saved as a baseline JPEG (4:2:0, not progressive) at
-``--quality``: about 40 KB at the default 470x370, q90; ``--size 500x375 --quality 95`` gives
+``--quality``: about 40 KB at the default 470x370, q90; ``--size 640x480 --quality 95`` gives
 ImageNet-like records of about 100 KB. The set is an ImageFolder (``OUT/<class>/<n>.jpg``), written
 into a temporary folder and renamed when complete; the same arguments give the same bytes.
 """

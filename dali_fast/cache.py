@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from .records import Reader
+from .records import CheckedBatch, Reader, read_batch_checked
 
 
 class LRUCache:
@@ -42,6 +42,23 @@ class LRUCache:
             self._items.move_to_end(key)
             self.hits += 1
             return item[0]
+
+    def get_many(self, keys: Sequence[Hashable]) -> list[object | None]:
+        """``[get(key) for key in keys]`` under one lock: what a batch costs is one lock, not one per record."""
+        out: list[object | None] = []
+        hits = 0
+        with self._lock:
+            for key in keys:
+                item = self._items.get(key)
+                if item is None:
+                    out.append(None)
+                    continue
+                self._items.move_to_end(key)
+                out.append(item[0])
+                hits += 1
+            self.hits += hits
+            self.misses += len(out) - hits
+        return out
 
     def put(self, key: Hashable, value: object, nbytes: int) -> bool:
         """Store ``value`` costing ``nbytes``; evicts least recently used items to fit. False if too large."""
@@ -95,6 +112,13 @@ class LRUCache:
             }
 
 
+class _Checked(tuple):
+    """A cached (bytes, label) that passed the read-time checks (`CachedReader.read_batch_checked`); a
+    plain tuple, cached by ``reader[i]``, was not checked."""
+
+    __slots__ = ()
+
+
 class CachedReader:
     """The reader interface over ``reader`` with its records kept in ``cache``.
 
@@ -126,6 +150,27 @@ class CachedReader:
     def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         items = [self[i] for i in indices]
         return [d for d, _ in items], np.array([lab for _, lab in items], dtype=np.int64)
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """A batch with the read-time checks (see `records.read_batch_checked`): a hit was checked when it
+        was cached, so it costs a lookup; the misses are read and checked by the reader as one batch (in
+        parallel for a folder), and the good ones cached. A bad record is never cached: it is read, and
+        reported, again each time."""
+        keys = [int(i) for i in indices]
+        values = self.cache.get_many(keys)
+        missing = [pos for pos, value in enumerate(values) if type(value) is not _Checked]  # or cached unchecked
+        bad: dict[int, str] = {}
+        if missing:
+            datas, labels, why = read_batch_checked(self.reader, [keys[pos] for pos in missing])
+            for k, pos in enumerate(missing):
+                if k in why:
+                    bad[pos] = why[k]
+                    values[pos] = (datas[k], int(labels[k]))
+                    continue
+                value = _Checked((np.frombuffer(datas[k], dtype=np.uint8).copy(), int(labels[k])))  # a private copy
+                self.cache.put(keys[pos], value, value[0].nbytes)
+                values[pos] = value
+        return [v[0] for v in values], np.array([v[1] for v in values], dtype=np.int64), bad  # type: ignore[index]
 
     def source(self, i: int) -> str:
         return self.reader.source(i)

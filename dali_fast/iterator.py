@@ -22,7 +22,7 @@ from torch.utils.data import Sampler
 
 from .cache import CachedReader, LRUCache
 from .pipeline import BadRecordError, SkipLog
-from .recipe import Recipe, resolve_recipe, sample_erasing_box
+from .recipe import Recipe, erasing_boxes, resolve_recipe
 from .records import Reader
 from .sampler import EpochSampler, dist_rank_world
 from .shard_order import StreamingOrder, make_order
@@ -576,11 +576,12 @@ class DALIIterator(LoaderBase):
             self.close()
 
     def _boxes(self) -> Any:
-        """This epoch's erasing box per sample index (the rule and generator `TorchIterator` uses), or None."""
+        """This epoch's erasing boxes for a batch of sample indices, as float32 rows (top, left, h, w): drawn
+        for the batch at once by the rule `TorchIterator` draws one sample's with; None without erasing."""
         if not self.train or self.recipe.random_erasing <= 0:
             return None
         recipe, seed, epoch = self.recipe, self.seed, self.order.epoch
-        return lambda i: np.asarray(sample_erasing_box(recipe, seed, epoch, i), np.float32)
+        return lambda indices: erasing_boxes(recipe, seed, epoch, indices).astype(np.float32)
 
     def _build(self, plan: list[np.ndarray], start: int, bad: dict[int, str]) -> _Kept:
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy

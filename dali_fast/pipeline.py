@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .recipe import Recipe
-from .records import Reader, pillow_reason, read_checked
+from .records import Reader, pillow_reason, read_batch_checked, read_checked
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ class BatchSource:
         on_error: str,
         skips: SkipLog,
         exclude: Mapping[int, str] | None = None,
-        boxes: Callable[[int], np.ndarray] | None = None,
+        boxes: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.reader = reader
-        self.boxes = boxes  # index -> float32 (top, left, h, w) of its erasing box, a third output
+        self.boxes = boxes  # indices -> float32 (n, 4) rows (top, left, h, w) of their erasing boxes, a third output
         self.plan = list(plan)
         self.on_error = on_error
         self.skips = skips
@@ -91,7 +91,7 @@ class BatchSource:
         self,
         plan: Sequence[np.ndarray],
         exclude: Mapping[int, str] | None = None,
-        boxes: Callable[[int], np.ndarray] | None = None,
+        boxes: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         """Start handing out a new plan (the next epoch's, in a pipeline kept from the last one)."""
         if (boxes is None) != (self.boxes is None):
@@ -108,30 +108,26 @@ class BatchSource:
         consumed = batches = 0
         skipped: list[tuple[int, str]] = []
         while not self.stopped and self.next < len(self.plan):
-            indices = self.plan[self.next]
+            indices = np.asarray(self.plan[self.next], dtype=np.int64)
             self.next += 1
             batches += 1
             consumed += len(indices)
-            datas: list[np.ndarray] = []
-            labels: list[int] = []
-            kept: list[int] = []
-            for i in indices.tolist():
-                reason = self.exclude.get(i)
-                if reason is None:
-                    data, label, reason = read_checked(self.reader, i)
-                if reason is not None:
-                    if self.on_error == "raise":
-                        raise BadRecordError(bad_record_message(self.reader, i, reason))
-                    skipped.append((i, reason))
-                    continue
-                datas.append(data)
-                labels.append(label)
-                kept.append(i)
+            datas, labels, bad = read_batch_checked(self.reader, indices)
+            if self.exclude:  # records known to break the decoder (after a pipeline failure in skip mode)
+                bad.update((pos, self.exclude[i]) for pos, i in enumerate(indices.tolist()) if i in self.exclude)
+            kept = indices
+            if bad:
+                if self.on_error == "raise":
+                    first = min(bad)
+                    raise BadRecordError(bad_record_message(self.reader, int(indices[first]), bad[first]))
+                skipped += [(int(indices[pos]), bad[pos]) for pos in sorted(bad)]
+                keep = [pos for pos in range(len(indices)) if pos not in bad]
+                datas, labels, kept = [datas[pos] for pos in keep], labels[keep], indices[keep]
             if datas:
-                self.fed.append(Fed(consumed, kept, batches, skipped))
+                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped))
                 if self.boxes is not None:
-                    return datas, np.asarray(labels, dtype=np.int64), [self.boxes(i) for i in kept]
-                return datas, np.asarray(labels, dtype=np.int64)
+                    return datas, labels, self.boxes(kept)
+                return datas, labels
         self.tail_skipped += skipped  # the plan ended on records that were all skipped
         skipped = []
         raise StopIteration

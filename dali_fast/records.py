@@ -23,18 +23,21 @@ import re
 import secrets
 import shutil
 import sys
+import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from .system import available_cpus
 
 log = logging.getLogger(__name__)
+T, R = TypeVar("T"), TypeVar("R")
 
 MAGIC = b"DALIFAST"
 FORMAT_VERSION = 2  # 2: the header carries a crc32 of the index rows (labels included) and the class count
@@ -81,6 +84,11 @@ class Reader(Protocol):
     def source(self, i: int) -> str: ...
 
 
+CheckedBatch = tuple[list[np.ndarray | None], np.ndarray, dict[int, str]]
+"""A batch read with its checks: the records' bytes (None where unreadable), their int64 labels, and
+``{position in the batch: why that record is bad}`` (empty when every record is good)."""
+
+
 def _check_index(reader: Reader, i: int) -> int:
     n = len(reader)
     j = int(i)
@@ -92,31 +100,43 @@ def _check_index(reader: Reader, i: int) -> int:
 
 
 def check_encoded(data: np.ndarray | bytes) -> str | None:
-    """Cheap structural check of an encoded image; returns the reason it is bad, or None.
+    """Structural check of an encoded image; returns the reason it is bad, or None.
 
     Catches what would otherwise kill a DALI pipeline, without decoding: empty records, bytes
     that are not JPEG/PNG, a broken JPEG marker structure or PNG chunk structure, and truncation
     (no end-of-image marker after the JPEG's first scan, no PNG IEND chunk). Data after the end
     of the image (phones' motion photos, editors' trailers) is allowed, as decoders allow it.
+
+    It reads the headers, not the compressed image: the JPEG's end-of-image marker is looked for
+    from the end, where a whole image has it. ``bytes`` are read in place; an array or another
+    buffer is walked in place and its scan data copied once (no search over it either way).
     """
-    buf = bytes(data) if isinstance(data, bytes | bytearray | memoryview) else np.asarray(data).tobytes()
-    if not buf:
+    buf = data if isinstance(data, bytes) else memoryview(np.ascontiguousarray(data, dtype=np.uint8)).cast("B")
+    if not len(buf):
         return "empty record"
-    if buf[:3] == b"\xff\xd8\xff":
+    if buf[:3] == JPEG_SOI:
         return _check_jpeg(buf)
-    if buf[:8] == b"\x89PNG\r\n\x1a\n":
+    if buf[:8] == PNG_SIGNATURE:
         return _check_png(buf)
     return "not a JPEG or PNG (unknown signature)"
 
 
+JPEG_SOI, JPEG_EOI = b"\xff\xd8\xff", b"\xff\xd9"  # a JPEG's first three bytes; its end-of-image marker
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # a PNG's last chunk: length 0, type IEND, its crc
 _JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RST0-7: markers without a length
+_JPEG_SOI_BYTES, _JPEG_EOI_BYTES = np.frombuffer(JPEG_SOI, np.uint8), np.frombuffer(JPEG_EOI, np.uint8)
+_PNG_SIGNATURE_BYTES, _PNG_IEND_BYTES = np.frombuffer(PNG_SIGNATURE, np.uint8), np.frombuffer(PNG_IEND, np.uint8)
+QUICK_MIN = 20  # bytes: records shorter (no real image is) get the full check instead of the quick look
 
 
-def _check_jpeg(buf: bytes) -> str | None:
-    """Walk the marker segments to the first scan, then look for the end-of-image marker after it.
+def _check_jpeg(buf: bytes | memoryview) -> str | None:
+    """Walk the marker segments to the first scan, then look for an end-of-image marker after it.
 
     Entropy-coded data cannot contain 0xFFD9 (0xFF is stuffed), and an EXIF thumbnail's own end
     marker sits inside an APP segment that the walk skips, so it cannot pass for the image's.
+    The marker is searched from the end (`rfind`): at the last two bytes of a whole image, it is
+    found at once, where a search from the scan's start would read the whole image.
     """
     n, pos = len(buf), 2
     for _ in range(n):  # each segment moves on by 2 bytes or more: bounded, whatever the bytes say
@@ -141,19 +161,20 @@ def _check_jpeg(buf: bytes) -> str | None:
         if end > n:
             return "truncated JPEG (ends inside its headers)"
         if marker == 0xDA:  # start of scan: compressed data follows
-            return None if buf.find(b"\xff\xd9", end) >= 0 else "truncated JPEG (no end-of-image marker)"
+            found = buf.rfind(JPEG_EOI, end) if isinstance(buf, bytes) else buf[end:].tobytes().rfind(JPEG_EOI)
+            return None if found >= 0 else "truncated JPEG (no end-of-image marker)"
         pos = end
     return "truncated JPEG (no scan)"
 
 
-def _check_png(buf: bytes) -> str | None:
+def _check_png(buf: bytes | memoryview) -> str | None:
     """Walk the chunks (length, type, data, crc) to IEND."""
     n, pos = len(buf), 8
     for _ in range(n):  # each chunk moves on by 12 bytes or more: bounded
         if pos + 12 > n:
             return "truncated PNG (no IEND chunk)"
         length = int.from_bytes(buf[pos : pos + 4], "big")
-        kind = buf[pos + 4 : pos + 8]
+        kind = bytes(buf[pos + 4 : pos + 8])
         if not kind.isalpha():
             return f"corrupt PNG (bad chunk type {kind!r} at byte {pos})"
         pos += 12 + length
@@ -267,6 +288,10 @@ class MemmapReader:
             np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8) for p in data_paths
         ]
         self.data = self.shards[0] if not self.shard_size else None  # the one data file of an unsharded set
+        # Plain-array views of the same maps, for the batch reads: slicing a memmap subclass costs a
+        # Python-level __array_finalize__ per record, slicing an ndarray does not.
+        self._rows = np.asarray(self.records)
+        self._flat = [np.asarray(m) for m in self.shards]
         self._paths = np.memmap(root / PATHS_FILE, dtype=np.uint8, mode="r") if paths_size else np.zeros(0, np.uint8)
 
     def _data_files(self, root: Path) -> list[Path]:
@@ -333,9 +358,62 @@ class MemmapReader:
 
     def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         """Records for ``indices``: a list of zero-copy views and an int64 label array."""
-        recs = self.records[np.asarray(indices, dtype=np.int64)]
-        views = [self._view(o, n) for o, n in zip(recs["offset"].tolist(), recs["length"].tolist(), strict=True)]
-        return views, recs["label"].astype(np.int64)
+        views, labels, _, _ = self._batch(indices)
+        return views, labels
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """`read_batch` with the read-time checks, O(1) per record: (views, labels, {position: reason}).
+
+        `pack` checked every record's structure (``verify`` decodes it; without it, `check_encoded`
+        walks it) and stored its crc, so reading checks only what damage after packing would break
+        first: the label is one of the classes, a JPEG starts with its SOI and ends with its EOI, a
+        PNG starts with its signature and ends with IEND. Those bytes are gathered for the whole batch
+        at once; the few records that do not pass (data after the image's end, damage) get the full
+        `check_encoded`, which names what is wrong. Damage between the ends (in the headers or the
+        compressed data) passes: the pipeline finds what breaks its decoder by decoding the failed
+        batch's records one by one, and `verify` finds all of it beforehand by the crc.
+        """
+        views, labels, offsets, lengths = self._batch(indices)
+        ok = (lengths >= QUICK_MIN) & (labels < len(self.classes))
+        rows = np.flatnonzero(ok)  # the others are bad, or too short for the quick look: the full check decides
+        edges = self._edges(offsets[rows], lengths[rows])
+        heads, tails = edges[:, :8], edges[:, 8:]
+        jpeg = (heads[:, :3] == _JPEG_SOI_BYTES).all(axis=1) & (tails[:, -2:] == _JPEG_EOI_BYTES).all(axis=1)
+        png = (heads == _PNG_SIGNATURE_BYTES).all(axis=1) & (tails == _PNG_IEND_BYTES).all(axis=1)
+        ok[rows] = jpeg | png
+        bad: dict[int, str] = {}
+        for pos in np.flatnonzero(~ok).tolist():  # rare: data after the image's end, or damage
+            reason = check_label(int(labels[pos]), len(self.classes)) or check_encoded(views[pos])
+            if reason is not None:
+                bad[pos] = reason
+        return views, labels, bad
+
+    def _batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """(views, labels, offsets, lengths) of ``indices``, the arrays int64 (negative indices count from the end)."""
+        rows = self._rows[np.asarray(indices, dtype=np.int64)]
+        offsets, lengths = rows["offset"].astype(np.int64), rows["length"].astype(np.int64)
+        if not self.shard_size:
+            data = self._flat[0]
+            views = [data[a:b] for a, b in np.stack([offsets, offsets + lengths], axis=1).tolist()]
+        else:  # shard k holds the global offsets [k * size, (k + 1) * size); a record never spans two
+            size, shards = self.shard_size, self._flat
+            spans = np.stack([offsets // size, offsets % size, offsets % size + lengths], axis=1).tolist()
+            views = [shards[k][a:b] for k, a, b in spans]
+        return views, rows["label"].astype(np.int64), offsets, lengths
+
+    def _edges(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The first 8 and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records, 20) uint8
+        array, gathered from the maps at once (once per shard the records are in)."""
+        at = np.concatenate(
+            [offsets[:, None] + np.arange(8), (offsets + lengths)[:, None] - np.arange(12, 0, -1)], axis=1
+        )
+        span = self.shard_size or self.data_size  # unsharded: one shard, in which every such record starts
+        shard = offsets // span
+        out = np.empty(at.shape, np.uint8)
+        for k in np.unique(shard).tolist():
+            rows = shard == k
+            out[rows] = self._flat[k][at[rows] - k * span]
+        return out
 
     def source(self, i: int) -> str:
         """The path the record was packed from."""
@@ -361,7 +439,7 @@ class MemmapReader:
         return f"MemmapReader({str(self.path)!r}, records={self.count}, classes={len(self.classes)})"
 
 
-# pragma: no mutate start (ImageFolder reading)
+# pragma: no mutate start (ImageFolder reading and the read pool's threads, which mutmut's tracing of tests does not follow)
 def _scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path], list[tuple[str, str]]]:
     """Classes (sorted sub-folders), (file, label) pairs, files with other extensions, and the folders
     that could not be listed (with the reason): their files are left out, never silently."""
@@ -391,6 +469,78 @@ def read_checked(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | 
     if reason is None:
         reason = check_label(label, len(reader.classes)) or check_encoded(data)
     return data, label, reason
+
+
+def read_batch_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
+    """`read_checked` for a batch: through the reader's own ``read_batch_checked`` where it has one
+    (a packed set checks in O(1) per record, folders and shards read in parallel), else record by record."""
+    batch = getattr(reader, "read_batch_checked", None)
+    if batch is not None:
+        return batch(indices)
+    datas: list[np.ndarray | None] = []
+    labels: list[int] = []
+    bad: dict[int, str] = {}
+    for pos, i in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
+        data, label, reason = read_checked(reader, i)
+        datas.append(data)
+        labels.append(label)
+        if reason is not None:
+            bad[pos] = reason
+    return datas, np.asarray(labels, dtype=np.int64), bad
+
+
+READ_THREADS = 8  # files read at once per process: what hides a network file system's latency
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def read_pool() -> ThreadPoolExecutor:
+    """This process's pool of ``READ_THREADS`` reader threads, shared by every reader; made on first use
+    (and again in a forked child, which inherits the object but not its threads)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="dali_fast-read")
+        return _pool
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def read_parallel(read: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[read(x) for x in items]`` in order, by the read pool: the items split into one run per thread, so
+    that slow reads (a network file system) overlap and the pool's bookkeeping is per run, not per item.
+    An exception ``read`` raises reaches the caller."""
+    if len(items) < 2:
+        return [read(x) for x in items]
+    step = -(-len(items) // READ_THREADS)
+    runs = [read_pool().submit(_read_run, read, items[k : k + step]) for k in range(0, len(items), step)]
+    return [r for run in runs for r in run.result()]
+
+
+def _read_run(read: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    return [read(x) for x in items]
+
+
+def _read_file(path: str) -> np.ndarray:
+    with open(path, "rb", buffering=0) as f:
+        return np.frombuffer(f.readall(), dtype=np.uint8)
+
+
+def _read_file_checked(path: str) -> tuple[np.ndarray | None, str | None]:
+    """A file's bytes and why they are not an image (`check_encoded`), or (None, why it cannot be read)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            data = f.readall()
+    except OSError as e:
+        return None, f"unreadable: {e.strerror or e}"
+    return np.frombuffer(data, dtype=np.uint8), check_encoded(data)
 
 
 def read_record(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | None]:
@@ -447,8 +597,18 @@ class ImageFolderReader:
         return np.frombuffer(data, dtype=np.uint8), int(self._labels[j])
 
     def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
-        out = [self[i][0] for i in indices]
-        return out, self._labels[np.asarray(indices, dtype=np.int64)]
+        """The files of ``indices``, read in parallel, and their labels; an unreadable file raises OSError."""
+        idx = np.asarray(indices, dtype=np.int64)
+        labels = self._labels[idx]
+        return read_parallel(_read_file, [self._files[i] for i in idx.tolist()]), labels
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """`read_batch` with `check_encoded` on every file, in the reader threads: nothing checked these
+        files before. An unreadable file is a bad record, not an error."""
+        idx = np.asarray(indices, dtype=np.int64)
+        labels = self._labels[idx]
+        got = read_parallel(_read_file_checked, [self._files[i] for i in idx.tolist()])
+        return [d for d, _ in got], labels, {pos: why for pos, (_, why) in enumerate(got) if why is not None}
 
     def source(self, i: int) -> str:
         return self._files[_check_index(self, i)]

@@ -13,6 +13,7 @@ file system; compressed shards (``.tar.gz``) have no random access and are refus
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -20,11 +21,12 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from .records import CheckedBatch, check_encoded, read_parallel
 from .synthetic import default_cache_dir
 from .system import atomic_write
 
@@ -300,6 +302,24 @@ class WebDatasetReader:
         off, size = int(self._offset[j]), int(self._size[j])
         return self._map(int(self._shard[j]))[off : off + size], int(self._labels[j])
 
+    def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """The images of ``indices``, read in parallel by the read pool, and their labels (an unreadable
+        or shortened shard raises OSError)."""
+        got, labels = self._read_members(indices, _read_member)
+        return got, labels
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """`read_batch` with `check_encoded` on every image, in the reader threads (nothing checked the
+        members before); a member that cannot be read is a bad record, not an error."""
+        got, labels = self._read_members(indices, _read_member_checked)
+        return [d for d, _ in got], labels, {pos: why for pos, (_, why) in enumerate(got) if why is not None}
+
+    def _read_members(self, indices: Sequence[int], read: Callable) -> tuple[list, np.ndarray]:
+        idx = np.asarray(indices, dtype=np.int64)
+        shards = [str(self.shards[s]) for s in self._shard[idx].tolist()]
+        members = zip(shards, self._offset[idx].tolist(), self._size[idx].tolist(), strict=True)
+        return read_parallel(read, list(members)), self._labels[idx]
+
     def source(self, i: int) -> str:
         """``shard.tar:member`` of record ``i``."""
         j = self._check(i)
@@ -323,6 +343,31 @@ class WebDatasetReader:
 
     def __repr__(self) -> str:
         return f"WebDatasetReader({len(self.shards)} shards, records={len(self)}, classes={len(self.classes)})"
+
+
+def _pread(member: tuple[str, int, int]) -> bytes:
+    """The bytes of a (shard, offset, size) member: one positioned read (no shared file position)."""
+    path, offset, size = member
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise OSError(errno.EIO, f"the shard ends at byte {offset + len(data)}, inside this member; index it again")
+    return data
+
+
+def _read_member(member: tuple[str, int, int]) -> np.ndarray:
+    return np.frombuffer(_pread(member), dtype=np.uint8)
+
+
+def _read_member_checked(member: tuple[str, int, int]) -> tuple[np.ndarray | None, str | None]:
+    try:
+        data = _pread(member)
+    except OSError as e:
+        return None, f"unreadable: {e.strerror or e}"
+    return np.frombuffer(data, dtype=np.uint8), check_encoded(data)
 
 
 def _refuse_compressed(path: Path) -> None:

@@ -138,3 +138,65 @@ def test_clear_and_reset_stats():
     assert c.stats() == {"hits": 0, "misses": 0, "hit_rate": 0.0, "evictions": 0, "bytes": 10}
     c.clear()
     assert len(c) == 0 and c.bytes == 0 and c.get("a") is None and c.stats()["misses"] == 1
+
+
+def test_get_many_counts_each_key_and_refreshes_the_hits():
+    c = LRUCache(12)
+    for k in "abc":
+        c.put(k, k.upper(), 4)
+    assert c.get_many(["a", "x", "c", "a"]) == ["A", None, "C", "A"]
+    assert c.stats() == {"hits": 3, "misses": 1, "hit_rate": 0.75, "evictions": 0, "bytes": 12}
+    assert c.get_many(["y", "b"]) == [None, "B"] and c.get("a") == "A"
+    assert c.stats() == {"hits": 5, "misses": 2, "hit_rate": 5 / 7, "evictions": 0, "bytes": 12}
+    c.put("d", "D", 4)  # evicts c: b and a were used since
+    assert c.keys() == ["b", "a", "d"] and c.get_many([]) == []
+
+
+class BatchReader(ListReader):
+    """A ListReader with batch reads that records what it was asked for (labels: the index; 3 classes)."""
+
+    classes = ["x", "y", "z"]
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.batches = []
+
+    def read_batch_checked(self, indices):
+        from dali_fast.records import check_encoded
+
+        self.batches.append(list(indices))
+        datas = [np.frombuffer(self.items[i], np.uint8) for i in indices]
+        bad = {p: why for p, d in enumerate(datas) if (why := check_encoded(d)) is not None}
+        return datas, np.asarray(indices, dtype=np.int64), bad
+
+
+def test_cached_batch_reads_check_once_and_never_cache_a_bad_record():
+    from conftest import jpeg_bytes
+
+    good = [jpeg_bytes(30 + k, 20) for k in range(3)]
+    base = BatchReader([good[0], b"not an image", good[1], good[2]])
+    r = CachedReader(base, LRUCache(10**6))
+    datas, labels, bad = r.read_batch_checked(np.array([2, 1, 0, 2]))
+    assert base.batches == [[2, 1, 0, 2]]  # the misses, read as one batch by the reader
+    assert bad == {1: "not a JPEG or PNG (unknown signature)"} and labels.tolist() == [2, 1, 0, 2]
+    assert [bytes(d) for d in datas] == [good[1], b"not an image", good[0], good[1]]
+    assert sorted(r.cache.keys()) == [0, 2] and r.cache.stats()["misses"] == 4
+    datas, labels, bad = r.read_batch_checked([0, 1, 3, 2])
+    assert base.batches[1:] == [[1, 3]]  # hits are not read again; the bad record is, and named again
+    assert bad == {1: "not a JPEG or PNG (unknown signature)"} and labels.tolist() == [0, 1, 3, 2]
+    assert [bytes(d) for d in datas] == [good[0], b"not an image", good[2], good[1]]
+    assert r.cache.stats()["hits"] == 2
+    sources = [np.frombuffer(x, np.uint8) for x in base.items]
+    assert not any(np.shares_memory(datas[p], sources[i]) for p, i in ((0, 0), (2, 3), (3, 2)))  # private copies
+    empty = r.read_batch_checked([])
+    assert empty[0] == [] and empty[1].dtype == np.int64 and len(empty[1]) == 0 and empty[2] == {}
+
+
+def test_a_record_cached_by_plain_indexing_is_checked_before_a_batch_serves_it():
+    """``reader[i]`` (the torch path) caches what it reads unchecked; the batch path checks it first."""
+    base = BatchReader([b"not an image", b"\xff\xd8\xffrest"])
+    r = CachedReader(base, LRUCache(10**6))
+    r[0], r[1]
+    _, _, bad = r.read_batch_checked([1, 0])
+    assert base.batches == [[1, 0]]
+    assert bad == {0: "truncated JPEG (ends inside its headers)", 1: "not a JPEG or PNG (unknown signature)"}

@@ -800,7 +800,7 @@ def test_a_failing_operator_other_than_the_decoder_is_named_not_blamed_on_record
     from dali_fast.iterator import DALIOperatorError
 
     _no_pillow_recheck(monkeypatch)
-    monkeypatch.setattr(DALIIterator, "_boxes", lambda self: lambda i: np.zeros(2, np.float32))  # no shape part
+    monkeypatch.setattr(DALIIterator, "_boxes", lambda self: lambda idx: np.zeros((len(idx), 2), np.float32))  # no shape part
     recipe = Recipe(image_size=16, random_erasing=1.0)
     for on_error in ("raise", "skip"):
         loader = DALIIterator(index_reader, 8, device="cpu", num_threads=2, recipe=recipe, on_error=on_error)
@@ -1365,3 +1365,91 @@ def test_tests_that_leave_the_device_to_the_loader_assume_no_cpu():
             if unpinned and claims.search(ast.get_source_segment(text, fn) or ""):
                 offenders.append(f"{path.name}::{fn.name}")
     assert offenders == []
+# ----------------------------------------------------------------------------- the external source
+
+
+def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
+    """The DALI source without DALI: good records in plan order, bad ones skipped and accounted for (or the
+    first named in raise mode), known decoder failures excluded, and erasing boxes drawn for the kept ones."""
+    from dali_fast.pipeline import BadRecordError, BatchSource, SkipLog
+    from dali_fast.recipe import erasing_boxes
+
+    reader = bad_reader()  # records 2, 5 and 7 are bad
+    recipe = Recipe(image_size=16, random_erasing=0.5)
+    plan = [np.array([0, 1, 2]), np.array([5, 7]), np.array([9, 8, 3]), np.array([4, 6])]
+
+    def boxes(indices):
+        return erasing_boxes(recipe, 3, 1, indices).astype(np.float32)
+
+    source = BatchSource(reader, plan, "skip", SkipLog(), exclude={8: "breaks the decoder"}, boxes=boxes)
+    outputs = []
+    with pytest.raises(StopIteration):
+        while True:
+            outputs.append(source())
+    assert [out[1].tolist() for out in outputs] == [[0, 1], [9, 3], [4, 6]]
+    for datas, labels, rows in outputs:
+        assert [bytes(d) for d in datas] == [bytes(reader.items[i]) for i in labels.tolist()]
+        assert labels.dtype == np.int64 and rows.dtype == np.float32 and np.array_equal(rows, boxes(labels))
+    fed = [source.consume() for _ in outputs]
+    assert [(f.consumed, f.kept, f.batches) for f in fed] == [(3, [0, 1], 1), (5, [9, 3], 2), (2, [4, 6], 1)]
+    assert [i for f in fed for i, _ in f.skipped] == [2, 5, 7, 8]
+    assert dict(fed[1].skipped)[8] == "breaks the decoder" and source.skips.count == 4
+    raising = BatchSource(reader, plan[2:] + plan[:1], "raise", SkipLog())
+    first = raising()
+    assert first[1].tolist() == [9, 8, 3] and len(first) == 2
+    raising()
+    with pytest.raises(BadRecordError) as e:
+        raising()
+    assert str(e.value).startswith("record 2 (mem://2.jpg): truncated JPEG")
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_dali_finds_a_packed_record_damaged_inside_after_packing_by_decoding(on_error, tmp_path):
+    """Read time checks a packed record's ends only (pack walked its headers): damage in between reaches
+    DALI, and the failed batch's records are then checked one by one, which names it."""
+    from conftest import make_folder
+
+    from dali_fast.records import DATA_FILE, MemmapReader, pack
+
+    cls = loader_class("dali")
+    images = [jpeg_bytes(40 + k, 30, (40 * k, 90, 200)) for k in range(6)]
+    pack(make_folder(tmp_path / "src", {"a": images[:3], "b": images[3:]}), tmp_path / "p", progress=False)
+    r = MemmapReader(tmp_path / "p")
+    record = bytes(r[4][0])
+    second = 4 + int.from_bytes(record[4:6], "big")  # the marker after SOI and APP0
+    at, source = int(r.records["offset"][4]) + second, r.source(4)
+    del r
+    with open(tmp_path / "p" / DATA_FILE, "r+b") as f:
+        f.seek(at)
+        f.write(b"\x00")
+    reader = MemmapReader(tmp_path / "p")
+    assert reader.read_batch_checked(range(6))[2] == {}  # its ends are whole
+    loader = cls(reader, 3, train=False, image_size=16, device="cpu", num_threads=2, on_error=on_error)
+    if on_error == "raise":
+        with pytest.raises((RuntimeError, ValueError)) as e:
+            epoch_labels(loader, 0)
+        msg = str(e.value)
+        assert f"record 4 ({source}): corrupt JPEG (no marker at byte {second})" in msg and "\n" not in msg
+        return
+    labels, _ = epoch_labels(loader, 0)
+    assert sorted(labels) == [0, 0, 0, 1, 1] and loader.skipped == 1
+
+
+def test_dali_over_a_folder_keeps_its_threads_over_epochs(tmp_path):
+    """The read pool is made once per process: epochs over a folder add no threads (nor memory for them)."""
+    import threading
+
+    from conftest import make_folder
+
+    from dali_fast.records import ImageFolderReader
+
+    cls = loader_class("dali")
+    root = make_folder(tmp_path / "imgs", {f"c{k:02d}": [jpeg_bytes(30 + k, 24)] for k in range(13)})
+    loader = cls(ImageFolderReader(root), 4, image_size=16, device="cpu", num_threads=2)
+    epoch_labels(loader, 0)
+    before = threading.active_count()
+    for epoch in range(1, 6):  # one image per class: the labels name the records, each exactly once
+        labels, sizes = epoch_labels(loader, epoch)
+        assert sorted(labels) == list(range(13)) and sizes == [4, 4, 4, 1]
+    assert threading.active_count() == before
+    loader.close()

@@ -17,6 +17,7 @@ from dali_fast.records import (
     FORMAT_VERSION,
     HEADER_DTYPE,
     INDEX_FILE,
+    QUICK_MIN,
     RECORD_DTYPE,
     ImageFolderReader,
     MemmapReader,
@@ -917,3 +918,286 @@ def test_a_destination_that_cannot_be_created_is_one_line(small_folder, tmp_path
     assert _one_line(e) == f"{tmp_path / 'p'}: cannot be created (Permission denied); choose another destination"
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [small_folder.name]  # the temporary folder went with it
+
+
+# ----------------------------------------------------------------------------- batch reads and read-time checks
+
+
+def _tiny_jpeg(scan: bytes = b"") -> bytes:
+    """18 bytes (+ ``scan``) whose JPEG structure is whole: SOI, a scan, EOI."""
+    return SOI + SOS + scan + EOI
+
+
+def _set_length(dst: Path, record: int, length: int) -> None:
+    rows = np.fromfile(dst / INDEX_FILE, dtype=RECORD_DTYPE, offset=HEADER_DTYPE.itemsize)
+    header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)
+    rows["length"][record] = length
+    header["index_crc32"] = zlib.crc32(rows.tobytes())
+    (dst / INDEX_FILE).write_bytes(header.tobytes() + rows.tobytes())
+
+
+@pytest.fixture
+def mixed_pack(tmp_path):
+    """A packed set (not verified) of a JPEG, a PNG, a JPEG with data after its end, a whole JPEG of 18 bytes
+    (shorter than the quick look), a progressive JPEG, a gray PNG and a whole JPEG of exactly 20 bytes (the
+    quick look's least); returns (path, the source bytes in record order)."""
+    import odd_images
+
+    valid = odd_images.odd_valid()
+    items = [
+        jpeg_bytes(40, 30),
+        valid["rgb_png"],
+        valid["trailing_data_jpeg"],
+        _tiny_jpeg(),
+        valid["progressive_jpeg"],
+        valid["gray16_png"],
+        _tiny_jpeg(b"\x12\x34"),
+    ]
+    assert len(items[3]) == 18 and len(items[6]) == QUICK_MIN == 20
+    src = make_folder(tmp_path / "src", {"a": items[:3], "b": items[3:]})
+    report = pack(src, tmp_path / "p", verify=False, progress=False)
+    assert report.records == len(items)
+    r = MemmapReader(tmp_path / "p")
+    return tmp_path / "p", [bytes(r[i][0]) for i in range(len(r))]
+
+
+def test_packed_batch_reads_are_exact_and_quick_checked(mixed_pack):
+    """Whole records pass: JPEG and PNG ends, data after the image's end, a record shorter than the quick
+    window (these two by the full check); any order, repeats and negative indices."""
+    path, data = mixed_pack
+    r = MemmapReader(path)
+    order = [5, 0, 2, 2, -1, 3, 1, 4, 6]
+    views, labels, bad = r.read_batch_checked(order)
+    assert bad == {}
+    assert [bytes(v) for v in views] == [data[i] for i in order]
+    assert labels.dtype == np.int64 and labels.tolist() == [r[i][1] for i in order]
+    assert all(not v.flags.owndata and not v.flags.writeable for v in views)  # views of the map
+    plain, plain_labels = r.read_batch(order)
+    assert [bytes(v) for v in plain] == [data[i] for i in order] and plain_labels.tolist() == labels.tolist()
+    assert r.read_batch_checked([])[0] == [] and r.read_batch_checked([])[2] == {}
+    with pytest.raises(IndexError):
+        r.read_batch_checked([len(r)])
+
+
+def test_damage_after_packing_that_the_quick_check_sees_is_named(mixed_pack):
+    path, data = mixed_pack
+    r = MemmapReader(path)
+    off = [int(x) for x in r.records["offset"]]
+    n = [int(x) for x in r.records["length"]]
+    del r
+    _flip_byte(path / DATA_FILE, off[0] + n[0] - 1, 0xFF)  # the JPEG's EOI: D9 -> 26
+    _flip_byte(path / DATA_FILE, off[1], 0xFF)  # the PNG's signature
+    _flip_byte(path / DATA_FILE, off[5] + n[5] - 7, 0x20)  # the gray PNG's last chunk: "IEND" -> "IeND"
+    _flip_byte(path / DATA_FILE, off[4] + 1, 0x01)  # the progressive JPEG's SOI: FFD8 -> FFD9
+    _rewrite_label(path, 3, 2, fix_crc=True)  # the 18-byte JPEG: label 2 of 2 classes (0 and 1)
+    _rewrite_label(path, 6, 2, fix_crc=True)  # the 20-byte one, too
+    _set_length(path, 2, 0)  # the trailing-data JPEG: now empty
+    r = MemmapReader(path)
+    views, labels, bad = r.read_batch_checked(range(7))
+    assert bad == {
+        0: "truncated JPEG (no end-of-image marker)",
+        1: "not a JPEG or PNG (unknown signature)",
+        2: "empty record",
+        3: "label 2 is not one of the data set's 2 classes (0..1)",
+        4: "not a JPEG or PNG (unknown signature)",
+        5: "truncated PNG (no IEND chunk)",
+        6: "label 2 is not one of the data set's 2 classes (0..1)",
+    }
+    assert labels.tolist() == [0, 0, 0, 2, 1, 1, 2] and bytes(views[2]) == b""
+    assert [pos for pos in range(7) if bytes(views[pos]) != data[pos]] == [0, 1, 2, 4, 5]
+
+
+def test_damage_inside_a_packed_record_is_left_to_the_decoder(mixed_pack):
+    """The read-time check of a packed record is O(1): the ends, not the headers in between (pack walked
+    them). A marker broken after packing passes it; the full check (what the failed-batch search runs)
+    names it."""
+    path, _ = mixed_pack
+    r = MemmapReader(path)
+    record = bytes(r[0][0])
+    second = 4 + int.from_bytes(record[4:6], "big")  # the second segment's marker, after SOI and APP0
+    at = int(r.records["offset"][0]) + second
+    del r
+    _flip_byte(path / DATA_FILE, at, 0xFF)
+    r = MemmapReader(path)
+    _, _, bad = r.read_batch_checked([0, 1])
+    assert bad == {}
+    assert check_encoded(r[0][0]) == f"corrupt JPEG (no marker at byte {second})"
+    assert r.verify() == [0]  # and the crc stored at pack time finds it
+
+
+def test_whole_packed_records_cost_no_full_check(mixed_pack, photo_folder, tmp_path, monkeypatch):
+    """O(1) per record: a whole record is passed on its ends alone, with no walk of its headers; only what
+    does not end in its marker (data after the image) or is too short for the quick look gets one."""
+    import warnings
+
+    import dali_fast.records as records
+
+    walked = []
+    real = records.check_encoded
+    monkeypatch.setattr(records, "check_encoded", lambda data: walked.append(bytes(data)) or real(data))
+    path, data = mixed_pack
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division by zero or other numpy complaint on the way
+        _, _, bad = MemmapReader(path).read_batch_checked([6, 5, 4, 3, 2, 1, 0, 0])
+        assert bad == {} and sorted(walked) == sorted([data[3], data[2]])
+        pack(photo_folder, tmp_path / "sharded", shard_size=200_000, progress=False)
+        sharded = MemmapReader(tmp_path / "sharded")
+        walked.clear()
+        _, _, bad = sharded.read_batch_checked(np.arange(len(sharded))[::-1])
+        assert bad == {} and walked == [] and sharded.shard_size and len(sharded.shards) > 3
+
+
+def test_sharded_batch_reads_and_checks_match_the_unsharded(photo_folder, tmp_path):
+    pack(photo_folder, tmp_path / "whole", progress=False)
+    pack(photo_folder, tmp_path / "sharded", shard_size=200_000, progress=False)
+    a, b = MemmapReader(tmp_path / "whole"), MemmapReader(tmp_path / "sharded")
+    last = len(b) - 1
+    assert int(b.records["offset"][last]) // b.shard_size >= 3  # the last record is in a later shard
+    off, n = int(b.records["offset"][last]), int(b.records["length"][last])
+    del b
+    shard, local = divmod(off, 200_000)
+    _flip_byte(tmp_path / "sharded" / f"data-{shard:05d}.bin", local + n - 2, 0x01)  # its EOI: FFD9 -> FED9
+    b = MemmapReader(tmp_path / "sharded")
+    order = np.random.default_rng(0).permutation(len(a))
+    va, la, bad_a = a.read_batch_checked(order)
+    vb, lb, bad_b = b.read_batch_checked(order)
+    pos = int(np.flatnonzero(order == last)[0])
+    assert bad_a == {} and bad_b == {pos: "truncated JPEG (no end-of-image marker)"}
+    assert la.tolist() == lb.tolist()
+    assert [bytes(x) for x in va[:pos] + va[pos + 1 :]] == [bytes(x) for x in vb[:pos] + vb[pos + 1 :]]
+
+
+def test_batch_read_of_a_reader_without_one_checks_record_by_record():
+    from conftest import IndexReader
+
+    from dali_fast.records import read_batch_checked, read_checked
+
+    good = jpeg_bytes(32, 24)
+    reader = IndexReader([good, good[:100], b"", good], classes=3)  # label 3 is outside the 3 classes
+    datas, labels, bad = read_batch_checked(reader, np.array([3, 1, 0, 2]))
+    assert labels.dtype == np.int64 and labels.tolist() == [3, 1, 0, 2]
+    assert [bytes(d) for d in datas] == [good, good[:100], good, b""]
+    assert bad == {0: read_checked(reader, 3)[2], 1: read_checked(reader, 1)[2], 3: "empty record"}
+    assert bad[0].startswith("label 3 is not one") and bad[1].startswith("truncated JPEG")
+
+
+def test_folder_batch_reads_overlap_in_the_read_threads_and_keep_their_order(tmp_path, monkeypatch):
+    """A folder's files are read by the pool, several at once (a network file system's latency overlaps),
+    never on the calling thread; results come back in the batch's order."""
+    import threading
+
+    import dali_fast.records as records
+
+    images = [jpeg_bytes(20 + k, 20) for k in range(32)]
+    root = make_folder(tmp_path / "imgs", {"a": images})
+    reader = ImageFolderReader(root)
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "threads": set()}
+    real = records._read_file_checked
+
+    def slow(path):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            state["threads"].add(threading.current_thread().name)
+        time.sleep(0.02)
+        with lock:
+            state["now"] -= 1
+        return real(path)
+
+    monkeypatch.setattr(records, "_read_file_checked", slow)
+    order = list(range(31, -1, -1))
+    datas, labels, bad = reader.read_batch_checked(order)
+    assert bad == {} and [bytes(d) for d in datas] == [images[k] for k in order] and labels.tolist() == [0] * 32
+    assert state["most"] >= 4, state
+    assert threading.current_thread().name not in state["threads"]
+    assert all(name.startswith("dali_fast-read") for name in state["threads"])
+
+
+def test_folder_batch_reads_name_unreadable_and_broken_files(tmp_path):
+    good = jpeg_bytes(32, 24)
+    root = make_folder(tmp_path / "imgs", {"a": [good, good[:-50], good, good]})
+    (root / "a" / "002.jpg").unlink()
+    (root / "a" / "002.jpg").symlink_to(root / "gone.jpg")
+    reader = ImageFolderReader(root)
+    datas, labels, bad = reader.read_batch_checked([3, 2, 1, 0])
+    assert bad == {1: "unreadable: No such file or directory", 2: "truncated JPEG (no end-of-image marker)"}
+    assert datas[1] is None and bytes(datas[0]) == good and bytes(datas[2]) == good[:-50]
+    views, _ = reader.read_batch([0, 3])
+    assert [bytes(v) for v in views] == [good, good]
+    with pytest.raises(FileNotFoundError):
+        reader.read_batch([2])
+
+
+def test_the_read_pool_serves_a_forked_child(tmp_path):
+    """A forked child (a DataLoader worker) inherits the pool object but not its threads: it gets its own."""
+    import multiprocessing
+
+    images = [jpeg_bytes(20 + k, 20) for k in range(12)]
+    reader = ImageFolderReader(make_folder(tmp_path / "imgs", {"a": images}))
+    assert [bytes(d) for d in reader.read_batch_checked(range(12))[0]] == images  # the parent's pool now runs
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=lambda: queue.put([bytes(d) for d in reader.read_batch_checked(range(12))[0]]))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == images
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+def test_read_threads_do_not_grow_with_readers_or_batches(tmp_path):
+    import threading
+
+    from dali_fast.records import READ_THREADS
+
+    images = [jpeg_bytes(20 + k, 20) for k in range(40)]
+    root = make_folder(tmp_path / "imgs", {"a": images})
+    ImageFolderReader(root).read_batch_checked(range(40))
+    before = threading.active_count()
+    for _ in range(10):
+        reader = ImageFolderReader(root)
+        for start in range(0, 40, 8):
+            reader.read_batch_checked(range(start, start + 8))
+    names = [t.name for t in threading.enumerate() if t.name.startswith("dali_fast-read")]
+    assert threading.active_count() == before and 1 <= len(names) <= READ_THREADS
+
+
+def test_batch_reads_leave_no_file_open_and_the_process_exits_cleanly(tmp_path):
+    """Every read closes its file, failed ones too; the idle reader threads do not hold the process at exit."""
+    good = jpeg_bytes(32, 24)
+    root = make_folder(tmp_path / "imgs", {"a": [good] * 6 + [good[:-30]]})
+    reader = ImageFolderReader(root)
+    (root / "a" / "003.jpg").unlink()  # gone after the listing
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        _, _, bad = reader.read_batch_checked(range(7))
+        assert set(bad) == {3, 6}
+        with pytest.raises(FileNotFoundError):
+            reader.read_batch(range(7))
+    assert len(os.listdir("/proc/self/fd")) == fds
+    script = (
+        "from dali_fast.records import ImageFolderReader; "
+        f"r = ImageFolderReader({str(root)!r}); d, _, bad = r.read_batch_checked(range(6)); "
+        "print(len(d), sorted(bad))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "6 [5]", done.stderr[-2000:]
+
+
+def test_check_encoded_gives_one_verdict_for_bytes_arrays_and_views():
+    """Bytes are searched in place, other buffers walked in place and their scan copied once: the same answer."""
+    import odd_images
+
+    cases = {**odd_images.odd_valid(), **odd_images.corrupt()}
+    cases["two_images"] = odd_images.good_jpeg() + odd_images.good_jpeg()[:-2]  # an EOI inside, none at the end
+    cases["thumbnail_eoi_only"] = SOI + _seg(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12\x34"
+    for name, data in cases.items():
+        verdict = check_encoded(data)
+        big = np.frombuffer(b"\x00" * 7 + data + b"\x00" * 5, np.uint8)[7 : 7 + len(data)]  # a view inside a buffer
+        for form in (np.frombuffer(data, np.uint8), big, memoryview(data), bytearray(data)):
+            assert check_encoded(form) == verdict, name
+    assert check_encoded(cases["two_images"]) is None  # the first image's EOI follows the first scan
+    assert check_encoded(cases["thumbnail_eoi_only"]) == "truncated JPEG (no end-of-image marker)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -238,3 +239,53 @@ def test_pack_names_a_bad_member_by_shard_and_key(tmp_path, cache):
     report = pack(str(root / "a.tar"), tmp_path / "packed", progress=False)
     assert report.records == 2
     assert report.skipped == [(f"{root / 'a.tar'}:k1.jpg", "undecodable: OSError: Truncated File Read")]
+
+
+def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, monkeypatch):
+    """The DALI source reads members through the read pool (several at once, in order); a member damaged or
+    cut off after indexing is a bad record named by its reason, not an error."""
+    import threading
+    import time
+
+    import dali_fast.webdataset as w
+
+    samples = write_shards(tmp_path / "shards")
+    r = WebDatasetReader(tmp_path / "shards")
+    order = [20, 0, 7, 7, 13, -1, *range(21)]
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "threads": set()}
+    real = w._pread
+
+    def slow(member):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            state["threads"].add(threading.current_thread().name)
+        time.sleep(0.02)
+        with lock:
+            state["now"] -= 1
+        return real(member)
+
+    monkeypatch.setattr(w, "_pread", slow)
+    datas, labels, bad = r.read_batch_checked(order)
+    assert bad == {} and [bytes(d) for d in datas] == [samples[i][0] for i in order]
+    assert labels.dtype == np.int64 and labels.tolist() == [samples[i][1] for i in order]
+    assert state["most"] >= 4 and threading.current_thread().name not in state["threads"]
+    views, plain_labels = r.read_batch(order)
+    assert [bytes(v) for v in views] == [bytes(d) for d in datas] and plain_labels.tolist() == labels.tolist()
+    monkeypatch.undo()
+    shard = tmp_path / "shards" / "train-000002.tar"
+    blob = bytearray(shard.read_bytes())
+    start = int(r._offset[14])  # sample 14, the first of the last shard (a PNG: i % 5 == 0)
+    blob[start : start + 8] = b"NOTAPNG!"
+    last = int(r._offset[20]) + int(r._size[20]) // 2  # the last image, cut in the middle
+    shard.write_bytes(bytes(blob[:last]))
+    fds = len(os.listdir("/proc/self/fd"))
+    datas, _, bad = r.read_batch_checked([13, 14, 20])
+    assert bad == {
+        1: "not a JPEG or PNG (unknown signature)",
+        2: f"unreadable: the shard ends at byte {last}, inside this member; index it again",
+    }
+    assert bytes(datas[0]) == samples[13][0] and datas[2] is None
+    with pytest.raises(OSError, match="inside this member"):
+        r.read_batch([20])
+    assert len(os.listdir("/proc/self/fd")) == fds  # every read closed its shard, failed ones too

@@ -1,0 +1,242 @@
+"""The feed alone: records/s of the external source that DALI calls on the training thread.
+
+    pip install scikit-image      # the photos extra: real photographs, nothing downloaded
+    python benchmarks/feed.py [--images 2000] [--batch-size 256] [--rounds 5] [--keep DIR] [--profile]
+
+What is timed is only the callable DALIIterator hands to ``fn.external_source`` (reads, checks, labels,
+erasing boxes), called until it raises StopIteration, as DALI calls it: no decoding, no pipeline. The data
+are real photos of ImageNet size (benchmarks/photos.py, 640x480, quality 95: about 100 KB each) in four
+forms: a packed set, the ImageFolder itself, WebDataset shards of the same files, and the packed set behind
+a warm LRU cache. The ImageFolder and WebDataset rows are compared with reading the same bytes with a pool
+of threads and doing nothing else (their targets: within 2x of that). Every row runs once per round, rows
+alternating in one process, after one untimed warm-up epoch each (the page cache is warm: this measures
+the feed's own cost, not the disk); the table gives the median of the rounds.
+
+``--profile`` runs one epoch of each row under cProfile and prints where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import importlib.util
+import io
+import os
+import pstats
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+import dali_fast
+from dali_fast import open_dataset, pack
+
+sys.path.insert(0, str(Path(__file__).parent))
+from photos import make_photos  # noqa: E402 - a sibling script
+
+SIZE, QUALITY = (640, 480), 95  # about 100 KB per photo, as ImageNet's training JPEGs (110 KB on average)
+SHARD_RECORDS = 500
+
+
+def write_shards(folder: Path, out: Path) -> None:
+    """The ImageFolder's files as WebDataset shards (key.jpg + key.cls), in the folder's order."""
+    out.mkdir()
+    reader = open_dataset(folder)
+    files = [Path(reader.source(i)) for i in range(len(reader))]
+    labels = reader.labels.tolist()
+    for s in range(0, len(files), SHARD_RECORDS):
+        with tarfile.open(out / f"train-{s // SHARD_RECORDS:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+            for k in range(s, min(s + SHARD_RECORDS, len(files))):
+                for ext, data in (("jpg", files[k].read_bytes()), ("cls", str(labels[k]).encode())):
+                    info = tarfile.TarInfo(f"s{k:07d}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+
+
+def prepare(work: Path, images: int) -> dict[str, Path]:
+    paths = {"folder": work / "photos", "packed": work / "packed", "shards": work / "shards"}
+    if not paths["folder"].exists():
+        make_photos(paths["folder"], images, 10, SIZE, QUALITY, 0)
+    if not paths["packed"].exists():
+        pack(paths["folder"], paths["packed"], progress=False)
+    if not paths["shards"].exists():
+        write_shards(paths["folder"], paths["shards"])
+    return paths
+
+
+def plans(n: int, batch: int, epochs: int) -> list[list[np.ndarray]]:
+    """Each epoch's shuffled index batches, as the sampler makes them."""
+    out = []
+    for e in range(epochs):
+        order = np.random.default_rng(e).permutation(n)
+        out.append([order[i : i + batch] for i in range(0, n, batch)])
+    return out
+
+
+def load_package(folder: Path, name: str = "dali_fast_compared") -> ModuleType:
+    """The dali_fast package in ``folder`` (another revision of it), imported under another name beside
+    this one: its modules import each other relatively, so they stay within that copy."""
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def source_rows(package: ModuleType, paths: dict[str, Path], batch: int, cache_bytes: int) -> dict[str, Callable]:
+    """One epoch of each source, through ``package``'s DALIIterator wiring (its reader, cache, erasing
+    boxes and BatchSource), as a function of the epoch's plan."""
+    iterator = importlib.import_module(f"{package.__name__}.iterator")
+    pipeline = importlib.import_module(f"{package.__name__}.pipeline")
+    recipe = importlib.import_module(f"{package.__name__}.recipe")
+    packed = package.open_dataset(paths["packed"])
+
+    def dali(reader, **kw):
+        return iterator.DALIIterator(reader, batch, device="cpu", **kw)
+
+    loaders = {
+        "packed": dali(packed),
+        "packed + erasing boxes": dali(packed, recipe=recipe.Recipe(random_erasing=0.25)),
+        "packed + LRU cache (warm)": dali(packed, cache_bytes=cache_bytes),
+        "ImageFolder": dali(package.open_dataset(paths["folder"])),
+        "WebDataset shards": dali(package.open_dataset(paths["shards"])),
+    }
+
+    def epoch(loader, plan: list[np.ndarray]) -> int:
+        """One epoch through the loader's external source, wired as DALIIterator wires it."""
+        boxes = loader._boxes()  # noqa: SLF001
+        source = pipeline.BatchSource(loader.dataset, plan, loader.on_error, pipeline.SkipLog(), boxes=boxes)
+        n = 0
+        try:
+            while True:
+                n += len(source()[0])
+                source.consume()
+        except StopIteration:
+            pass
+        return n
+
+    return {name: (lambda plan, lo=lo: epoch(lo, plan)) for name, lo in loaders.items()}
+
+
+def pool_epoch(pool: ThreadPoolExecutor, read: Callable[[int], bytes], plan: list[np.ndarray]) -> int:
+    """The target: the same records' bytes read by a thread pool, batch by batch, and nothing else (each
+    batch split into one run of reads per thread, so the pool's own cost is per run, not per file)."""
+
+    def run(indices: list[int]) -> list[bytes]:
+        return [read(i) for i in indices]
+
+    n, threads = 0, pool._max_workers  # noqa: SLF001
+    for batch in plan:
+        items = batch.tolist()
+        step = -(-len(items) // threads)
+        runs = [pool.submit(run, items[k : k + step]) for k in range(0, len(items), step)]
+        n += sum(len(r.result()) for r in runs)
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=8, help="threads of the reference thread-pool reads")
+    ap.add_argument("--keep", type=Path, default=None, help="make (or reuse) the data here instead of a temp dir")
+    ap.add_argument("--profile", action="store_true", help="one epoch of each row under cProfile")
+    ap.add_argument(
+        "--compare-with",
+        type=Path,
+        default=None,
+        help="a dali_fast package folder of another revision (git archive REV dali_fast | tar -x -C DIR; "
+        "pass DIR/dali_fast): every source row runs with both, alternating, and the table gives the ratio",
+    )
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("DALI_FAST_CACHE", str(work / "cache"))
+        paths = prepare(work, args.images)
+        packed, folder, shards = (open_dataset(paths[k]) for k in ("packed", "folder", "shards"))
+        n = len(packed)
+        mb = packed.data_size / n / 1e6  # MB per record
+        print(f"{n} photos {SIZE[0]}x{SIZE[1]} q{QUALITY}, {mb * 1000:.0f} KB each on average; batch {args.batch_size}")
+        cache_bytes = 2 * packed.data_size + 2**20
+        rows = source_rows(dali_fast, paths, args.batch_size, cache_bytes)
+        names = list(rows)
+        compared = args.compare_with and source_rows(
+            load_package(args.compare_with), paths, args.batch_size, cache_bytes
+        )
+        if compared:
+            rows.update({f"{name} [compared]": run for name, run in compared.items()})
+        files = [folder.source(i) for i in range(len(folder))]
+        members = [
+            (str(shards.shards[int(s)]), int(o), int(z))
+            for s, o, z in zip(shards._shard, shards._offset, shards._size, strict=True)  # noqa: SLF001
+        ]
+        pool = ThreadPoolExecutor(args.threads)
+
+        def read_file(i: int) -> bytes:
+            with open(files[i], "rb", buffering=0) as f:
+                return f.readall()
+
+        fds = {p: os.open(p, os.O_RDONLY) for p in {m[0] for m in members}}
+
+        def read_member(i: int) -> bytes:
+            path, offset, size = members[i]
+            return os.pread(fds[path], size, offset)
+
+        targets = {
+            "ImageFolder": f"ImageFolder files read by {args.threads} threads (target)",
+            "WebDataset shards": f"WebDataset members read by {args.threads} threads (target)",
+        }
+        rows[targets["ImageFolder"]] = lambda plan: pool_epoch(pool, read_file, plan)
+        rows[targets["WebDataset shards"]] = lambda plan: pool_epoch(pool, read_member, plan)
+        epoch_plans = plans(n, args.batch_size, args.rounds + 1)
+        for run in rows.values():  # warm-up: page cache, the LRU cache, lazy maps and pools
+            assert run(epoch_plans[0]) == n
+        if args.profile:
+            for name, run in rows.items():
+                prof = cProfile.Profile()
+                prof.enable()
+                run(epoch_plans[0])
+                prof.disable()
+                print(f"\n## {name}: one epoch under cProfile (top 12 by own time)\n")
+                stats = pstats.Stats(prof, stream=sys.stdout)
+                stats.sort_stats("tottime").print_stats(12)
+        times: dict[str, list[float]] = {name: [] for name in rows}
+        for r in range(args.rounds):
+            for name, run in rows.items():
+                t0 = time.perf_counter()
+                got = run(epoch_plans[r + 1])
+                times[name].append(time.perf_counter() - t0)
+                assert got == n, (name, got)
+        rate = {name: n / statistics.median(ts) for name, ts in times.items()}
+        print(f"\nmedian of {args.rounds} rounds, rows alternating in one process\n")
+        head = "| source | records/s | µs/record | MB/s | x target |"
+        if compared:
+            head += f" records/s, {args.compare_with.parent.name} | x that |"
+        print(head + "\n|---|" + "---:|" * (head.count("|") - 2))
+        for name in names + list(targets.values()):
+            value = rate[name]
+            ratio = f"{value / rate[targets[name]]:.2f}" if name in targets else "-"
+            line = f"| {name} | {value:,.0f} | {1e6 / value:.1f} | {value * mb:,.0f} | {ratio} |"
+            if compared:
+                other = rate.get(f"{name} [compared]")
+                line += f" {other:,.0f} | {value / other:.1f} |" if other else " - | - |"
+            print(line)
+        pool.shutdown()
+        for fd in fds.values():
+            os.close(fd)
+
+
+if __name__ == "__main__":
+    main()
