@@ -99,6 +99,9 @@ fi
 
 mkdir -p "$OUT" "$WORK"
 SUMMARY="$OUT/summary.md"
+# summary.md is replaced whole at each update (a copy plus the new section, then a rename), so a reader,
+# or a host taken back mid-run, never sees half a section.
+add_to_summary() { cat "$SUMMARY" - > "$SUMMARY.tmp" && mv "$SUMMARY.tmp" "$SUMMARY"; }
 info=$("$PY" - <<'EOF' 2>&1
 import torch
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -119,7 +122,7 @@ GPUS=$(echo "$info" | head -n 1)
   echo
   echo "$info" | tail -n +2
   echo
-} > "$SUMMARY"
+} > "$SUMMARY.tmp" && mv "$SUMMARY.tmp" "$SUMMARY"
 failed=0
 results=()
 for i in "${!STEPS[@]}"; do
@@ -160,7 +163,7 @@ for i in "${!STEPS[@]}"; do
       echo '```'
       echo
     fi
-  } >> "$SUMMARY"
+  } | add_to_summary
   (cd "$WORK" && tar czf "$OUT/.logs.tar.gz" -- ./*.log $(ls ./*.json 2>/dev/null) 2>/dev/null \
     && mv "$OUT/.logs.tar.gz" "$OUT/logs.tar.gz")
 done
@@ -180,6 +183,6 @@ done
       "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['table'])" "$f"
     fi
   done
-} >> "$SUMMARY"
+} | add_to_summary
 cat "$SUMMARY"
 exit $failed
