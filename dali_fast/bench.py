@@ -18,8 +18,8 @@ from .decode import Decoder
 from .fallback import shutdown_workers
 from .recipe import MixupCutmix, Recipe, resolve_recipe
 from .records import open_dataset, pack, read_checked
-from .synthetic import default_cache_dir, make_synthetic
-from .system import atomic_write, available_cpus
+from .synthetic import make_synthetic
+from .system import atomic_write, available_cpus, default_cache_dir
 from .train import LOADERS, Trainer, make_loader_for
 from .workers import _as_is, worker_init
 

@@ -20,8 +20,6 @@ import json
 import logging
 import os
 import re
-import secrets
-import shutil
 import sys
 import threading
 import time
@@ -34,7 +32,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from .system import available_cpus
+from .system import atomic_dir, available_cpus
 
 log = logging.getLogger(__name__)
 T, R = TypeVar("T"), TypeVar("R")
@@ -696,19 +694,6 @@ def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | No
     return raw, None, False
 
 
-def clean_stale(dst: Path) -> None:
-    """Remove the temporary folders that killed `pack` or `make-synthetic` runs left beside ``dst``."""
-    for tmp in dst.parent.glob(f".{dst.name}.tmp-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 2)[-2])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            log.info("removing %s left by a killed run", tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
-            continue
-
-
 # pragma: no mutate end
 
 
@@ -911,11 +896,7 @@ def pack(
     for p in other:
         report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(dst)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # pragma: no mutate (any unique name)
-    tmp.mkdir()
-    try:
+    with atomic_dir(dst, doing="packing", what="pack") as tmp:
         rows = np.zeros(len(items), dtype=RECORD_DTYPE)
         n = 0
         offset = path_offset = 0
@@ -972,17 +953,6 @@ def pack(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
-        try:
-            os.rename(tmp, dst)
-        except OSError as e:
-            if dst.exists():  # another pack to the same destination finished first
-                raise FileExistsError(
-                    f"{dst}: appeared while packing (another pack to the same place?); this pack is discarded"
-                ) from None
-            raise ValueError(f"{dst}: cannot be created ({e.strerror or e}); choose another destination") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     report.records, report.data_bytes = n, offset
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:

@@ -45,8 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from .synthetic import default_cache_dir
-from .system import atomic_write, pid_alive
+from .system import atomic_write, default_cache_dir, pid_alive
 from .webdataset import WebDatasetReader, _expand_braces
 
 log = logging.getLogger(__name__)

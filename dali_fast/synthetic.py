@@ -10,13 +10,11 @@ from __future__ import annotations
 import io
 import logging
 import os
-import secrets
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from .records import clean_stale
+from .system import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +74,11 @@ def make_synthetic(
         raise FileExistsError(f"{out}: is a file; make-synthetic writes a new folder, choose another path")
     if out.is_dir() and any(out.iterdir()):
         raise FileExistsError(f"{out}: already exists and is not empty; choose a new folder or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     width = len(str(classes - 1))
     names = [f"class_{c:0{width}d}" for c in range(classes)]
-    try:
+    with atomic_dir(out, what="make-synthetic run") as tmp:
         for name in names:
-            (tmp / name).mkdir(parents=True)
+            (tmp / name).mkdir()
         it = range(images)
         if progress:
             from tqdm import tqdm
@@ -93,16 +88,6 @@ def make_synthetic(
             label = i % classes
             data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
             (tmp / names[label] / f"img_{i:07d}.jpg").write_bytes(data)
-        if out.is_dir():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
     return out
 
-
-def default_cache_dir() -> Path:
-    """Where the default synthetic set is kept (``$DALI_FAST_CACHE`` or ``~/.cache/dali_fast``)."""
-    return Path(os.environ.get("DALI_FAST_CACHE", Path.home() / ".cache" / "dali_fast"))

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
-from collections.abc import Callable
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
 
 
 def available_cpus() -> int:
@@ -44,11 +50,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead_temporaries(path: Path) -> None:
-    """Remove the temporary files that writers of ``path`` killed mid-write left beside it."""
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2 : -4]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+def default_cache_dir() -> Path:
+    """Where dali_fast keeps what it makes once and reuses (the default synthetic set, shard indexes,
+    remote shards): ``$DALI_FAST_CACHE``, or ``~/.cache/dali_fast``."""
+    return Path(os.environ.get("DALI_FAST_CACHE", Path.home() / ".cache" / "dali_fast"))
+
+
+def _temporary(path: Path, token: str = "") -> Path:
+    """The temporary file or folder this process writes ``path`` through: ``.NAME.PID[-TOKEN].tmp`` beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}{token}.tmp")
+
+
+def clean_stale(path: str | Path) -> None:
+    """Remove the temporaries (files or folders, see `_temporary`) that writers of ``path`` killed mid-write
+    left beside it; those of processes still running are theirs, and stay."""
+    path = Path(path)
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 : -4].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        log.info("removing %s, left by a killed run", tmp)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
@@ -58,8 +82,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durab
     beside it, renamed over it when complete. ``durable`` also fsyncs the file and the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temporaries(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    clean_stale(path)
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -77,6 +101,35 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durab
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, doing: str = "writing", what: str = "run") -> Iterator[Path]:
+    """A new folder at ``path``, whole or not at all: the block fills the temporary folder it is given,
+    which is renamed to ``path`` when the block ends (replacing an empty folder there) and removed if the
+    block fails. Temporaries that killed runs left are removed first. Another folder appearing at
+    ``path`` meanwhile is a `FileExistsError` (``doing`` and ``what`` word it: "appeared while packing
+    (another pack ...)"); a ``path`` that cannot be made, a one-line `ValueError`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path)
+    tmp = _temporary(path, f"-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        with contextlib.suppress(OSError):
+            path.rmdir()  # only an empty folder goes
+        try:
+            os.rename(tmp, path)
+        except OSError as e:
+            if path.exists():
+                raise FileExistsError(
+                    f"{path}: appeared while {doing} (another {what} to the same place?); this {what} is discarded"
+                ) from None
+            raise ValueError(f"{path}: cannot be created ({e.strerror or e}); choose another destination") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def check_writable_folder(path: str | Path, what: str) -> None:

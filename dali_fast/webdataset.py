@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .records import CheckedBatch, check_encoded, read_parallel
-from .synthetic import default_cache_dir
-from .system import atomic_write
+from .system import atomic_write, default_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -210,7 +210,7 @@ def test_killed_pack_leaves_no_dst(tmp_path):
     # kill as soon as the temporary folder has data in it
     deadline = time.time() + 60
     while time.time() < deadline:
-        tmps = list(tmp_path.glob(".packed.tmp-*/data.bin"))
+        tmps = list(tmp_path.glob(".packed.*.tmp/data.bin"))
         if tmps and tmps[0].stat().st_size > 0:
             break
         time.sleep(0.01)
@@ -222,7 +222,7 @@ def test_killed_pack_leaves_no_dst(tmp_path):
     # the next pack removes the dead run's leftovers and completes
     report = pack(src, dst, progress=False, verify=False)
     assert report.records == 300
-    assert list(tmp_path.glob(".packed.tmp-*")) == []
+    assert list(tmp_path.glob(".packed.*.tmp")) == []
 
 
 def test_image_folder_reader_same_interface(small_folder, tmp_path):
@@ -522,7 +522,7 @@ def test_two_packs_to_one_destination_say_so(small_folder, tmp_path, monkeypatch
     with pytest.raises(FileExistsError) as e:
         pack(small_folder, dst, progress=False)
     assert _one_line(e) == f"{dst}: appeared while packing (another pack to the same place?); this pack is discarded"
-    assert (dst / "index.bin").read_bytes() == b"theirs" and list(tmp_path.glob(".p.tmp-*")) == []
+    assert (dst / "index.bin").read_bytes() == b"theirs" and list(tmp_path.glob(".p.*.tmp")) == []
 
 
 def test_damaged_paths_file_does_not_hide_the_real_error(small_folder, tmp_path):
@@ -706,13 +706,13 @@ def test_a_killed_parallel_pack_leaves_no_destination(photo_folder, tmp_path, wo
     code = f"from dali_fast import pack; pack({str(photo_folder)!r}, {str(dst)!r}, workers={workers}, progress=False)"
     proc = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.time() + 60
-    while time.time() < deadline and not any(p.stat().st_size for p in tmp_path.glob(".packed.tmp-*/data.bin")):
+    while time.time() < deadline and not any(p.stat().st_size for p in tmp_path.glob(".packed.*.tmp/data.bin")):
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not dst.exists()
     assert pack(photo_folder, dst, workers=workers, progress=False).records == 59  # and the next pack completes
-    assert list(tmp_path.glob(".packed.tmp-*")) == []
+    assert list(tmp_path.glob(".packed.*.tmp")) == []
 
 
 @pytest.mark.slow
