@@ -134,7 +134,7 @@ def _make_chunk(job: tuple[str, str, int, int, tuple[int, int], int, int]) -> st
             return str(make_photos(Path(out), images, classes, size, quality, seed))
         except SystemExit as e:  # photos.py's one-line refusals; a worker must raise, not exit
             raise RuntimeError(str(e)) from None
-    from dali_fast.synthetic import make_synthetic
+    from dali_fast.data.synthetic import make_synthetic
 
     return str(make_synthetic(out, images=images, classes=classes, seed=seed, progress=False))
 

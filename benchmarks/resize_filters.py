@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dali_fast.data.open import open_dataset
 from dali_fast.decode import decode_rgb
-from dali_fast.records import open_dataset
 from dali_fast.resize import random_resized_crop_box, resize
 
 

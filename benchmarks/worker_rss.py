@@ -68,8 +68,8 @@ def run_one(
     kind: str, dataset: str, epochs: int, workers: int, batch_size: int, image_size: int, augment: str, train: bool
 ) -> dict:
     """Run ``epochs`` epochs of one loader in this process; memory of the process tree after each."""
+    from dali_fast.data.open import open_dataset
     from dali_fast.recipe import Recipe
-    from dali_fast.records import open_dataset
     from dali_fast.train import make_loader_for
 
     reader = open_dataset(dataset)

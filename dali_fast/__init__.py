@@ -10,21 +10,21 @@ __version__ = "0.1.0"
 # Every public name loads on first use, so `import dali_fast` stays cheap (no torch, no DALI).
 _HOME = {
     "BatchSizeController": ".controller",
-    "CachedReader": ".cache",
+    "CachedReader": ".data.cache",
     "DALIIterator": ".iterator",
     "EpochSampler": ".sampler",
-    "ImageFolderReader": ".records",
-    "LRUCache": ".cache",
-    "MemmapReader": ".records",
+    "ImageFolderReader": ".data.folder",
+    "LRUCache": ".data.cache",
+    "MemmapReader": ".data.packed",
     "MixupCutmix": ".recipe",
-    "PackReport": ".records",
+    "PackReport": ".data.writer",
     "Recipe": ".recipe",
     "TorchIterator": ".fallback",
     "create_optimized_dataloader": ".fallback",
     "make_loader": ".fallback",
-    "make_synthetic": ".synthetic",
-    "open_dataset": ".records",
-    "pack": ".records",
+    "make_synthetic": ".data.synthetic",
+    "open_dataset": ".data.open",
+    "pack": ".data.writer",
 }
 
 __all__ = [

@@ -16,11 +16,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .autoaugment import apply_policy
+from .data.base import Reader, read_checked
+from .data.checks import pillow_reason
 from .decode import open_image, to_rgb
 from .fallback import PIL_RESAMPLE, random_resized_crop_box
 from .pipeline import BadRecordError, bad_record_message
 from .recipe import Recipe, erasing_box, resolve_recipe
-from .records import Reader, pillow_reason, read_checked
 from .sampler import dist_rank_world
 from .system import cpus_per_local_rank
 

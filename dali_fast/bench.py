@@ -14,40 +14,19 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from .data.base import read_checked
+from .data.open import open_dataset
+from .data.synthetic import default_dataset
 from .decode import Decoder
 from .fallback import shutdown_workers
 from .recipe import MixupCutmix, Recipe, resolve_recipe
-from .records import open_dataset, pack, read_checked
-from .synthetic import make_synthetic
-from .system import atomic_write, available_cpus, default_cache_dir
+from .system import atomic_write, available_cpus
 from .train import LOADERS, Trainer, make_loader_for
 from .workers import _as_is, worker_init
 
 log = logging.getLogger(__name__)
 
 LIMIT = "limit"  # the row of the machine's decode-only ceiling
-
-
-def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
-    """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder."""
-    root = default_cache_dir() / f"synthetic-{images}x{classes}"
-    folder, packed = root / "images", root / "packed"
-    if packed.exists():
-        return folder, packed
-    root.mkdir(parents=True, exist_ok=True)
-    # Under torchrun every rank arrives here at once: the first makes the set, the others wait for it.
-    with open(root / ".lock", "w") as lock:
-        try:
-            import fcntl
-
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except ImportError:  # no flock (Windows): one process at a time is then the user's affair
-            pass
-        if not packed.exists():
-            if not folder.exists():  # complete if it exists (written atomically)
-                make_synthetic(folder, images=images, classes=classes, progress=progress)
-            pack(folder, packed, progress=progress, verify=False)
-    return folder, packed
 
 
 def machine_info() -> dict[str, Any]:

@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_make_synthetic(args: argparse.Namespace) -> int:
-    from .synthetic import make_synthetic
+    from .data.synthetic import make_synthetic
 
     make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed)
     print(f"wrote {args.images} images in {args.classes} classes to {args.out}")
@@ -34,7 +34,7 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from .records import pack
+    from .data.writer import pack
 
     report = pack(
         args.src,
@@ -51,7 +51,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .records import MemmapReader, open_dataset
+    from .data.open import open_dataset
+    from .data.packed import MemmapReader
 
     reader = open_dataset(args.dataset)
     n = len(reader)
@@ -244,8 +245,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .bench import default_dataset
-    from .records import open_dataset
+    from .data.open import open_dataset
+    from .data.synthetic import default_dataset
     from .train import run_train
 
     augments = _augments(args.augment)

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .data.base import Reader, read_checked
 from .iterator import LoaderBase, cuda_usable, local_device_index
 from .pipeline import IMAGENET_MEAN, IMAGENET_STD, BadRecordError, bad_record_message
-from .records import Reader, read_checked
 from .resize import PIL_RESAMPLE, random_resized_crop_box
 from .system import cpus_per_local_rank
 from .workers import (

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .cache import CachedReader, LRUCache
+from .data.base import Reader
+from .data.cache import CachedReader, LRUCache
 from .pipeline import BadRecordError, SkipLog
 from .recipe import Recipe, erasing_boxes, resolve_recipe
-from .records import Reader
 from .sampler import EpochSampler, dist_rank_world
 from .shard_order import StreamingOrder, make_order
 

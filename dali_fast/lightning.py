@@ -22,9 +22,10 @@ import sys
 from typing import Any
 
 from .controller import BatchSizeController
+from .data.base import Reader
+from .data.open import open_dataset
 from .fallback import make_loader
 from .iterator import LoaderBase
-from .records import Reader, open_dataset
 
 
 def _lightning_data_module() -> type:

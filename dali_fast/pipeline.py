@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .data.base import Reader, read_batch_checked, read_checked
+from .data.checks import pillow_reason
 from .recipe import Recipe
-from .records import Reader, pillow_reason, read_batch_checked, read_checked
 from .system import cpus_per_local_rank
 
 log = logging.getLogger(__name__)

@@ -29,9 +29,11 @@ from typing import Any
 import torch
 
 from .baseline import BaselineDataset, baseline_loader
-from .cache import CachedReader, LRUCache
+from .data.base import Reader
+from .data.cache import CachedReader, LRUCache
+from .data.open import open_dataset
+from .data.synthetic import default_dataset
 from .fallback import create_optimized_dataloader, dali_status
-from .records import Reader, open_dataset
 from .system import atomic_write, available_cpus, read_proc_kib
 
 log = logging.getLogger(__name__)
@@ -116,7 +118,7 @@ def run_stages(
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Measure the six stages cumulatively; writes stages.json and stages.png into ``out``."""
-    from .bench import Trainer, default_dataset, machine_info
+    from .bench import Trainer, machine_info
     from .monitor import UtilizationMonitor
 
     for name, value in (("total_epochs", total_epochs), ("total_images", total_images), ("epochs", epochs)):

@@ -13,13 +13,12 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -33,42 +32,14 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .controller import BatchSizeController, oom_safe_step
+from .data.base import Reader, check_labels, fingerprint, split
 from .iterator import LoaderBase, cuda_usable, local_device_index
 from .models import build_model
 from .recipe import MixupCutmix, Recipe, resolve_recipe, soft_target_cross_entropy
-from .records import Reader
 from .system import atomic_write, check_writable_folder
 
 log = logging.getLogger(__name__)
 LOADERS = ("baseline", "torch", "dali")
-
-
-class SubsetReader:
-    """The reader interface over some of another reader's records (e.g. a held-out split)."""
-
-    def __init__(self, reader: Reader, indices: Sequence[int]) -> None:
-        self.reader, self.indices = reader, np.asarray(indices, dtype=np.int64)
-        self.classes = reader.classes
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        return self.reader[int(self.indices[i])]
-
-    def source(self, i: int) -> str:
-        return self.reader.source(int(self.indices[i]))
-
-    @property
-    def labels(self) -> np.ndarray:
-        return np.asarray(self.reader.labels)[self.indices]  # type: ignore[attr-defined]
-
-
-def split(reader: Reader, holdout: float, seed: int = 0) -> tuple[SubsetReader, SubsetReader]:
-    """(train, held-out) subsets; the held-out share is drawn per class-agnostic permutation of (seed)."""
-    order = np.random.default_rng([seed, 99]).permutation(len(reader))
-    k = max(1, int(round(len(reader) * holdout)))
-    return SubsetReader(reader, np.sort(order[k:])), SubsetReader(reader, np.sort(order[:k]))
 
 
 def make_loader_for(
@@ -326,28 +297,6 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
 
 
-def check_labels(reader: Reader, num_classes: int) -> None:
-    """Refuse, in one line, a data set whose labels fall outside 0..num_classes-1 (read once, on the CPU,
-    from the reader's label column where it has one), instead of checking each batch on the device."""
-    labels = getattr(reader, "labels", None)
-    if labels is None:
-        return
-    labels = np.asarray(labels, dtype=np.int64)
-    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"record {i} ({reader.source(i)}) has label {int(labels[i])}, outside 0..{num_classes - 1} "
-            f"({num_classes} classes); {len(bad)} record(s) in all: fix the labels or the class list and pack again"
-        )
-
-
-def data_fingerprint(reader: Reader) -> str:
-    """What identifies the data set's contents, so a resume on other data of the same size is refused."""
-    fp = getattr(reader, "fingerprint", None)
-    return str(fp) if fp is not None else f"{type(reader).__name__}:{len(reader)}"
-
-
 def _set_epoch(loader: Any, epoch: int) -> None:
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
@@ -484,7 +433,7 @@ def run_train(
             "world_size": ctx.world_size,
             "controller": controller,
             "drop_last": drop_last,
-            "fingerprint": data_fingerprint(reader),
+            "fingerprint": fingerprint(reader),
         }
         # Other augmentation than the default is part of the run (kept out otherwise, so checkpoints
         # of default runs written before recipes existed still resume).

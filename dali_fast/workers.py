@@ -30,9 +30,10 @@ import torch
 from torch.utils.data import Dataset
 
 from .autoaugment import apply_policy
+from .data.base import Reader, read_checked
+from .data.checks import pillow_reason
 from .decode import Decoder
 from .recipe import AUGMENT_SALT, Recipe, sample_erasing_box, sample_rng
-from .records import Reader, pillow_reason, read_checked
 from .resize import pixel_box, random_resized_crop_box, resize, resize_into
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import IndexReader
 
+from dali_fast.data.synthetic import make_synthetic
+from dali_fast.data.writer import pack
 from dali_fast.fallback import (
     TorchIterator,
     create_optimized_dataloader,
@@ -20,8 +22,6 @@ from dali_fast.fallback import (
     normalize_flip,
     random_resized_crop_box,
 )
-from dali_fast.records import pack
-from dali_fast.synthetic import make_synthetic
 
 
 def collect(loader, epoch):

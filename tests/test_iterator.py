@@ -1007,7 +1007,7 @@ def test_controller_measures_each_epoch_once_also_after_a_resume(make, index_rea
 
 
 def test_unreadable_files_in_a_folder_are_bad_records(make, tmp_path):
-    from dali_fast.records import ImageFolderReader
+    from dali_fast.data.folder import ImageFolderReader
 
     root = tmp_path / "imgs"
     (root / "a").mkdir(parents=True)
@@ -1409,7 +1409,9 @@ def test_dali_finds_a_packed_record_damaged_inside_after_packing_by_decoding(on_
     DALI, and the failed batch's records are then checked one by one, which names it."""
     from conftest import make_folder
 
-    from dali_fast.records import DATA_FILE, MemmapReader, pack
+    from dali_fast.data.format import DATA_FILE
+    from dali_fast.data.packed import MemmapReader
+    from dali_fast.data.writer import pack
 
     cls = loader_class("dali")
     images = [jpeg_bytes(40 + k, 30, (40 * k, 90, 200)) for k in range(6)]
@@ -1441,7 +1443,7 @@ def test_dali_over_a_folder_keeps_its_threads_over_epochs(tmp_path):
 
     from conftest import make_folder
 
-    from dali_fast.records import ImageFolderReader
+    from dali_fast.data.folder import ImageFolderReader
 
     cls = loader_class("dali")
     root = make_folder(tmp_path / "imgs", {f"c{k:02d}": [jpeg_bytes(30 + k, 24)] for k in range(13)})

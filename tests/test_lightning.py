@@ -223,8 +223,8 @@ def test_datamodule_one_line(backend, tmp_path):
     if backend == "dali":
         pytest.importorskip("nvidia.dali")
     from dali_fast import pack
+    from dali_fast.data.synthetic import make_synthetic
     from dali_fast.lightning import DaliFastDataModule
-    from dali_fast.synthetic import make_synthetic
 
     make_synthetic(tmp_path / "img", images=24, classes=3, progress=False)
     pack(tmp_path / "img", tmp_path / "packed", progress=False)

@@ -24,9 +24,9 @@ import pytest
 from conftest import jpeg_bytes
 
 from dali_fast import open_dataset
+from dali_fast.data.remote import RemoteShardsReader
 from dali_fast.fallback import TorchIterator
 from dali_fast.pipeline import BadRecordError
-from dali_fast.remote import RemoteShardsReader, ShardCache, is_remote
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -99,11 +99,6 @@ def sizes(server) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------- open
-
-
-def test_urls_are_remote_and_paths_are_not():
-    assert is_remote("s3://b/x.tar") and is_remote("gs://b/x-{0..3}.tar") and is_remote("https://h/x.tar")
-    assert not is_remote("data/train") and not is_remote("file:///data/x.tar") and not is_remote(Path("s3:/x"))
 
 
 def test_every_sample_reads_back_exactly_and_the_index_is_read_once(s3, tmp_path):
@@ -200,22 +195,6 @@ def test_a_budget_smaller_than_the_data_set(s3, tmp_path):
     assert 0 < peak[0] <= limit
     assert r.stats()["evictions"] >= 2 * (SHARDS - 2) - 2
     r.close()
-
-
-def test_cache_keeps_pinned_shards_and_clears_dead_downloads(tmp_path):
-    cache = ShardCache(tmp_path / "c", limit=300)
-    write = lambda body: lambda tmp: tmp.write_bytes(body)  # noqa: E731
-    pin_a = cache.acquire("a", 100, write(b"a" * 100), pin=True)
-    assert cache.acquire("b", 100, write(b"b" * 100), pin=False) is None
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / "c" / f"z.part-{int(dead.stdout)}-1").write_bytes(b"z" * 50)  # a download whose process died
-    assert cache.acquire("c", 100, write(b"c" * 100), pin=True) != 0
-    assert not list((tmp_path / "c").glob("*.part-*"))  # cleared, so c fits
-    assert cache.acquire("d", 150, write(b"d" * 150), pin=False, block_for_room=False) is False  # a, c pinned
-    cache.release("a", pin_a)
-    assert cache.acquire("d", 150, write(b"d" * 150), pin=False) is None
-    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) == ["c.tar", "d.tar"]  # a and b made room
-    assert cache.used() <= 300 and cache.downloads == 4 and cache.evictions == 2
 
 
 # --------------------------------------------------------------------------------------------- HTTP

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from dali_fast.data.synthetic import make_synthetic
 from dali_fast.stages import IMAGENET_IMAGES, STAGES, fmt_duration, run_stages
-from dali_fast.synthetic import make_synthetic
 
 
 @pytest.fixture(scope="module")

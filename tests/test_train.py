@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from dali_fast.checkpoint import load_checkpoint, read_index_records
+from dali_fast.data.base import split
+from dali_fast.data.open import open_dataset
+from dali_fast.data.synthetic import make_synthetic
+from dali_fast.data.writer import pack
 from dali_fast.recipe import Recipe
-from dali_fast.records import open_dataset, pack
-from dali_fast.synthetic import make_synthetic
-from dali_fast.train import run_train, split
+from dali_fast.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,19 +169,10 @@ def test_gpu_mixup_steps_and_evaluation_do_not_stop_the_gpu():
     assert served == [0, 1, 2]
 
 
-def test_labels_are_checked_once_where_they_come_from(learnable):
+def test_labels_outside_the_classes_stop_training_before_any_step():
     from conftest import IndexReader, jpeg_bytes
 
-    from dali_fast.train import check_labels
-
-    check_labels(learnable, 3)  # every label in 0..2
     reader = IndexReader([jpeg_bytes() for _ in range(6)], classes=4)  # labels 0..5 (the index), 4 classes
-    with pytest.raises(ValueError) as e:
-        check_labels(reader, 4)
-    assert str(e.value) == (
-        "record 4 (mem://4.jpg) has label 4, outside 0..3 (4 classes); 2 record(s) in all: "
-        "fix the labels or the class list and pack again"
-    )
     with pytest.raises(ValueError, match=r"^record 4 \(mem://4.jpg\) has label 4"):
         run_train(reader, loader="torch", epochs=1, model="resnet_tiny", batch_size=2, image_size=16, num_workers=0)
 
@@ -207,11 +200,6 @@ def test_each_rank_drives_a_visible_gpu_when_the_launcher_shows_it_only_its_own(
     with tr.distributed_context() as ctx:
         assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.device_index) == (1, 2, 1, 0)
     assert chosen == [0, "nccl"]
-
-
-def test_split_disjoint_and_complete(learnable):
-    a, b = split(learnable, 0.25)
-    assert len(b) == 30 and sorted(list(a.indices) + list(b.indices)) == list(range(120))
 
 
 def test_resume_refuses_other_settings(learnable, tmp_path):

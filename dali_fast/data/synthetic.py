@@ -1,4 +1,5 @@
-"""The embedded default data set: ImageNet-like JPEGs made on demand, deterministic for a seed.
+"""The embedded default data set: ImageNet-like JPEGs made on demand, deterministic for a seed
+(`make_synthetic`), kept packed in the cache folder for ``bench`` and ``train`` (`default_dataset`).
 
 Each image is a smooth random field (upsampled low-resolution noise) with fine noise on top,
 so it compresses like a photo. Each class has its own tint and stripe orientation, so a
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .system import atomic_dir
+from ..system import atomic_dir, default_cache_dir
+from .writer import pack
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +93,24 @@ def make_synthetic(
     log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
     return out
 
+
+def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
+    """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder."""
+    root = default_cache_dir() / f"synthetic-{images}x{classes}"
+    folder, packed = root / "images", root / "packed"
+    if packed.exists():
+        return folder, packed
+    root.mkdir(parents=True, exist_ok=True)
+    # Under torchrun every rank arrives here at once: the first makes the set, the others wait for it.
+    with open(root / ".lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no flock (Windows): one process at a time is then the user's affair
+            pass
+        if not packed.exists():
+            if not folder.exists():  # complete if it exists (written atomically)
+                make_synthetic(folder, images=images, classes=classes, progress=progress)
+            pack(folder, packed, progress=progress, verify=False)
+    return folder, packed

@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from .records import CheckedBatch, Reader, read_batch_checked
+from .base import CheckedBatch, Reader, read_batch_checked
 
 
 class LRUCache:
@@ -152,7 +152,7 @@ class CachedReader:
         return [d for d, _ in items], np.array([lab for _, lab in items], dtype=np.int64)
 
     def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
-        """A batch with the read-time checks (see `records.read_batch_checked`): a hit was checked when it
+        """A batch with the read-time checks (see `base.read_batch_checked`): a hit was checked when it
         was cached, so it costs a lookup; the misses are read and checked by the reader as one batch (in
         parallel for a folder), and the good ones cached. A bad record is never cached: it is read, and
         reported, again each time."""

@@ -1,0 +1,20 @@
+"""`open_dataset`: which reader opens what, and what it says about what it cannot open."""
+
+
+import pytest
+from conftest import jpeg_bytes, one_line
+
+from dali_fast.data.open import open_dataset
+
+
+def test_open_dataset_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such data set"):
+        open_dataset(tmp_path / "nope")
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "x.jpg").write_bytes(jpeg_bytes())
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "flat")
+    assert one_line(e) == (
+        f"{tmp_path / 'flat'}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
+        "WebDataset shards (.tar) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+    )
