@@ -250,7 +250,7 @@ def step_decode(args: argparse.Namespace) -> None:
     DALI's CPU decoder, the `mixed` GPU decoder as training uses it (fancy chroma upsampling) and with
     DALI's default; then the whole eval transform, DALIIterator on the GPU against DALIIterator on the CPU."""
     from dali_fast import DALIIterator, open_dataset
-    from dali_fast.recipe import Recipe
+    from dali_fast.transforms.recipe import Recipe
 
     if args.doctor_json is not None:
         doctor_figures(args.doctor_json)
@@ -301,7 +301,8 @@ def step_failures(args: argparse.Namespace) -> None:
     torch up to a small margin, a DALIIterator must raise DALIMemoryError and tell its controller."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
     from dali_fast.iterator import DALIMemoryError, parse_dali_error
-    from dali_fast.recipe import Recipe, sample_erasing_box
+    from dali_fast.transforms.draws import sample_erasing_box
+    from dali_fast.transforms.recipe import Recipe
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

@@ -69,8 +69,8 @@ def run_one(
 ) -> dict:
     """Run ``epochs`` epochs of one loader in this process; memory of the process tree after each."""
     from dali_fast.data.open import open_dataset
-    from dali_fast.recipe import Recipe
     from dali_fast.train import make_loader_for
+    from dali_fast.transforms.recipe import Recipe
 
     reader = open_dataset(dataset)
     recipe = Recipe(image_size=image_size, auto_augment=None if augment == "none" else augment)

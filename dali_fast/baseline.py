@@ -15,15 +15,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .autoaugment import apply_policy
 from .data.base import Reader, read_checked
 from .data.checks import pillow_reason
-from .decode import open_image, to_rgb
-from .fallback import PIL_RESAMPLE, random_resized_crop_box
 from .pipeline import BadRecordError, bad_record_message
-from .recipe import Recipe, erasing_box, resolve_recipe
 from .sampler import dist_rank_world
 from .system import cpus_per_local_rank
+from .transforms.decode import open_image, to_rgb
+from .transforms.pillow import PillowTransform
+from .transforms.recipe import Recipe, resolve_recipe
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +41,7 @@ class BaselineDataset(Dataset):
         self.reader, self.train, self.on_error = reader, train, on_error
         self.recipe = resolve_recipe(recipe, image_size=image_size)
         self.image_size = self.recipe.image_size
-        self._mean = torch.tensor(self.recipe.mean_255).view(3, 1, 1) / 255
-        self._std = torch.tensor(self.recipe.std_255).view(3, 1, 1) / 255
+        self._transform = PillowTransform(self.recipe, train)
         self._rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
@@ -51,8 +49,6 @@ class BaselineDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
         """The sample, or (``on_error='skip'``) None for a bad record, which `skip_bad` drops from the batch."""
-        from PIL import Image
-
         if self._rng is None:  # one generator per worker process, seeded by torch's worker seed
             self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
         data, label, reason = read_checked(self.reader, i)
@@ -68,31 +64,7 @@ class BaselineDataset(Dataset):
                 log.warning("skipping record %d (%s): %s", i, self.reader.source(i), reason)
                 return None
             raise BadRecordError(bad_record_message(self.reader, i, reason or "unreadable"))
-        S, recipe, rng = self.image_size, self.recipe, self._rng
-        resample = getattr(Image, PIL_RESAMPLE[recipe.interpolation])
-        if self.train:
-            left, top, w, h = random_resized_crop_box(rng, *im.size, recipe.scale, recipe.ratio)
-            im = im.resize((S, S), resample, box=(left, top, left + w, top + h))
-            if rng.random() < recipe.hflip:
-                im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        else:
-            short = recipe.resize_shorter
-            scale = short / min(im.size)
-            im = im.resize((max(S, round(im.width * scale)), max(S, round(im.height * scale))), resample)
-            x0, y0 = (im.width - S + 1) // 2, (im.height - S + 1) // 2  # round half up, as every loader here
-            im = im.crop((x0, y0, x0 + S, y0 + S))
-        pixels = np.asarray(im, dtype=np.uint8)
-        if self.train:
-            pixels = apply_policy(pixels, recipe, rng)
-        x = torch.from_numpy(pixels.copy()).permute(2, 0, 1)
-        if recipe.normalize:
-            x = ((x.float().div_(255) - self._mean) / self._std).to(recipe.out_dtype)
-        else:
-            x = x.to(recipe.out_dtype)
-        if self.train and recipe.random_erasing > 0:
-            top, left, h, w = erasing_box(rng, S, S, recipe)
-            x[:, top : top + h, left : left + w] = 0
-        return x, int(label)
+        return self._transform(im, self._rng), int(label)
 
 
 def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:

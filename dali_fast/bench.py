@@ -17,11 +17,12 @@ from torch.utils.data import Dataset
 from .data.base import read_checked
 from .data.open import open_dataset
 from .data.synthetic import default_dataset
-from .decode import Decoder
 from .fallback import shutdown_workers
-from .recipe import MixupCutmix, Recipe, resolve_recipe
 from .system import atomic_write, available_cpus
 from .train import LOADERS, Trainer, make_loader_for
+from .transforms.decode import Decoder
+from .transforms.mix import MixupCutmix
+from .transforms.recipe import Recipe, resolve_recipe
 from .workers import _as_is, worker_init
 
 log = logging.getLogger(__name__)

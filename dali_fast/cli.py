@@ -140,7 +140,7 @@ _crop_fraction = _number(lambda v: 0 < v <= 1, "in (0, 1]")
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
     """The recipe the flags describe (a bad combination is one line, before any work)."""
-    from .recipe import Recipe
+    from .transforms.recipe import Recipe
 
     return Recipe(
         image_size=args.image_size,

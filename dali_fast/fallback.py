@@ -19,18 +19,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .data.base import Reader, read_checked
 from .iterator import LoaderBase, cuda_usable, local_device_index
-from .pipeline import IMAGENET_MEAN, IMAGENET_STD, BadRecordError, bad_record_message
-from .resize import PIL_RESAMPLE, random_resized_crop_box
+from .pipeline import BadRecordError, bad_record_message
 from .system import cpus_per_local_rank
+from .transforms.batch import finish_batch, normalize_flip, one_intra_op_thread
+from .transforms.resize import PIL_RESAMPLE, decode_crop, random_resized_crop_box
 from .workers import (
     BatchMaker,
     SlotRing,
     Task,
     _as_is,
-    _normalization,  # noqa: F401 - made once per device and recipe; tests reach it here
-    decode_crop,
-    erase_boxes,
-    finish_batch,
     image_shape,
     slot_layout,
     split,
@@ -44,7 +41,6 @@ __all__ = [
     "dali_status",
     "decode_crop",
     "default_num_workers",
-    "erase_boxes",
     "make_loader",
     "normalize_flip",
     "random_resized_crop_box",
@@ -132,46 +128,6 @@ def shutdown_workers(loader: DataLoader | None) -> None:
 
 
 # ----------------------------------------------------------------------------- batches
-
-
-def normalize_flip(
-    images: torch.Tensor,
-    flips: torch.Tensor,
-    dtype: torch.dtype,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    mean: tuple[float, ...] | None = IMAGENET_MEAN,
-    std: tuple[float, ...] | None = IMAGENET_STD,
-    boxes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """uint8 NHWC → NCHW ``dtype``, mirrored where ``flips``, normalized by ``mean``/``std`` (0–255 scale;
-    None: left unnormalized), erased in ``boxes``; batched ops on the tensor's device.
-
-    No host synchronization: the mirror is a `torch.where` whether or not any sample flips.
-    ``memory_format=torch.channels_last`` keeps the NHWC storage (the NCHW result is a view of it).
-    (`TorchIterator`'s workers mirror each image themselves and the batch goes through `finish_batch`.)
-    """
-    flips = flips.to(images.device, non_blocking=True)
-    images = torch.where(flips.view(-1, 1, 1, 1), images.flip(2), images)  # mirror on uint8: 4x less memory
-    return finish_batch(images.permute(0, 3, 1, 2), dtype, memory_format, mean, std, boxes)
-
-
-@contextlib.contextmanager
-def one_intra_op_thread() -> Iterator[None]:
-    """Run the enclosed torch CPU ops on one thread, then restore the setting.
-
-    The batch's conversion is a few memory-bound passes; spread over torch's intra-op threads while the
-    decode workers hold every core, its threads wait on each other at each op's barrier, and the main
-    process spent twice the CPU time per batch (measured: 0.47 against 0.21 ms per image on 2 cores).
-    """
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class _PlanSampler(Sampler):

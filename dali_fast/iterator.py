@@ -23,9 +23,10 @@ from torch.utils.data import Sampler
 from .data.base import Reader
 from .data.cache import CachedReader, LRUCache
 from .pipeline import BadRecordError, SkipLog
-from .recipe import Recipe, erasing_boxes, resolve_recipe
 from .sampler import EpochSampler, dist_rank_world
 from .shard_order import StreamingOrder, make_order
+from .transforms.draws import erasing_boxes
+from .transforms.recipe import Recipe, resolve_recipe
 
 log = logging.getLogger(__name__)
 
@@ -587,7 +588,8 @@ class DALIIterator(LoaderBase):
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-        from .pipeline import BatchSource, build_pipeline, default_num_threads, derive_seed
+        from .pipeline import BatchSource, build_pipeline, derive_seed
+        from .transforms.dali import default_num_threads
 
         source = BatchSource(self.dataset, plan, self.on_error, self._skips, exclude=bad, boxes=self._boxes())
         batch_size = self._max_batch()

@@ -35,8 +35,9 @@ from .controller import BatchSizeController, oom_safe_step
 from .data.base import Reader, check_labels, fingerprint, split
 from .iterator import LoaderBase, cuda_usable, local_device_index
 from .models import build_model
-from .recipe import MixupCutmix, Recipe, resolve_recipe, soft_target_cross_entropy
 from .system import atomic_write, check_writable_folder
+from .transforms.mix import MixupCutmix, soft_target_cross_entropy
+from .transforms.recipe import Recipe, resolve_recipe
 
 log = logging.getLogger(__name__)
 LOADERS = ("baseline", "torch", "dali")

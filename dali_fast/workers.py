@@ -17,9 +17,7 @@ loader here, so the pixels do not depend on the number of workers, the batch siz
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import math
 import platform
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,12 +27,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .autoaugment import apply_policy
 from .data.base import Reader, read_checked
-from .data.checks import pillow_reason
-from .decode import Decoder
-from .recipe import AUGMENT_SALT, Recipe, sample_erasing_box, sample_rng
-from .resize import pixel_box, random_resized_crop_box, resize, resize_into
+from .transforms.autoaugment import apply_policy
+from .transforms.decode import Decoder
+from .transforms.draws import sample_erasing_box, sample_rng
+from .transforms.recipe import AUGMENT_SALT, Recipe
+from .transforms.resize import BadImage, decode_crop
 
 log = logging.getLogger(__name__)
 
@@ -278,55 +276,6 @@ class BatchMaker(Dataset):
         return None, box
 
 
-class BadImage(ValueError):
-    """A record the decoder cannot read (the message is the reason, as `pillow_reason` words it)."""
-
-
-def decode_crop(
-    data: bytes | np.ndarray,
-    *,
-    train: bool,
-    recipe: Recipe,
-    rng: np.random.Generator,
-    decoder: Decoder | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode one record by the shared rule and crop and resize it as ``recipe`` says: uint8 (S, S, 3) RGB.
-
-    Train: a random-resized-crop box drawn from ``rng``; eval: the shorter side resized to
-    ``recipe.resize_shorter``, then the centre square. A JPEG much larger than the output is decoded at
-    1/2, 1/4 or 1/8 scale (Pillow's draft rule: the crop keeps twice the output's resolution). Written
-    into ``out`` when given (train). Raises `BadImage` for a record that does not decode.
-    """
-    S = recipe.image_size
-    decoder = decoder if decoder is not None else Decoder()
-    try:
-        opened = decoder.open(data)
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        raise BadImage(pillow_reason(e)) from None
-    width, height = opened.width, opened.height
-    if train:
-        left, top, w, h = random_resized_crop_box(rng, width, height, recipe.scale, recipe.ratio)
-        need = (max(1, math.ceil(width * S / w)), max(1, math.ceil(height * S / h)))
-    else:
-        scale = recipe.resize_shorter / min(width, height)
-        need = (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale)))
-    try:
-        pixels = opened.decode(need)
-    except Exception as e:  # noqa: BLE001 - as above: the decoders' verdict on the record
-        raise BadImage(pillow_reason(e)) from None
-    if train:
-        fx, fy = pixels.shape[1] / width, pixels.shape[0] / height
-        x0, y0, x1, y1 = pixel_box((left, top, left + w, top + h), fx, fy, pixels.shape[1], pixels.shape[0])
-        out = out if out is not None else torch.empty((S, S, 3), dtype=torch.uint8)
-        resize_into(pixels[y0:y1, x0:x1], out, recipe.interpolation)
-        return out
-    rw, rh = max(S, round(width * scale)), max(S, round(height * scale))
-    full = resize(pixels, (rw, rh), recipe.interpolation)
-    x0, y0 = (rw - S + 1) // 2, (rh - S + 1) // 2  # round half up, as DALI's centre crop does
-    return full[y0 : y0 + S, x0 : x0 + S]
-
-
 def _as_is(batch: Any) -> Any:
     """DataLoader ``collate_fn``: the worker's batch is already made."""
     return batch
@@ -335,63 +284,3 @@ def _as_is(batch: Any) -> Any:
 # ----------------------------------------------------------------------------- the main process's side
 
 
-@functools.lru_cache(maxsize=16)
-def _normalization(
-    device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mean`` and 1/``std`` as (1, 3, 1, 1) float32 tensors on ``device``, made once per device and recipe."""
-    mean_t = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-    inv_std = 1.0 / torch.tensor(std, device=device).view(1, 3, 1, 1)
-    return mean_t, inv_std
-
-
-def erase_boxes(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """Fill each sample's (top, left, h, w) box of NCHW ``x`` with 0, in place, without a host sync."""
-    boxes = boxes.to(x.device, non_blocking=True)
-    rows = torch.arange(x.shape[-2], device=x.device).view(1, -1, 1)
-    cols = torch.arange(x.shape[-1], device=x.device).view(1, 1, -1)
-    top, left, h, w = (boxes[:, k].view(-1, 1, 1) for k in range(4))
-    inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
-    return x.masked_fill_(inside.unsqueeze(1), 0)
-
-
-def finish_batch(
-    images: torch.Tensor,
-    dtype: torch.dtype,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    mean: tuple[float, ...] | None = None,
-    std: tuple[float, ...] | None = None,
-    boxes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """uint8 NCHW ``images`` (any strides: an NHWC slot's permuted view too) → a new ``dtype`` tensor in
-    ``memory_format``, normalized by ``mean``/``std`` (0–255 scale; None: left as is), erased in ``boxes``.
-
-    Batched ops on the tensor's device, with no host synchronization. On the CPU the conversion and the
-    two normalizing passes run a few images at a time, so the second and third passes read what the
-    first just wrote from the core's cache instead of memory (measured: a quarter less CPU time in the
-    main process). The result never shares memory with ``images`` (a slot is reused right after).
-    """
-    if mean is None or std is None:
-        x = images.to(dtype, memory_format=memory_format, copy=True)
-        return x if boxes is None else erase_boxes(x, boxes)
-    mean_t, inv_std = _normalization(images.device, tuple(mean), tuple(std))
-    if images.is_cuda:
-        x = images.to(torch.float32, memory_format=memory_format, copy=True)
-        x.sub_(mean_t).mul_(inv_std)
-        x = x if dtype == torch.float32 else x.to(dtype)
-    else:
-        x = torch.empty(images.shape, dtype=dtype, memory_format=memory_format)
-        per_image = 4 * images[0].numel() if len(images) else 1
-        step = max(1, _CACHE_CHUNK // per_image)
-        work = x if dtype == torch.float32 else torch.empty((min(step, len(images)), *images.shape[1:]))
-        for i in range(0, len(images), step):
-            part = images[i : i + step]
-            chunk = x[i : i + step] if dtype == torch.float32 else work[: len(part)]
-            chunk.copy_(part)
-            chunk.sub_(mean_t).mul_(inv_std)
-            if dtype != torch.float32:
-                x[i : i + step].copy_(chunk)
-    return x if boxes is None else erase_boxes(x, boxes)
-
-
-_CACHE_CHUNK = 1 << 20  # bytes of float32 per step of the CPU conversion: well inside a core's L2 cache

@@ -14,14 +14,8 @@ from conftest import IndexReader
 
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
-from dali_fast.fallback import (
-    TorchIterator,
-    create_optimized_dataloader,
-    default_num_workers,
-    make_loader,
-    normalize_flip,
-    random_resized_crop_box,
-)
+from dali_fast.fallback import TorchIterator, create_optimized_dataloader, default_num_workers, make_loader
+from dali_fast.transforms.resize import random_resized_crop_box
 
 
 def collect(loader, epoch):
@@ -78,7 +72,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def test_eval_images_agree_with_dali(tmp_path):
     pytest.importorskip("nvidia.dali")
     from dali_fast import DALIIterator, open_dataset
-    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+    from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD
 
     make_synthetic(tmp_path / "s", images=12, classes=3, seed=1, progress=False)
     pack(tmp_path / "s", tmp_path / "p", progress=False)
@@ -161,28 +155,6 @@ def test_create_optimized_dataloader_defaults_and_errors(monkeypatch):
             create_optimized_dataloader(ds, 4, **kw)
 
 
-def test_random_resized_crop_box_ranges():
-    rng = np.random.default_rng(0)
-    for _ in range(500):
-        left, top, w, h = random_resized_crop_box(rng, 500, 375)
-        assert 0 <= left and left + w <= 500 and 0 <= top and top + h <= 375
-        assert 0.08 * 0.95 <= w * h / (500 * 375) <= 1.0
-    # an extreme aspect ratio falls back to the centre crop clamped to the ratio range
-    assert random_resized_crop_box(np.random.default_rng(1), 1000, 10, scale=(0.99, 1.0)) == (493, 0, 13, 10)
-
-
-def test_normalize_flip_one_batched_op():
-    img = torch.arange(2 * 2 * 3 * 3, dtype=torch.uint8).view(2, 2, 3, 3)  # NHWC
-    out = normalize_flip(img, torch.tensor([False, True]), torch.float16)
-    assert out.shape == (2, 3, 2, 3) and out.dtype == torch.float16
-    plain = normalize_flip(img, torch.tensor([False, False]), torch.float32)
-    assert torch.equal(out[0].float(), plain[0].half().float())
-    assert torch.equal(out[1].float(), plain[1].flip(-1).half().float())
-
-
-# ----------------------------------------------------------------------------- one decoding rule
-
-
 def _eval_reference(truth: np.ndarray, size: int) -> np.ndarray:
     """The eval transform of the true image (shorter side to size/0.875, centre crop), CHW float."""
     from PIL import Image
@@ -197,13 +169,13 @@ def _eval_reference(truth: np.ndarray, size: int) -> np.ndarray:
 
 
 def _denormalized(x: torch.Tensor) -> np.ndarray:
-    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
+    from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD
 
     return x.float().numpy() * np.array(IMAGENET_STD).reshape(3, 1, 1) + np.array(IMAGENET_MEAN).reshape(3, 1, 1)
 
 
 def test_the_shared_rule_on_16_bit_and_exif():
-    from dali_fast.decode import decode_rgb
+    from dali_fast.transforms.decode import decode_rgb
 
     odd = odd_images.odd_valid()
     for name, (data, truth) in odd_images.odd_valid_with_truth().items():
@@ -259,37 +231,6 @@ def test_a_killed_worker_breaks_one_pass_not_every_later_one(index_reader, caplo
         assert sorted(collect(loader, epoch)) == list(range(37))
 
 
-def test_normalize_flip_never_syncs_with_the_host(monkeypatch):
-    """On a GPU, converting a tensor to a Python value waits for the device; here any such conversion fails."""
-    from dali_fast.fallback import _normalization
-
-    img = torch.randint(0, 255, (4, 8, 8, 3), dtype=torch.uint8)
-    flips = torch.tensor([True, False, True, False])
-    expected = normalize_flip(img, flips, torch.float32)
-
-    def no_sync(*_a, **_k):
-        raise AssertionError("a host synchronization")
-
-    for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
-        monkeypatch.setattr(torch.Tensor, name, no_sync)
-    got = normalize_flip(img, flips, torch.float32)
-    got_last = normalize_flip(img, flips, torch.float32, torch.channels_last)
-    boxes = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [0, 0, 8, 8], [7, 7, 1, 1]])
-    erased = normalize_flip(img, flips, torch.float32, boxes=boxes)  # random erasing: masks, no sync either
-    monkeypatch.undo()
-    assert torch.equal(got, expected) and torch.equal(got_last, expected)
-    assert got_last.is_contiguous(memory_format=torch.channels_last)
-    assert [int((erased[i] == 0).sum()) for i in range(4)] == [3 * 12, 0, 3 * 64, 3]
-    assert torch.equal(erased[1], expected[1]) and torch.equal(erased[0, :, 1:4, 2:6], torch.zeros(3, 3, 4))
-    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
-
-    a, b = (_normalization(torch.device("cpu"), IMAGENET_MEAN, IMAGENET_STD) for _ in range(2))
-    assert a[0] is b[0] and a[1] is b[1]  # made once per device, not per batch
-
-
-# ----------------------------------------------------------------------------- the new stack against Pillow
-
-
 def test_train_output_is_pillows_within_stated_levels():
     """The default recipe's pixels (uint8 output, before normalization) against Pillow on the same crop box
     and flip, over the fingerprint images: the crop then resize (torchvision's rule on a PIL image) within
@@ -298,8 +239,9 @@ def test_train_output_is_pillows_within_stated_levels():
     from default_output import ListReader, images
     from PIL import Image
 
-    from dali_fast.decode import decode_rgb
-    from dali_fast.recipe import Recipe, sample_rng
+    from dali_fast.transforms.decode import decode_rgb
+    from dali_fast.transforms.draws import sample_rng
+    from dali_fast.transforms.recipe import Recipe
 
     items = images(16)
     recipe = Recipe(image_size=32, mean=None, std=None)
@@ -324,9 +266,6 @@ def test_train_output_is_pillows_within_stated_levels():
     assert len(crop_diff) == 32
     assert np.mean(crop_diff) < 0.05 and max(d.max() for d in crop_diff) <= 1
     assert np.mean(box_diff) < 0.3 and inner_max <= 1
-
-
-# ----------------------------------------------------------------------------- workers: no hangs, no leaks
 
 
 def _child_pids() -> set[int]:

@@ -14,8 +14,7 @@ import torch
 from conftest import IndexReader, jpeg_bytes, png_bytes
 from PIL import Image
 
-from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
-from dali_fast.recipe import Recipe
+from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD, Recipe
 
 BACKENDS = ["dali", "torch"]
 
@@ -94,9 +93,6 @@ class ScriptedController:
 
     def load_state_dict(self, sd):
         self.epochs_ended = sd["epochs_ended"]
-
-
-# ----------------------------------------------------------------------------- exactly once
 
 
 def test_exactly_once_per_epoch_shuffled(make, index_reader):
@@ -209,9 +205,6 @@ def test_same_seed_epoch_same_batches(make, index_reader):
         assert torch.equal(xa, xb)
 
 
-# ----------------------------------------------------------------------------- images
-
-
 def normalized(rgb):
     return [(c - m) / s for c, m, s in zip(rgb, IMAGENET_MEAN, IMAGENET_STD, strict=True)]
 
@@ -294,9 +287,6 @@ def test_grayscale_cmyk_png_alpha_progressive_decode_to_rgb(make):
     assert by_label[3][1] > 150 and by_label[3][0] < 60  # progressive green
 
 
-# ----------------------------------------------------------------------------- bad records
-
-
 def bad_reader():
     good = [jpeg_bytes(32, 24, (i * 20, 100, 50)) for i in range(10)]
     items = list(good)
@@ -332,9 +322,6 @@ def test_all_bad_batch_is_skipped_whole(make):
     assert labels == [0, 1, 3, 4, 6, 8, 9] and set(sizes) == {1}
 
 
-# ----------------------------------------------------------------------------- arguments
-
-
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -360,9 +347,6 @@ def test_cache_serves_second_epoch(make, index_reader):
     epoch_labels(loader, 1)
     s = loader.cache_stats()
     assert s["misses"] == 37 and s["hits"] == 37 and s["hit_rate"] == 0.5
-
-
-# ----------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
@@ -485,9 +469,6 @@ def test_no_dali_pipeline_outlives_its_epoch():
     assert running_dali_pipelines() == others
 
 
-# ----------------------------------------------------------------------------- resume edge cases
-
-
 def test_resume_in_skip_mode_neither_replays_nor_loses(make):
     """The position counts planned samples consumed (skipped ones included), not labels delivered."""
     reader = bad_reader()  # records 2, 5 and 7 are bad
@@ -517,9 +498,6 @@ def test_resume_with_new_batch_size_and_drop_last_keeps_full_batches(make, index
     assert sizes == [8, 8]  # 22 samples left: two full batches, the 6-sample tail dropped (never a 1-sample batch)
     reference, _ = epoch_labels(make(index_reader, 5, seed=2), 1)
     assert seen + rest == reference[:31]
-
-
-# ----------------------------------------------------------------------------- DataLoader's iter() rule
 
 
 def test_peek_then_train_loses_nothing(make, index_reader):
@@ -595,9 +573,6 @@ def test_not_a_state_dict_is_one_line(make, index_reader):
         assert str(e.value).startswith("not a loader state_dict") and "\n" not in str(e.value)
 
 
-# ----------------------------------------------------------------------------- DALI's own failures
-
-
 def dali_error(text, op="nvidia.dali.fn.decoders.image_random_crop", device="MIXED", kind=RuntimeError):
     """An error as DALI 2.4 raises it from a running pipeline (the layout of
     dali/pipeline/operator/error_reporting.cc under the executor's "Critical error in pipeline:")."""
@@ -621,6 +596,8 @@ DALI_MEMORY_TEXTS = [
     "CUDA driver API error CUDA_ERROR_OUT_OF_MEMORY (2):\nout of memory",
     "nvImageCodec failure: '#5'",
 ]
+
+
 DALI_OTHER_TEXTS = [
     "Failed to decode sample #1 : ",  # the decoder's per-sample failure (image_decoder.h)
     "nvImageCodec failure: '#3'",  # NVIMGCODEC_STATUS_BAD_CODESTREAM
@@ -843,9 +820,6 @@ def test_injected_dali_out_of_memory_is_reported_as_memory(index_reader, monkeyp
     assert "failed decoding" not in str(e.value) and ctrl.ooms == [8] and loader.skipped == 0
 
 
-# ----------------------------------------------------------------------------- arguments, defaults and state
-
-
 def auto_device() -> str:
     """Where device="auto" puts a loader's output on this host: a test that leaves the device to the
     loader asserts this, not "cpu" (the same suite runs on GPU hosts)."""
@@ -1038,109 +1012,6 @@ def test_channels_last_output_same_values_no_copy_needed(make, index_reader):
     assert str(e.value) == "memory_format=torch.preserve_format: use torch.contiguous_format or torch.channels_last"
 
 
-# ----------------------------------------------------------------------------- GPU decoding memory, computed here
-
-
-@pytest.mark.parametrize("threads", [1, 4, 28, 224])
-def test_decoder_preallocation_stays_within_its_budget(threads):
-    from dali_fast.pipeline import DECODER_DEVICE_BUDGET, DECODER_PINNED_BUDGET, decoder_preallocation
-
-    pre = decoder_preallocation(threads)
-    assert 0 < pre["device_total"] <= DECODER_DEVICE_BUDGET and 0 < pre["pinned_total"] <= DECODER_PINNED_BUDGET
-    assert pre["device_total"] == pre["device_padding"] * threads
-    assert pre["pinned_total"] == 2 * pre["host_padding"] * threads  # two pinned buffers per thread
-    assert decoder_preallocation(threads, gpu=False)["device_total"] == 0
-
-
-def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monkeypatch):
-    """The recipe's operators in GPU mode, without a GPU: automatic augmentation takes the `mixed` decoder's
-    output, the erasing boxes stay CPU argument inputs (DALI refuses GPU ones), and the flip probability,
-    crop scale/ratio, interpolation, eval resize and normalization are the recipe's."""
-    pytest.importorskip("nvidia.dali")
-    import nvidia.dali.fn as fn
-    import nvidia.dali.types as types
-
-    from dali_fast import pipeline
-
-    seen = {}
-
-    def record(name):
-        def op(*args, **kwargs):
-            seen[name] = (args, kwargs)
-            return name
-
-        return op
-
-    class Boxes:
-        def __getitem__(self, key):
-            return ("boxes", key.start, key.stop)
-
-        def gpu(self):
-            raise AssertionError("erasing boxes moved to the GPU")
-
-    for name in ("resize", "crop_mirror_normalize", "erase"):
-        monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode_eval"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
-    monkeypatch.setattr(pipeline, "auto_augment", lambda images, recipe: ("augmented", images, recipe.auto_augment))
-    recipe = Recipe(
-        image_size=160,
-        scale=(0.35, 1.0),
-        ratio=(0.5, 2.0),
-        interpolation="bicubic",
-        hflip=0.25,
-        auto_augment="trivialaugment",
-        random_erasing=0.5,
-        mean=(0.5, 0.5, 0.5),
-        std=(0.25, 0.25, 0.25),
-    )
-    out = pipeline.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=Boxes())
-    assert out == "erase"
-    assert seen["decode"][1]["device"] == "mixed"
-    assert seen["decode"][1]["random_area"] == [0.35, 1.0] and seen["decode"][1]["random_aspect_ratio"] == [0.5, 2.0]
-    assert seen["resize"][1]["interp_type"] == types.INTERP_CUBIC and seen["resize"][1]["resize_x"] == 160
-    assert seen["flip"][1] == {"probability": 0.25}
-    cmn_args, cmn = seen["crop_mirror_normalize"]
-    assert cmn_args[0] == ("augmented", "resize", "trivialaugment")  # augmentation on the GPU-decoded crop
-    assert cmn["mean"] == [127.5] * 3 and cmn["std"] == [63.75] * 3 and cmn["mirror"] == "flip"
-    assert seen["erase"][0] == ("crop_mirror_normalize",)
-    assert seen["erase"][1]["anchor"] == ("boxes", 0, 2) and seen["erase"][1]["shape"] == ("boxes", 2, 4)
-    seen.clear()
-    plain = Recipe(image_size=160, eval_resize_size=192, mean=None, std=None, hflip=0.0)
-    pipeline.augment("jpegs", train=False, recipe=plain, gpu=True, num_threads=4)
-    assert seen["resize"][1]["resize_shorter"] == 192 and "erase" not in seen and "flip" not in seen
-    assert seen["crop_mirror_normalize"][1]["dtype"] == types.UINT8 and "mean" not in seen["crop_mirror_normalize"][1]
-
-
-def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
-    pytest.importorskip("nvidia.dali")
-    import nvidia.dali.fn as fn
-
-    from dali_fast import pipeline
-
-    seen = {}
-
-    def record(name):
-        def op(*args, **kwargs):
-            seen[name] = kwargs
-            return object()
-
-        return op
-
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
-    monkeypatch.setattr(fn, "resize", record("resize"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
-    monkeypatch.setattr(fn, "crop_mirror_normalize", record("normalize"))
-    pipeline.augment(object(), train=True, recipe=Recipe(), gpu=True, num_threads=224)
-    assert seen["decode"]["device"] == "mixed"
-    assert seen["decode"]["device_memory_padding"] * 224 <= pipeline.DECODER_DEVICE_BUDGET
-    assert seen["decode"]["host_memory_padding"] * 2 * 224 <= pipeline.DECODER_PINNED_BUDGET
-    monkeypatch.setattr(pipeline, "cpus_per_local_rank", lambda: 224)
-    assert pipeline.default_num_threads(gpu=True) == pipeline.MIXED_MAX_THREADS
-    assert pipeline.default_num_threads(gpu=False) == 224
-
-
 def test_dali_keeps_one_pipeline_across_epochs_of_one_batch_size():
     cls = loader_class("dali")
     gc.collect()
@@ -1168,8 +1039,8 @@ def test_gpu_one_pipeline_channels_last_and_bounded_decoder_memory(index_reader)
         pytest.skip("no CUDA device")
     import pynvml
 
-    from dali_fast.pipeline import DECODER_DEVICE_BUDGET
     from dali_fast.system import nvml_handle
+    from dali_fast.transforms.dali import DECODER_DEVICE_BUDGET
 
     pynvml.nvmlInit()
     handle = nvml_handle(pynvml, torch.cuda.current_device())
@@ -1204,75 +1075,11 @@ def test_dataloader_attributes_tell_the_truth(make, index_reader):
     assert make(index_reader, 8, rank=1, world_size=2).sampler.__len__() == 19
 
 
-def _record_ops(monkeypatch):
-    """Replace the DALI operators `augment` uses by recorders: (name, args, kwargs) in call order."""
-    import nvidia.dali.fn as fn
-
-    from dali_fast import pipeline
-
-    seen = []
-
-    def record(name):
-        def op(*args, **kwargs):
-            seen.append((name, args, kwargs))
-            return name
-
-        return op
-
-    for name in ("resize", "crop_mirror_normalize", "erase", "cast"):
-        monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode_eval"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
-    return pipeline, seen
-
-
-class _Boxes:
-    def __getitem__(self, key):
-        return ("boxes", key.start, key.stop)
-
-
-def test_gpu_decoders_upsample_chroma_like_the_cpu_decoder(monkeypatch):
-    """The `mixed` decoder's default chroma upsampling is not libjpeg-turbo's "fancy" one, which DALI's CPU
-    decoder, Pillow and TorchIterator use: training on a GPU would see other pixels than on a CPU."""
-    pytest.importorskip("nvidia.dali")
-    pipeline, seen = _record_ops(monkeypatch)
-    for train in (True, False):
-        seen.clear()
-        pipeline.augment("jpegs", train=train, recipe=Recipe(), gpu=True, num_threads=4)
-        decode = seen[0]
-        assert decode[0] == ("decode" if train else "decode_eval") and decode[2]["device"] == "mixed"
-        assert decode[2]["jpeg_fancy_upsampling"] is True
-        seen.clear()
-        pipeline.augment("jpegs", train=train, recipe=Recipe(), gpu=False, num_threads=4)
-        assert seen[0][2]["device"] == "cpu" and "jpeg_fancy_upsampling" not in seen[0][2]  # the CPU decoder's own
-
-
-def test_gpu_float16_with_erasing_erases_in_float32_then_casts(monkeypatch):
-    """DALI 2.4's GPU `erase` has no float16 kernel (ERASE_SUPPORTED_TYPES of erase.cu; the CPU one has):
-    on the GPU the image is normalized to float32, erased, then cast to float16."""
-    pytest.importorskip("nvidia.dali")
-    import nvidia.dali.types as types
-
-    pipeline, seen = _record_ops(monkeypatch)
-    recipe = Recipe(dtype=torch.float16, random_erasing=0.5)
-    out = pipeline.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=_Boxes())
-    names = [name for name, _, _ in seen]
-    assert names[-3:] == ["crop_mirror_normalize", "erase", "cast"] and out == "cast"
-    assert seen[-3][2]["dtype"] == types.FLOAT and seen[-1][2] == {"dtype": types.FLOAT16}
-    assert seen[-1][1] == ("erase",)
-    for gpu, erase in ((False, _Boxes()), (True, None)):  # the CPU erase has float16; no erase: no cast
-        seen.clear()
-        out = pipeline.augment("jpegs", train=True, recipe=recipe, gpu=gpu, num_threads=4, erase=erase)
-        assert "cast" not in [name for name, _, _ in seen]
-        assert [kw for name, _, kw in seen if name == "crop_mirror_normalize"][0]["dtype"] == types.FLOAT16
-
-
 @pytest.mark.gpu
 def test_gpu_float16_output_with_random_erasing(index_reader):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dali_fast.recipe import sample_erasing_box
+    from dali_fast.transforms.draws import sample_erasing_box
 
     cls = loader_class("dali")
     recipe = Recipe(image_size=16, dtype=torch.float16, random_erasing=1.0, erasing_scale=(0.1, 0.3))
@@ -1365,14 +1172,13 @@ def test_tests_that_leave_the_device_to_the_loader_assume_no_cpu():
             if unpinned and claims.search(ast.get_source_segment(text, fn) or ""):
                 offenders.append(f"{path.name}::{fn.name}")
     assert offenders == []
-# ----------------------------------------------------------------------------- the external source
 
 
 def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
     """The DALI source without DALI: good records in plan order, bad ones skipped and accounted for (or the
     first named in raise mode), known decoder failures excluded, and erasing boxes drawn for the kept ones."""
     from dali_fast.pipeline import BadRecordError, BatchSource, SkipLog
-    from dali_fast.recipe import erasing_boxes
+    from dali_fast.transforms.draws import erasing_boxes
 
     reader = bad_reader()  # records 2, 5 and 7 are bad
     recipe = Recipe(image_size=16, random_erasing=0.5)

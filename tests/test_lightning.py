@@ -238,7 +238,7 @@ def test_datamodule_one_line(backend, tmp_path):
     assert len(rec.epoch(0)) == 24 and sum(len(b) for b in rec.val) == 24
     with pytest.raises(ValueError, match="at least one data set"):
         DaliFastDataModule()
-    from dali_fast.recipe import Recipe
+    from dali_fast.transforms.recipe import Recipe
 
     recipe = Recipe(image_size=24, auto_augment="randaugment", random_erasing=0.25)
     dm = DaliFastDataModule(train=tmp_path / "packed", batch_size=6, backend=backend, recipe=recipe, device="cpu")

@@ -15,9 +15,9 @@ import dali_fast
 # Import paths the documentation shows (module, name).
 DOCUMENTED = [
     ("dali_fast.lightning", "DaliFastDataModule"),
-    ("dali_fast.recipe", "Recipe"),
-    ("dali_fast.recipe", "MixupCutmix"),
-    ("dali_fast.recipe", "soft_target_cross_entropy"),
+    ("dali_fast.transforms.recipe", "Recipe"),
+    ("dali_fast.transforms.mix", "MixupCutmix"),
+    ("dali_fast.transforms.mix", "soft_target_cross_entropy"),
     ("dali_fast.data.open", "open_dataset"),
     ("dali_fast.data.writer", "pack"),
     ("dali_fast.fallback", "TorchIterator"),
@@ -63,6 +63,9 @@ MOVED = [
     ("dali_fast.records", "MemmapReader", "dali_fast.data.packed"),
     ("dali_fast.records", "ImageFolderReader", "dali_fast.data.folder"),
     ("dali_fast.records", "PackReport", "dali_fast.data.writer"),
+    ("dali_fast.recipe", "Recipe", "dali_fast.transforms.recipe"),
+    ("dali_fast.recipe", "MixupCutmix", "dali_fast.transforms.mix"),
+    ("dali_fast.recipe", "soft_target_cross_entropy", "dali_fast.transforms.mix"),
 ]
 
 

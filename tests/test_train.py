@@ -16,8 +16,8 @@ from dali_fast.data.base import split
 from dali_fast.data.open import open_dataset
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
-from dali_fast.recipe import Recipe
 from dali_fast.train import run_train
+from dali_fast.transforms.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,8 +123,8 @@ def test_evaluation_reads_the_device_once_not_per_batch():
 def test_mixup_training_step_reads_nothing_back_from_the_device():
     """A training step with mixup/cutmix (the label check included) reads no value back: on the `meta`
     device, where any read fails, the steps run."""
-    from dali_fast.recipe import MixupCutmix
     from dali_fast.train import Trainer
+    from dali_fast.transforms.mix import MixupCutmix
 
     trainer = Trainer("resnet_tiny", 3, amp=False, mix=MixupCutmix(num_classes=3, seed=0))
     trainer.module.to("meta")
@@ -143,8 +143,8 @@ def test_gpu_mixup_steps_and_evaluation_do_not_stop_the_gpu():
     through it, and evaluation reaches its one read only after the last batch."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dali_fast.recipe import MixupCutmix
     from dali_fast.train import Trainer
+    from dali_fast.transforms.mix import MixupCutmix
 
     trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(num_classes=3, seed=0))
     x = torch.randn(8, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
@@ -427,8 +427,8 @@ def test_a_training_step_does_not_sync_with_the_host(monkeypatch):
 
 def test_a_mixed_step_trains_on_the_soft_targets():
     """With mixup/cutmix the step's loss is soft-target cross-entropy on the mixed batch (not the labels)."""
-    from dali_fast.recipe import MixupCutmix, soft_target_cross_entropy
     from dali_fast.train import Trainer
+    from dali_fast.transforms.mix import MixupCutmix, soft_target_cross_entropy
 
     torch.manual_seed(0)
     trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(alpha_mixup=1.0, alpha_cutmix=1.0, num_classes=3, seed=4))

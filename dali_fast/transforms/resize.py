@@ -1,4 +1,5 @@
-"""Crop boxes and the resize to the output square: one filter, Pillow's, at a fraction of its cost.
+"""Crop boxes and the resize to the output square: one filter, Pillow's, at a fraction of its cost; and
+`decode_crop`, a record decoded, cropped and resized as the recipe says (TorchIterator's workers).
 
 The random-resized-crop box is drawn here (`random_resized_crop_box`), for every loader. The resize
 uses torch's antialiased uint8 kernels (``_upsample_bilinear2d_aa`` / ``_upsample_bicubic2d_aa``):
@@ -21,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from ..data.checks import pillow_reason
+from .decode import Decoder
 from .recipe import Recipe
 
 PIL_RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST", "lanczos": "LANCZOS"}
@@ -91,3 +94,61 @@ def resize(src: np.ndarray, size: tuple[int, int], interpolation: str = "bilinea
     out = torch.empty((size[1], size[0], 3), dtype=torch.uint8)
     resize_into(src, out, interpolation)
     return out
+
+
+def eval_resize(width: int, height: int, recipe: Recipe) -> tuple[int, int, int, int]:
+    """Eval, in every loader: the size (w, h) the image is resized to, its shorter side
+    ``recipe.resize_shorter`` (neither side under ``image_size``), and the centre square's top-left corner
+    (x0, y0) in it, rounded half up as DALI's centre crop is."""
+    S = recipe.image_size
+    scale = recipe.resize_shorter / min(width, height)
+    rw, rh = max(S, round(width * scale)), max(S, round(height * scale))
+    return rw, rh, (rw - S + 1) // 2, (rh - S + 1) // 2
+
+
+class BadImage(ValueError):
+    """A record the decoder cannot read (the message is the reason, as `pillow_reason` words it)."""
+
+
+def decode_crop(
+    data: bytes | np.ndarray,
+    *,
+    train: bool,
+    recipe: Recipe,
+    rng: np.random.Generator,
+    decoder: Decoder | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode one record by the shared rule and crop and resize it as ``recipe`` says: uint8 (S, S, 3) RGB.
+
+    Train: a random-resized-crop box drawn from ``rng``; eval: the shorter side resized to
+    ``recipe.resize_shorter``, then the centre square. A JPEG much larger than the output is decoded at
+    1/2, 1/4 or 1/8 scale (Pillow's draft rule: the crop keeps twice the output's resolution). Written
+    into ``out`` when given (train). Raises `BadImage` for a record that does not decode.
+    """
+    S = recipe.image_size
+    decoder = decoder if decoder is not None else Decoder()
+    try:
+        opened = decoder.open(data)
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
+        raise BadImage(pillow_reason(e)) from None
+    width, height = opened.width, opened.height
+    if train:
+        left, top, w, h = random_resized_crop_box(rng, width, height, recipe.scale, recipe.ratio)
+        need = (max(1, math.ceil(width * S / w)), max(1, math.ceil(height * S / h)))
+    else:
+        scale = recipe.resize_shorter / min(width, height)
+        need = (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale)))
+    try:
+        pixels = opened.decode(need)
+    except Exception as e:  # noqa: BLE001 - as above: the decoders' verdict on the record
+        raise BadImage(pillow_reason(e)) from None
+    if train:
+        fx, fy = pixels.shape[1] / width, pixels.shape[0] / height
+        x0, y0, x1, y1 = pixel_box((left, top, left + w, top + h), fx, fy, pixels.shape[1], pixels.shape[0])
+        out = out if out is not None else torch.empty((S, S, 3), dtype=torch.uint8)
+        resize_into(pixels[y0:y1, x0:x1], out, recipe.interpolation)
+        return out
+    rw, rh, x0, y0 = eval_resize(width, height, recipe)
+    full = resize(pixels, (rw, rh), recipe.interpolation)
+    return full[y0 : y0 + S, x0 : x0 + S]
