@@ -221,7 +221,7 @@ def _pillow(data: np.ndarray) -> np.ndarray:
 def _dali_decode(datas: list[np.ndarray], device: str, device_id: int | None, **kw: Any) -> list[np.ndarray]:
     from nvidia.dali import fn, pipeline_def, types
 
-    from dali_fast.pipeline import shutdown_pipeline
+    from dali_fast.loaders.dali_pipeline import shutdown_pipeline
 
     @pipeline_def(batch_size=len(datas), num_threads=4, device_id=device_id, prefetch_queue_depth=1)
     def pipe():
@@ -300,7 +300,7 @@ def step_failures(args: argparse.Namespace) -> None:
     """float16 output with random erasing on the GPU, then a real DALI out-of-memory: the GPU filled by
     torch up to a small margin, a DALIIterator must raise DALIMemoryError and tell its controller."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.iterator import DALIMemoryError, parse_dali_error
+    from dali_fast.loaders.dali_iterator import DALIMemoryError, parse_dali_error
     from dali_fast.transforms.draws import sample_erasing_box
     from dali_fast.transforms.recipe import Recipe
 
@@ -367,7 +367,7 @@ def step_failures(args: argparse.Namespace) -> None:
     finally:
         big.close()
         del hog
-        from dali_fast.controller import release_unused_memory
+        from dali_fast.loaders.probes import release_unused_memory
 
         release_unused_memory()
 
@@ -375,7 +375,7 @@ def step_failures(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the loader's ceiling
 def _timed_source() -> dict[str, float]:
     """Time every call of the external source (the callback DALI runs on the training thread)."""
-    from dali_fast.pipeline import BatchSource
+    from dali_fast.loaders.dali_pipeline import BatchSource
 
     stats = {"seconds": 0.0, "calls": 0}
     real = BatchSource.__call__
@@ -523,7 +523,7 @@ def step_controller(args: argparse.Namespace) -> None:
     the first epoch). Per epoch: its batch size and decision, the peak it read, and the device memory in
     use right after it released the caches (the old pipeline must be gone by then)."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.controller import release_unused_memory
+    from dali_fast.loaders.probes import release_unused_memory
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

@@ -100,7 +100,7 @@ def run_one(
         if hasattr(loader, "close"):
             loader.close()
         else:
-            from dali_fast.fallback import shutdown_workers
+            from dali_fast.loaders.dataloader import shutdown_workers
 
             shutdown_workers(loader)
     return {"loader": kind, "seconds": time.perf_counter() - t0, "epochs": per_epoch}

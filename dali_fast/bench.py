@@ -17,13 +17,14 @@ from torch.utils.data import Dataset
 from .data.base import read_checked
 from .data.open import open_dataset
 from .data.synthetic import default_dataset
-from .fallback import shutdown_workers
+from .loaders.dataloader import shutdown_workers
+from .loaders.factory import BACKENDS, make_loader
+from .loaders.workers import _as_is, worker_init
 from .system import atomic_write, available_cpus
-from .train import LOADERS, Trainer, make_loader_for
+from .train import Trainer
 from .transforms.decode import Decoder
 from .transforms.mix import MixupCutmix
 from .transforms.recipe import Recipe, resolve_recipe
-from .workers import _as_is, worker_init
 
 log = logging.getLogger(__name__)
 
@@ -148,24 +149,24 @@ def loader_row(
 ) -> _Row:
     """A loader's row: loading (+ a training step unless model='none'), ``recipe`` per image, ``mix``
     (MixupCutmix settings) on each batch on the device it arrives on, inside the timed loop."""
-    from .controller import BatchSizeController
+    from .loaders.controller import BatchSizeController
 
     # The baseline reads the image files, as a plain script does; the others read the packed set.
     reader = open_dataset(folder if kind == "baseline" and folder is not None else packed)
     ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4) if controller and kind != "baseline" else None
     # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
     workers = available_cpus()
-    loader = make_loader_for(
-        kind,
+    iterator_only = {"cache_bytes": cache_bytes, "controller": ctrl} if kind != "baseline" else {}
+    loader = make_loader(
         reader,
         batch_size,
+        backend=kind,
         train=True,
         image_size=image_size,
-        cache_bytes=cache_bytes,
-        controller=ctrl,
         num_workers=workers,
         on_error=on_error,
         recipe=recipe,
+        **iterator_only,
     )
     mixer = MixupCutmix(**mix, num_classes=len(reader.classes)) if mix else None
     trainer = Trainer(model, len(reader.classes), mix=mixer) if model != "none" else None
@@ -359,7 +360,7 @@ def run_bench(
     dataset: str | None = None,
     *,
     images: int = 2000,
-    loaders: Sequence[str] = LOADERS,
+    loaders: Sequence[str] = BACKENDS,
     epochs: int = 2,
     batch_size: int = 64,
     image_size: int = 224,
@@ -388,8 +389,8 @@ def run_bench(
     from .monitor import UtilizationMonitor
 
     for k in loaders:
-        if k not in LOADERS:
-            raise ValueError(f"loader {k!r}: choose from {', '.join(LOADERS)}")
+        if k not in BACKENDS:
+            raise ValueError(f"loader {k!r}: choose from {', '.join(BACKENDS)}")
     if epochs < 1 or batch_size < 1 or image_size < 1:
         raise ValueError("epochs, batch size and image size must be >= 1")
     recipe = resolve_recipe(recipe, image_size=image_size)

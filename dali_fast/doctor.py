@@ -195,7 +195,7 @@ def _decode_pipeline(data: bytes, device: str, device_id: int | None, batch: int
 
 def decode_check(device: str = "cpu", device_id: int | None = None, data: bytes = TEST_JPEG) -> dict[str, Any]:
     """Decode ``data`` with DALI (``device`` "cpu" or "mixed") and compare it with Pillow's decode."""
-    from .pipeline import shutdown_pipeline
+    from .loaders.dali_pipeline import shutdown_pipeline
 
     p = None
     try:
@@ -251,7 +251,7 @@ def hw_decoder_check(
         h = nvml_handle(nvml, device_id)  # the CUDA device DALI decodes on, found by UUID
         if not has_jpeg_engine(nvml, h):
             return {"jpeg_engine": False, "peak_util": None, "used": False}
-        from .pipeline import shutdown_pipeline
+        from .loaders.dali_pipeline import shutdown_pipeline
 
         data = large_test_jpeg()
         p = _decode_pipeline(data, "mixed", device_id, batch, 1.0)
@@ -300,7 +300,7 @@ def probe(quick: bool = False, nvml: Any = None) -> Readings:
     if r.dali:
         r.cpu_decode = decode_check("cpu", None)
         if r.cuda_available:
-            from .iterator import local_device_index
+            from .system import local_device_index
 
             device = local_device_index()
             r.gpu_decode = decode_check("mixed", device)

@@ -5,7 +5,7 @@ Each row adds one thing to the row above, on the same data, in one run:
 1. baseline        the plain DataLoader of `baseline.py` (per-sample Pillow decode and transforms)
 2. + cache         the same, its data set read through an `LRUCache` (one per worker process: that is what
                    a DataLoader's workers get; each sample reports whether it was a hit)
-3. + factory       `create_optimized_dataloader`: pinned memory, deeper prefetch, persistent workers
+3. + factory       `make_dataloader`: pinned memory, deeper prefetch, persistent workers
 4. + device ops    `TorchIterator`: normalize and flip as one batched op on the device, the cache shared
                    by all workers in the main process, JPEG draft-mode decode
 5. + DALI          `DALIIterator` (GPU `mixed` decoding on a GPU, DALI's CPU-only mode otherwise)
@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from .baseline import BaselineDataset, baseline_loader
 from .data.base import Reader
 from .data.cache import CachedReader, LRUCache
 from .data.open import open_dataset
 from .data.synthetic import default_dataset
-from .fallback import create_optimized_dataloader, dali_status
+from .loaders.baseline import BaselineDataset, make_baseline_loader
+from .loaders.dataloader import make_dataloader
+from .loaders.factory import dali_status
 from .system import atomic_write, available_cpus, read_proc_kib
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,11 @@ def run_stages(
     settings: list[str] = []
 
     def make(stage: str) -> tuple[Any, Any]:
-        from .controller import BatchSizeController
-        from .fallback import TorchIterator
+        from .loaders.controller import BatchSizeController
+        from .loaders.torch_iterator import TorchIterator
 
         if stage == "baseline":
-            return baseline_loader(folder_reader, batch_size, image_size=image_size, num_workers=workers), None
+            return make_baseline_loader(folder_reader, batch_size, image_size=image_size, num_workers=workers), None
         if stage == "+ cache":
             ds = _CacheReportingDataset(folder_reader, cache_bytes, image_size)
             loader = torch.utils.data.DataLoader(
@@ -164,14 +165,14 @@ def run_stages(
             return loader, None
         if stage == "+ factory":
             ds = _CacheReportingDataset(folder_reader, cache_bytes, image_size)
-            loader = create_optimized_dataloader(
+            loader = make_dataloader(
                 ds, batch_size, shuffle=True, num_workers=workers, prefetch_factor=4, collate_fn=_collate_with_hits
             )
             return loader, None
         common = dict(image_size=image_size, cache_bytes=cache_bytes, seed=0)
         if stage == "+ device ops":
             return TorchIterator(packed_reader, batch_size, num_workers=workers, **common), None
-        from .iterator import DALIIterator
+        from .loaders.dali_iterator import DALIIterator
 
         if stage == "+ DALI":
             return DALIIterator(packed_reader, batch_size, **common), None

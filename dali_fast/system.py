@@ -1,4 +1,5 @@
-"""Small readings of the machine and file writes shared by the loaders, probes, monitor and commands."""
+"""Small readings of the machine (CPUs, the CUDA device of this process, NVML's handle for it) and the atomic
+writes (files and folders) shared by every wing. torch is imported inside the functions that need it."""
 
 from __future__ import annotations
 
@@ -144,6 +145,58 @@ def check_writable_folder(path: str | Path, what: str) -> None:
         raise ValueError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {probe} is not writable; choose another path")
+
+
+def cuda_usable() -> bool:
+    """True when torch sees a CUDA device it can use."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
+    except Exception:  # noqa: BLE001 - a broken driver means "no GPU" here
+        return False
+
+
+def local_device_index() -> int:
+    """The CUDA device of this process: ``LOCAL_RANK`` under a launcher, else the current device.
+
+    Launchers that give each process its own GPU through ``CUDA_VISIBLE_DEVICES`` (SLURM's
+    ``--gpus-per-task=1``, for one) leave fewer visible devices than local ranks: device
+    ``LOCAL_RANK`` does not exist there, so the index is ``LOCAL_RANK % device_count()``, and the
+    log says so once.
+    """
+    import torch
+
+    if "LOCAL_RANK" not in os.environ:
+        return torch.cuda.current_device() if cuda_usable() else 0
+    local = int(os.environ["LOCAL_RANK"])
+    count = torch.cuda.device_count() if cuda_usable() else 0
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)), local + 1)
+    if count == 0 or count >= ranks:
+        return local
+    index = local % count
+    _say_device_once(local, ranks, count, index)
+    return index
+
+
+_SAID: set[tuple[int, int, int]] = set()
+
+
+def _say_device_once(local: int, ranks: int, count: int, index: int) -> None:
+    if (local, ranks, count) in _SAID:
+        return
+    _SAID.add((local, ranks, count))
+    shared = count > 1  # one visible device per process is the launcher's binding; several: ranks share them
+    (log.warning if shared else log.info)(
+        "LOCAL_RANK=%d of %d local ranks sees %d CUDA device(s) (the launcher set CUDA_VISIBLE_DEVICES per "
+        "process): using CUDA device %d (LOCAL_RANK %% %d)%s",
+        local,
+        ranks,
+        count,
+        index,
+        count,
+        "; several ranks share a GPU" if shared else "",
+    )
 
 
 def cuda_device_uuid(cuda_index: int) -> str | None:

@@ -31,71 +31,16 @@ from .checkpoint import (
     plain,
     save_checkpoint,
 )
-from .controller import BatchSizeController, oom_safe_step
-from .data.base import Reader, check_labels, fingerprint, split
-from .iterator import LoaderBase, cuda_usable, local_device_index
+from .data.base import Reader, check_labels, check_on_error, fingerprint, split
+from .loaders.base import LoaderBase
+from .loaders.controller import BatchSizeController, oom_safe_step
+from .loaders.factory import BACKENDS, make_loader
 from .models import build_model
-from .system import atomic_write, check_writable_folder
+from .system import atomic_write, check_writable_folder, cuda_usable, local_device_index
 from .transforms.mix import MixupCutmix, soft_target_cross_entropy
 from .transforms.recipe import Recipe, resolve_recipe
 
 log = logging.getLogger(__name__)
-LOADERS = ("baseline", "torch", "dali")
-
-
-def make_loader_for(
-    kind: str,
-    reader: Reader,
-    batch_size: int,
-    *,
-    train: bool,
-    image_size: int,
-    seed: int = 0,
-    cache_bytes: int = 0,
-    controller: BatchSizeController | None = None,
-    num_workers: int | None = None,
-    drop_last: bool = False,
-    on_error: str = "raise",
-    memory_format: torch.memory_format | None = None,
-    recipe: Recipe | None = None,
-) -> Iterable:
-    """One line swaps the loader: 'baseline' (plain DataLoader), 'torch' (TorchIterator) or 'dali';
-    all three apply ``recipe`` (default: the classic ResNet recipe at ``image_size``)."""
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
-    if kind == "baseline":
-        from .baseline import baseline_loader
-
-        return baseline_loader(
-            reader,
-            batch_size,
-            train=train,
-            image_size=image_size,
-            num_workers=num_workers,
-            seed=seed,
-            drop_last=drop_last,
-            on_error=on_error,
-            recipe=recipe,
-        )
-    if kind not in LOADERS:
-        raise ValueError(f"loader {kind!r}: choose one of {', '.join(LOADERS)}")
-    from .fallback import make_loader
-
-    return make_loader(
-        reader,
-        batch_size,
-        backend=kind,
-        num_workers=num_workers,
-        drop_last=drop_last,
-        train=train,
-        image_size=image_size,
-        seed=seed,
-        cache_bytes=cache_bytes,
-        controller=controller,
-        on_error=on_error,
-        memory_format=memory_format,
-        recipe=recipe,
-    )
 
 
 @dataclass(frozen=True)
@@ -370,6 +315,11 @@ def run_train(
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1 step")
     if resume and checkpoint is None:
         raise ValueError("resume needs a checkpoint folder: pass --checkpoint DIR with --resume")
+    if loader not in BACKENDS:
+        raise ValueError(f"loader {loader!r}: choose one of {', '.join(BACKENDS)}")
+    check_on_error(on_error)
+    if controller and loader == "baseline":
+        raise ValueError("--controller needs --loader dali or torch (the plain DataLoader's batch size is fixed)")
     if record_indices is not None and loader == "baseline":
         raise ValueError("--record-indices needs --loader dali or torch (the plain DataLoader does not expose indices)")
     from .monitor import UtilizationMonitor
@@ -418,11 +368,11 @@ def run_train(
             ctrl = BatchSizeController(max(8, batch_size // 8), batch_size * 8, on_change=rescale_lr)
         if trainer.device.type == "cuda":
             recipe = recipe.with_(memory_format=torch.channels_last)  # what the model wants, straight from the loader
-        kw = dict(image_size=image_size, seed=seed, num_workers=num_workers, on_error=on_error, recipe=recipe)
-        train_loader = make_loader_for(
-            loader, train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw
+        kw = dict(
+            backend=loader, image_size=image_size, seed=seed, num_workers=num_workers, on_error=on_error, recipe=recipe
         )
-        val_loader = make_loader_for(loader, val_set, batch_size, train=False, **kw)
+        train_loader = make_loader(train_set, batch_size, train=True, controller=ctrl, drop_last=drop_last, **kw)
+        val_loader = make_loader(val_set, batch_size, train=False, **kw)
         resumable = isinstance(train_loader, LoaderBase)
         config = {
             "model": model,

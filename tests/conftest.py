@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+if "mutmut" in sys.modules:
+    # A mutation run forks a process per mutant from one that has run the tests: torch's OpenMP threads do
+    # not survive a fork, and the child's first parallel op would hang. One intra-op thread: no pool at all.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90, **save) -> bytes:

@@ -1,20 +1,12 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
-from dali_fast.controller import (
-    BatchSizeController,
-    DeviceMemoryProbe,
-    HostProbe,
-    MaxProbe,
-    NvmlProbe,
-    TorchCudaProbe,
-    oom_safe_step,
-)
+from dali_fast.loaders.controller import BatchSizeController, oom_safe_step
+from dali_fast.loaders.probes import MaxProbe, NvmlProbe, TorchCudaProbe
 
 
 class ScriptedProbe:
@@ -111,7 +103,7 @@ def test_hysteresis_no_flip_flop():
 def test_unreadable_probe_holds_and_logs_once(caplog):
     c = BatchSizeController(8, 4096, probe=ScriptedProbe([None, None, 0.1, None]))
     c.attach(64)
-    with caplog.at_level(logging.WARNING, logger="dali_fast.controller"):
+    with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.controller"):
         assert run(c, 4) == [64, 64, 64, 128]
     assert c.batch_size == 128
     assert [h["decision"] for h in c.history] == ["hold", "hold", "grow", "hold"]
@@ -157,64 +149,6 @@ def test_nvml_probe_unreadable_holds_once(caplog):
         assert run(c, 3) == [16, 16, 16]
     warnings = [r for r in caplog.records if "NVML" in r.getMessage()]
     assert len(warnings) == 1 and "Not Found" in warnings[0].getMessage()
-
-
-def test_nvml_probe_reads_fake_handles(monkeypatch):
-    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
-    # torch would report the real GPU's, which the fake does not know).
-    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
-
-    class Mem:
-        def __init__(self, used, total):
-            self.used, self.total = used, total
-
-    class FakeNvml:
-        def __init__(self):
-            self.used = [10, 30, 70, 20]
-
-        def nvmlInit(self):
-            pass
-
-        def nvmlDeviceGetHandleByIndex(self, i):
-            return ("handle", i)
-
-        def nvmlDeviceGetMemoryInfo(self, handle):
-            return Mem(self.used.pop(0) if len(self.used) > 1 else self.used[0], 100)
-
-    probe = NvmlProbe(device_index=1, interval=0.01, nvml=FakeNvml())
-    assert probe.capacity_bytes == 100
-    probe.reset_peak()
-    import time
-
-    time.sleep(0.1)
-    assert probe.peak_fraction() == pytest.approx(0.70)
-
-
-def test_torch_probe_without_cuda_cannot_read():
-    if torch.cuda.is_available():
-        pytest.skip("has CUDA")
-    p = TorchCudaProbe()
-    p.reset_peak()
-    assert p.peak_fraction() is None
-
-
-def test_max_probe():
-    p = MaxProbe([ScriptedProbe([0.3]), ScriptedProbe([None]), ScriptedProbe([0.5])])
-    p.reset_peak()
-    assert p.peak_fraction() == 0.5
-    assert MaxProbe([ScriptedProbe([None])]).peak_fraction() is None
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
-def test_host_probe_reads_real_numbers():
-    p = HostProbe(interval=0.01)
-    p.reset_peak()
-    block = bytearray(200 * 2**20)  # touch 200 MiB
-    block[::4096] = b"x" * len(block[::4096])
-    frac = p.peak_fraction()
-    del block
-    assert p.capacity_bytes > 200 * 2**20
-    assert frac is not None and 200 * 2**20 / p.capacity_bytes <= frac < 1
 
 
 def test_on_change_and_state_dict():
@@ -275,18 +209,6 @@ def test_iterator_driven_by_controller_six_epochs(index_reader):
             assert sorted(labels) == list(range(37)) and batches == expected
             sizes.append(c.history[-1]["batch_size"])
         assert sizes == [4, 8, 16, 32, 16, 8]
-
-
-@pytest.mark.gpu
-def test_real_gpu_probes_read():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    for probe in (NvmlProbe(0), DeviceMemoryProbe(0), TorchCudaProbe(0)):
-        probe.reset_peak()
-        x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-        frac = probe.peak_fraction()
-        del x
-        assert probe.capacity_bytes > 2**30 and frac is not None and 0 < frac < 1
 
 
 def _two_rank_decisions(rank: int, world: int, init_file: str, out_file: str) -> None:
@@ -355,7 +277,7 @@ def test_a_probe_with_only_the_two_documented_methods_works():
 def test_every_decision_recorded_exactly(caplog):
     c = BatchSizeController(8, 256, probe=ScriptedProbe([0.10, 0.30, 0.95, None, 0.50, 0.20]))
     c.attach(64)
-    with caplog.at_level(logging.INFO, logger="dali_fast.controller"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.controller"):
         sizes = run(c, 3)
         c.begin_epoch()
         c.report_oom(64)
@@ -458,7 +380,7 @@ def test_edge_arguments_accepted():
 
 
 def test_ranks_are_asked_to_agree_unless_told_not_to(monkeypatch):
-    import dali_fast.controller as ctl
+    import dali_fast.loaders.controller as ctl
 
     asked = []
 
@@ -556,7 +478,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
     import sys
     import types
 
-    from dali_fast import controller as ctl
+    from dali_fast.loaders import probes
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -571,7 +493,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
     c.begin_epoch()
     assert calls == ["torch", "dali"] and probe.resets == 1  # released before the peak is reset
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    ctl.release_unused_memory()
+    probes.release_unused_memory()
     assert calls == ["torch", "dali"]  # nothing to release without CUDA
 
 
@@ -579,7 +501,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
 def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dali_fast.controller import TorchCudaProbe, release_unused_memory
+    from dali_fast.loaders.probes import release_unused_memory
 
     probe = TorchCudaProbe(torch.cuda.current_device())
     probe.reset_peak()
@@ -687,7 +609,7 @@ def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
     broken.nvmlInit = no_library
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     _FakeCuda().install(monkeypatch)
-    from dali_fast.controller import default_probe
+    from dali_fast.loaders.probes import default_probe
 
     probe = default_probe()
     probe.reset_peak()
@@ -697,21 +619,3 @@ def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
     c.attach(256)
     c.begin_epoch()
     assert c.end_epoch(0) == 256  # 75 % now, 150 % predicted at 512: held, not grown
-
-
-def test_device_memory_probe_samples_the_epoch_s_peak():
-    readings = iter([10, 70, 40] + [40] * 1000)  # used GiB, as (free, total) readings go
-    probe = DeviceMemoryProbe(0, interval=0.01, mem_get_info=lambda d: (2**30 * (100 - next(readings)), 100 * 2**30))
-    assert probe.capacity_bytes == 100 * 2**30 and probe.name == "cuda.mem_get_info"
-    probe.reset_peak()
-    import time
-
-    time.sleep(0.05)
-    assert probe.peak_fraction() == pytest.approx(0.70)
-
-    def broken(d):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    dead = DeviceMemoryProbe(0, mem_get_info=broken)
-    dead.reset_peak()
-    assert dead.capacity_bytes is None and dead.peak_fraction() is None

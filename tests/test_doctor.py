@@ -332,7 +332,7 @@ def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):
 
     monkeypatch.setattr(fn.decoders, "image", image)
     p = doctor._decode_pipeline(TEST_JPEG, "mixed", None, 1, 0.65)  # noqa: SLF001
-    from dali_fast.pipeline import shutdown_pipeline
+    from dali_fast.loaders.dali_pipeline import shutdown_pipeline
 
     shutdown_pipeline(p)
     assert seen[0]["device"] == "mixed" and seen[0]["jpeg_fancy_upsampling"] is True

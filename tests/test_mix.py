@@ -86,7 +86,7 @@ def test_mixup_cutmix_on_batches_from_any_loader(source, photos):
     if source == "dataloader":
         from torch.utils.data import DataLoader
 
-        from dali_fast.baseline import BaselineDataset
+        from dali_fast.loaders.baseline import BaselineDataset
 
         images, labels = next(iter(DataLoader(BaselineDataset(photos, image_size=16), batch_size=8)))
     else:

@@ -20,11 +20,7 @@ DOCUMENTED = [
     ("dali_fast.transforms.mix", "soft_target_cross_entropy"),
     ("dali_fast.data.open", "open_dataset"),
     ("dali_fast.data.writer", "pack"),
-    ("dali_fast.fallback", "TorchIterator"),
-    ("dali_fast.fallback", "make_loader"),
-    ("dali_fast.pipeline", "augment"),
-    ("dali_fast.pipeline", "default_num_threads"),
-    ("dali_fast.iterator", "DALIIterator"),
+    ("dali_fast.loaders.factory", "make_loader"),
 ]
 
 
@@ -66,6 +62,11 @@ MOVED = [
     ("dali_fast.recipe", "Recipe", "dali_fast.transforms.recipe"),
     ("dali_fast.recipe", "MixupCutmix", "dali_fast.transforms.mix"),
     ("dali_fast.recipe", "soft_target_cross_entropy", "dali_fast.transforms.mix"),
+    ("dali_fast.fallback", "TorchIterator", "dali_fast.loaders.torch_iterator"),
+    ("dali_fast.fallback", "make_loader", "dali_fast.loaders.factory"),
+    ("dali_fast.pipeline", "augment", "dali_fast.transforms.dali"),
+    ("dali_fast.pipeline", "default_num_threads", "dali_fast.transforms.dali"),
+    ("dali_fast.iterator", "DALIIterator", "dali_fast.loaders.dali_iterator"),
 ]
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import IndexReader
 
-from dali_fast.sampler import EpochSampler
-from dali_fast.shard_order import StreamingOrder, make_order
+from dali_fast.loaders.sampler import EpochSampler
+from dali_fast.loaders.shard_order import StreamingOrder, make_order
 
 # 9 shards of uneven sizes (the last one short, as WebDataset writers leave it): 71 samples.
 COUNTS = [8, 8, 8, 8, 8, 8, 8, 8, 7]
@@ -155,7 +155,7 @@ def test_a_state_from_other_settings_or_the_random_order_is_refused():
 
 
 def test_loaders_pick_the_streaming_order_only_for_streaming_readers(index_reader):
-    from dali_fast.fallback import TorchIterator
+    from dali_fast.loaders.torch_iterator import TorchIterator
 
     plain = make_order(index_reader, seed=0, shuffle=True, rank=0, world_size=1, drop_last=False)
     assert isinstance(plain, EpochSampler)

@@ -1,8 +1,10 @@
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from dali_fast.system import (
     atomic_dir,
@@ -146,7 +148,7 @@ class EightGpuNvml:
 
 
 def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
-    from dali_fast.controller import NvmlProbe
+    from dali_fast.loaders.probes import NvmlProbe
     from dali_fast.system import nvml_handle
 
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
@@ -213,3 +215,42 @@ def test_gpu_nvml_handle_is_the_cuda_device():
         uuid = pynvml.nvmlDeviceGetUUID(nvml_handle(pynvml, i))
         uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
         assert uuid.split("-", 1) in (["GPU", cuda_device_uuid(i)], ["MIG", cuda_device_uuid(i)])
+
+
+def test_local_rank_picks_the_gpu(monkeypatch):
+    import dali_fast.system as system
+
+    monkeypatch.setattr(system, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert system.local_device_index() == 3  # torchrun's process on the node's fourth GPU → DALI device_id 3
+
+
+def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeypatch, caplog):
+    """SLURM's --gpus-per-task=1 (and other launchers) show each process only its own GPU through
+    CUDA_VISIBLE_DEVICES: device LOCAL_RANK does not exist there ("invalid device ordinal")."""
+    import dali_fast.system as system
+
+    monkeypatch.setattr(system, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(system, "_SAID", set())
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+        assert system.local_device_index() == 0
+        assert system.local_device_index() == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "LOCAL_RANK=3 of 4 local ranks sees 1 CUDA device(s) (the launcher set CUDA_VISIBLE_DEVICES per process): "
+        "using CUDA device 0 (LOCAL_RANK % 1)"
+    ]  # once, not per loader
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+        assert system.local_device_index() == 1  # 4 ranks on 2 visible GPUs: they share, and the log warns
+    assert (
+        caplog.records[-1].levelno == logging.WARNING and "several ranks share a GPU" in caplog.records[-1].getMessage()
+    )
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert system.local_device_index() == 0  # no LOCAL_WORLD_SIZE: rank 3 still cannot be device 3 of 1

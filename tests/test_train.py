@@ -5,11 +5,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from contract import each_once
 
 from dali_fast.checkpoint import load_checkpoint, read_index_records
 from dali_fast.data.base import split
@@ -181,11 +181,11 @@ def test_each_rank_drives_a_visible_gpu_when_the_launcher_shows_it_only_its_own(
     """SLURM --gpus-per-task=1: WORLD_SIZE=2, LOCAL_RANK=1, one visible GPU. Device 1 does not exist."""
     import torch.distributed as dist
 
-    import dali_fast.iterator as it
+    import dali_fast.system as system
     import dali_fast.train as tr
 
-    monkeypatch.setattr(it, "cuda_usable", lambda: True)
-    monkeypatch.setattr(tr, "cuda_usable", lambda: True)
+    monkeypatch.setattr(system, "cuda_usable", lambda: True)  # what local_device_index asks
+    monkeypatch.setattr(tr, "cuda_usable", lambda: True)  # what distributed_context asks
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
@@ -278,12 +278,11 @@ def _train_indices(data: Path) -> list[int]:
 def _check_epoch_cover(per_rank: dict[int, list[int]], train: list[int], nproc: int) -> None:
     """Each rank's samples once; together the training split once, plus the documented padding."""
     for rank, got in per_rank.items():
-        assert len(got) == len(set(got)), f"rank {rank} saw a sample twice"
-    counts = Counter(i for got in per_rank.values() for i in got)
+        each_once(got, set(got), what=f"rank {rank}")  # no sample twice on one rank
     padded = math.ceil(len(train) / nproc) * nproc - len(train)
-    assert set(counts) == set(train)
-    assert sum(counts.values()) == len(train) + padded
-    assert sum(c - 1 for c in counts.values()) == padded  # the padding wraps around: `padded` samples twice
+    everything = [i for got in per_rank.values() for i in got]
+    each_once(everything, train, padding=padded)
+    assert len(everything) == len(train) + padded  # the padding wraps around: `padded` samples twice
 
 
 @pytest.mark.slow

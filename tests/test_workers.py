@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes
 
+from dali_fast.loaders.workers import BatchMaker, SlotRing, Task, image_shape, slot_layout
 from dali_fast.transforms.draws import sample_rng
 from dali_fast.transforms.recipe import Recipe
 from dali_fast.transforms.resize import decode_crop
-from dali_fast.workers import BatchMaker, SlotRing, Task, image_shape, slot_layout
 
 
 class FakeEvent:
@@ -115,14 +115,14 @@ def test_tame_malloc_applies_on_glibc():
     import subprocess
     import sys
 
-    code = "from dali_fast.workers import tame_malloc; print(tame_malloc())"
+    code = "from dali_fast.loaders.workers import tame_malloc; print(tame_malloc())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert out.strip() == str(glibc)
 
 
 def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
-    from dali_fast.workers import split
+    from dali_fast.loaders.workers import split
 
     assert split(32, 2) == [(0, 16), (16, 32)]
     assert split(37, 3) == [(0, 12), (12, 24), (24, 37)]

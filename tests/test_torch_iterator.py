@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import importlib.util
 import logging
 
@@ -14,7 +13,7 @@ from conftest import IndexReader
 
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
-from dali_fast.fallback import TorchIterator, create_optimized_dataloader, default_num_workers, make_loader
+from dali_fast.loaders.torch_iterator import TorchIterator
 from dali_fast.transforms.resize import random_resized_crop_box
 
 
@@ -99,62 +98,6 @@ def test_cache_shared_across_workers(index_reader):
     assert s["misses"] == 37 and s["hits"] == 74
 
 
-def test_make_loader_falls_back_without_dali(monkeypatch, caplog, index_reader):
-    real_import = builtins.__import__
-
-    def no_dali(name, *args, **kwargs):
-        if name.startswith("nvidia.dali") or name == "nvidia":
-            raise ImportError("No module named 'nvidia.dali'")
-        return real_import(name, *args, **kwargs)
-
-    import dali_fast.fallback as fallback
-
-    monkeypatch.setattr(fallback, "_said", set())
-    monkeypatch.setattr(builtins, "__import__", no_dali)
-    with caplog.at_level(logging.INFO):
-        loader = make_loader(index_reader, 4, backend="auto", image_size=16, num_workers=0, device="cpu")
-        make_loader(index_reader, 4, backend="auto", image_size=16, num_workers=0, device="cpu", train=False)
-    assert isinstance(loader, TorchIterator)
-    said = [r.getMessage() for r in caplog.records if "falling back to TorchIterator" in r.getMessage()]
-    assert len(said) == 1 and "nvidia.dali" in said[0]  # a training and an evaluation loader: said once
-    with pytest.raises(ImportError, match="backend='dali'"):
-        make_loader(index_reader, 4, backend="dali")
-
-
-def test_make_loader_picks_dali_when_it_works(index_reader):
-    pytest.importorskip("nvidia.dali")
-    from dali_fast import DALIIterator
-
-    assert isinstance(make_loader(index_reader, 4, image_size=16, device="cpu", num_workers=3), DALIIterator)
-    with pytest.raises(ValueError, match="backend"):
-        make_loader(index_reader, 4, backend="jax")
-
-
-def test_create_optimized_dataloader_defaults_and_errors(monkeypatch):
-    ds = list(range(10))
-    dl = create_optimized_dataloader(ds, 4, num_workers=2)
-    assert dl.num_workers == 2 and dl.persistent_workers and dl.prefetch_factor == 2
-    assert dl.pin_memory == torch.cuda.is_available()
-    dl0 = create_optimized_dataloader(ds, 4, num_workers=0)
-    assert dl0.num_workers == 0 and not dl0.persistent_workers
-    assert [b.tolist() for b in dl0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
-    assert default_num_workers() == 8
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert default_num_workers() == 2  # a worker per cpu: the main process's share is small
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
-    assert default_num_workers() == 0
-    for kw, match in [
-        ({"num_workers": -1}, "num_workers=-1"),
-        ({"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor=4 needs worker"),
-        ({"num_workers": 0, "persistent_workers": True}, "persistent_workers=True needs"),
-        ({"num_workers": 1, "prefetch_factor": 0}, "prefetch_factor=0"),
-        ({"num_workers": 0, "sampler": [1, 2], "shuffle": True}, "exclude each other"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            create_optimized_dataloader(ds, 4, **kw)
-
-
 def _eval_reference(truth: np.ndarray, size: int) -> np.ndarray:
     """The eval transform of the true image (shorter side to size/0.875, centre crop), CHW float."""
     from PIL import Image
@@ -191,7 +134,7 @@ def test_the_shared_rule_on_16_bit_and_exif():
 
 def test_odd_images_decode_alike_in_all_three_loaders():
     """16-bit, EXIF-rotated, CMYK, alpha, palette, gray, progressive, trailing data: same pixels everywhere."""
-    from dali_fast.baseline import BaselineDataset
+    from dali_fast.loaders.baseline import BaselineDataset
 
     odd = odd_images.odd_valid_with_truth()
     names = list(odd)

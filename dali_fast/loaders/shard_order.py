@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..data.base import StreamingReader, provides
 from .sampler import EpochSampler, dist_rank_world
 
 _WINDOW_SALT = 0x5E9_0D3  # the in-window shuffle's stream, apart from the shard shuffle's
@@ -263,12 +264,12 @@ class StreamingOrder:
 def make_order(
     dataset: object, *, seed: int, shuffle: bool, rank: int, world_size: int, drop_last: bool
 ) -> EpochSampler | StreamingOrder:
-    """The order a loader uses over ``dataset``: `StreamingOrder` for a reader that streams shards (it
-    has ``streaming`` and ``shard_bounds``), else the random-access `EpochSampler`."""
-    if getattr(dataset, "streaming", False) and getattr(dataset, "shard_bounds", None) is not None:
+    """The order a loader uses over ``dataset``: `StreamingOrder` for a reader that streams shards (a
+    `StreamingReader` whose ``streaming`` is true), else the random-access `EpochSampler`."""
+    if provides(dataset, StreamingReader) and dataset.streaming:  # type: ignore[attr-defined]
         return StreamingOrder(
             dataset.shard_bounds,  # type: ignore[attr-defined]
-            window=int(getattr(dataset, "shuffle_window", 4)),
+            window=int(dataset.shuffle_window),  # type: ignore[attr-defined]
             seed=seed,
             shuffle=shuffle,
             rank=rank,

@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .data.base import Reader, read_checked
-from .data.checks import pillow_reason
-from .pipeline import BadRecordError, bad_record_message
+from ..data.base import Reader, check_on_error, read_checked
+from ..data.checks import pillow_reason
+from ..system import cpus_per_local_rank
+from ..transforms.decode import open_image, to_rgb
+from ..transforms.pillow import PillowTransform
+from ..transforms.recipe import Recipe, resolve_recipe
+from .base import BadRecordError, bad_record_message
 from .sampler import dist_rank_world
-from .system import cpus_per_local_rank
-from .transforms.decode import open_image, to_rgb
-from .transforms.pillow import PillowTransform
-from .transforms.recipe import Recipe, resolve_recipe
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,10 @@ def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tens
     return default_collate(good)
 
 
-def baseline_loader(
+TAKES = ("train", "image_size", "num_workers", "drop_last", "seed", "on_error", "recipe")  # make_baseline_loader's
+
+
+def make_baseline_loader(
     reader: Reader,
     batch_size: int,
     *,
@@ -94,6 +97,7 @@ def baseline_loader(
     Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does; call
     ``loader.sampler.set_epoch(epoch)`` each epoch then.
     """
+    check_on_error(on_error)
     if num_workers is None:
         num_workers = cpus_per_local_rank()
     dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error, recipe=recipe)

@@ -1,11 +1,15 @@
-"""Per-epoch sample order, sharded across ranks, with a resumable cursor."""
+"""Per-epoch sample order, sharded across ranks, with a resumable cursor (`EpochSampler`), and a loader's
+order as a `torch.utils.data.Sampler` (`LoaderSampler`, what frameworks read)."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
+from torch.utils.data import Sampler
 
 
 def dist_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -145,3 +149,29 @@ class EpochSampler:
             raise ValueError(f"cannot resume: position {position} is outside this epoch's {len(self)} samples")
         self.epoch = int(state["epoch"])
         self.position = position
+
+
+# pragma: no mutate block (the sampler view of a loader: tested through the loaders)
+class LoaderSampler(Sampler[int]):
+    """A loader's order as a `torch.utils.data.Sampler`: iterates this rank's shard of the current epoch;
+    ``set_epoch`` is the loader's (safe to call from a framework)."""
+
+    def __init__(self, loader: Any) -> None:  # a LoaderBase
+        self.loader = loader
+
+    @property
+    def shuffle(self) -> bool:
+        return self.loader.order.shuffle
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.order.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.loader.order.indices().tolist())
+
+    def __len__(self) -> int:
+        return len(self.loader.order)

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .data.base import Reader, read_checked
-from .transforms.autoaugment import apply_policy
-from .transforms.decode import Decoder
-from .transforms.draws import sample_erasing_box, sample_rng
-from .transforms.recipe import AUGMENT_SALT, Recipe
-from .transforms.resize import BadImage, decode_crop
+from ..data.base import Reader, read_checked
+from ..transforms.autoaugment import apply_policy
+from ..transforms.decode import Decoder
+from ..transforms.draws import sample_erasing_box, sample_rng
+from ..transforms.recipe import AUGMENT_SALT, Recipe
+from ..transforms.resize import BadImage, decode_crop
 
 log = logging.getLogger(__name__)
 
@@ -282,5 +282,3 @@ def _as_is(batch: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- the main process's side
-
-
