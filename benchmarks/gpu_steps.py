@@ -459,8 +459,8 @@ def step_models(args: argparse.Namespace) -> None:
     model fed one batch already on the device (its ceiling); GPU utilization; memory as NVML sees this
     process against what torch's allocator reserved."""
     from dali_fast import DALIIterator, open_dataset
-    from dali_fast.monitor import UtilizationMonitor
-    from dali_fast.train import Trainer
+    from dali_fast.train.monitor import UtilizationMonitor
+    from dali_fast.train.trainer import Trainer
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

@@ -69,13 +69,13 @@ def run_one(
 ) -> dict:
     """Run ``epochs`` epochs of one loader in this process; memory of the process tree after each."""
     from dali_fast.data.open import open_dataset
-    from dali_fast.train import make_loader_for
+    from dali_fast.loaders.factory import make_loader
     from dali_fast.transforms.recipe import Recipe
 
     reader = open_dataset(dataset)
     recipe = Recipe(image_size=image_size, auto_augment=None if augment == "none" else augment)
-    loader = make_loader_for(
-        kind, reader, batch_size, train=train, image_size=image_size, num_workers=workers, seed=0, recipe=recipe
+    loader = make_loader(
+        reader, batch_size, backend=kind, train=train, image_size=image_size, num_workers=workers, seed=0, recipe=recipe
     )
     me = os.getpid()
     per_epoch = []

@@ -21,7 +21,7 @@ from .loaders.dataloader import shutdown_workers
 from .loaders.factory import BACKENDS, make_loader
 from .loaders.workers import _as_is, worker_init
 from .system import atomic_write, available_cpus
-from .train import Trainer
+from .train.trainer import Trainer
 from .transforms.decode import Decoder
 from .transforms.mix import MixupCutmix
 from .transforms.recipe import Recipe, resolve_recipe
@@ -386,7 +386,7 @@ def run_bench(
     warmed up, then the rows take turns, one timed epoch each, ``epochs`` times: a machine whose load
     changes during the run then slows every row alike (all loaders stay alive meanwhile, so peak memory
     is that of them all)."""
-    from .monitor import UtilizationMonitor
+    from .train.monitor import UtilizationMonitor
 
     for k in loaders:
         if k not in BACKENDS:

@@ -247,7 +247,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .data.open import open_dataset
     from .data.synthetic import default_dataset
-    from .train import run_train
+    from .train.run import run_train
 
     augments = _augments(args.augment)
     if len(augments) > 1:

@@ -119,8 +119,9 @@ def run_stages(
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Measure the six stages cumulatively; writes stages.json and stages.png into ``out``."""
-    from .bench import Trainer, machine_info
-    from .monitor import UtilizationMonitor
+    from .bench import machine_info
+    from .train.monitor import UtilizationMonitor
+    from .train.trainer import Trainer
 
     for name, value in (("total_epochs", total_epochs), ("total_images", total_images), ("epochs", epochs)):
         if not isinstance(value, int) or value < 1:

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from dali_fast.loaders.controller import BatchSizeController, oom_safe_step
+from dali_fast.loaders.controller import BatchSizeController
 from dali_fast.loaders.probes import MaxProbe, NvmlProbe, TorchCudaProbe
 
 
@@ -166,29 +166,6 @@ def test_bad_arguments():
     for args, match in [((0, 8), "min_batch"), ((16, 8), "min_batch"), ((8, 16, 1.5), "target_fraction")]:
         with pytest.raises(ValueError, match=match):
             BatchSizeController(*args)
-
-
-def test_oom_safe_step_runs_halves_each_sample_once():
-    seen = []
-    weights = []
-
-    def step(x, y, w):
-        if len(y) > 3:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test double)")
-        seen.extend(y.tolist())
-        weights.append((len(y), w))
-        return float(y.float().mean())
-
-    c = BatchSizeController(2, 64, probe=ScriptedProbe([0.5]))
-    c.attach(10)
-    zeroed = []
-    loss = oom_safe_step(step, torch.zeros(10, 1), torch.arange(10), zero_grad=lambda: zeroed.append(1), controller=c)
-    assert sorted(seen) == list(range(10))
-    assert sum(w for _, w in weights) == pytest.approx(1.0)  # the halves' losses add up to the batch mean
-    assert all(w == pytest.approx(n / 10) for n, w in weights)
-    assert loss == pytest.approx(4.5) and zeroed == [1]
-    c.end_epoch(0)
-    assert c.batch_size == 8 and c.history[-1]["decision"] == "shrink"
 
 
 def test_iterator_driven_by_controller_six_epochs(index_reader):
@@ -414,24 +391,6 @@ def test_state_round_trip_and_minimal_state():
     assert (e.batch_size, e.history, e.observations, e.ceiling) == (16, [], [], None)
 
 
-def test_oom_retry_runs_after_the_failed_step_is_freed():
-    """The halves must not run while the failed step's activations are kept alive by the traceback."""
-    import weakref
-
-    refs, alive_when_halves_ran = [], []
-
-    def step(x, y, w):
-        if len(y) > 4:
-            activations = torch.ones(1000)  # what the failed forward had allocated
-            refs.append(weakref.ref(activations))
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test double)")
-        alive_when_halves_ran.append(refs[0]() is not None)
-        return 0.0
-
-    oom_safe_step(step, torch.zeros(8, 1), torch.arange(8), zero_grad=lambda: None)
-    assert alive_when_halves_ran == [False, False]
-
-
 class CachingAllocatorProbe:
     """Models a GPU reading under a caching allocator: what the epoch needed, or more if the cache still
     holds an earlier epoch's larger blocks; the cache empties only when `release()` is called."""
@@ -513,68 +472,6 @@ def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
     small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
     del small
     assert probe.peak_fraction() < large / 10  # the cached 2 GiB no longer counts
-
-
-def oom_split_step(alloc, free: int, calls: list[int]):
-    """The step of the out-of-memory split tests: a batch of more than 2 samples keeps 0.6 x ``free`` (its
-    activations) and asks for 0.6 x ``free`` more, which cannot fit; a half keeps 0.5 x ``free``, which
-    fits only once the failed step's memory is gone."""
-
-    def step(x, y, w):
-        calls.append(len(y))
-        held = [alloc(int(free * 0.6))] if len(y) > 2 else []
-        held.append(alloc(int(free * (0.6 if len(y) > 2 else 0.5))))  # the full batch runs out of memory here
-        return torch.zeros((), device=x.device) * len(held)
-
-    return step
-
-
-class CountedDeviceMemory:
-    """A device of ``free`` bytes whose blocks are freed when nothing refers to them any more (as torch's
-    tensors are): an allocation that does not fit raises torch's out-of-memory error."""
-
-    def __init__(self, free: int) -> None:
-        self.free, self.live, self.peak = free, 0, 0
-
-    def alloc(self, n: int) -> object:
-        import weakref
-
-        if self.live + n > self.free:
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (modelled): {n} more with {self.live} held")
-        block = type("Block", (), {})()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(block, self._release, n)
-        return block
-
-    def _release(self, n: int) -> None:
-        self.live -= n
-
-
-def test_oom_split_step_runs_out_of_memory_and_the_halves_fit_once_it_is_freed():
-    """What the GPU test below claims, on a model of the device: the full batch's step really runs out
-    of memory (its first allocation is kept), and the halves fit only because the failed step's memory
-    was let go before they ran."""
-    device, calls = CountedDeviceMemory(1000), []
-    oom_safe_step(oom_split_step(device.alloc, 1000, calls), torch.zeros(4, 1), torch.arange(4), zero_grad=lambda: None)
-    assert calls == [4, 2, 2] and device.live == 0 and device.peak == 600
-
-
-@pytest.mark.gpu
-def test_gpu_oom_split_frees_the_failed_step():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    calls: list[int] = []
-
-    def alloc(n):
-        return torch.empty(n, dtype=torch.uint8, device="cuda")
-
-    step = oom_split_step(alloc, free, calls)
-    oom_safe_step(step, torch.zeros(4, 1, device="cuda"), torch.arange(4, device="cuda"), zero_grad=lambda: None)
-    assert calls == [4, 2, 2]  # the whole batch ran out of memory; each half fitted
-    torch.cuda.empty_cache()
 
 
 class _FakeCuda:

@@ -89,8 +89,8 @@ class FakeGpuMonitor:
 def test_stage_memory_is_the_process_reading_bench_uses(tiny, tmp_path, monkeypatch):
     """Not torch's max_memory_reserved, which leaves DALI's pool and outputs out: the monitor's NVML
     reading for this process, as `bench` reports it, over the stage's timed epochs."""
-    import dali_fast.monitor as monitor
     import dali_fast.stages as stages
+    import dali_fast.train.monitor as monitor
 
     monkeypatch.setattr(monitor, "UtilizationMonitor", FakeGpuMonitor)
     monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1])

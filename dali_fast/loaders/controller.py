@@ -212,7 +212,7 @@ class BatchSizeController:
         self.ceiling = state.get("ceiling")
 
 
-# pragma: no mutate block (rank agreement and the OOM split: tested with real processes and fakes)
+# pragma: no mutate block (rank agreement: tested with real processes and fakes)
 def agree_across_ranks(frac: float | None, oom: bool) -> tuple[float | None, bool]:
     """The highest peak and any out-of-memory over all ranks of an initialized process group."""
     import torch.distributed as dist
@@ -225,45 +225,3 @@ def agree_across_ranks(frac: float | None, oom: bool) -> tuple[float | None, boo
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     worst, any_oom = t.tolist()
     return (None if worst < 0 else worst), bool(any_oom)
-
-
-def oom_safe_step(
-    step: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | float],
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    zero_grad: Callable[[], None],
-    controller: BatchSizeController | None = None,
-    min_split: int = 1,
-) -> torch.Tensor | float:
-    """Run ``step(images, labels, weight)`` (forward + backward, loss scaled by ``weight``); on CUDA
-    out-of-memory, empty the cache and run the batch as two halves (each sample once), recursively.
-
-    The caller steps the optimizer after it returns; gradients then equal the whole batch's.
-    Returns the batch's loss. The OOM is reported to ``controller``, which shrinks at the next epoch.
-    """
-    n = len(labels)
-    try:
-        return step(images, labels, 1.0)  # as the step returns it: a device tensor is not synced here
-    except torch.cuda.OutOfMemoryError:
-        if n <= min_split:
-            raise
-    # Recover here, outside the `except` block: inside it, the exception's traceback would keep the
-    # failed step's frames, and with them its activations and graph, alive while the halves run.
-    zero_grad()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if controller is not None:
-        controller.report_oom(n)
-    log.warning("out of memory on a batch of %d: running it as two halves", n)
-    half = n // 2
-    total: torch.Tensor | float = 0.0
-    for lo, hi in ((0, half), (half, n)):
-
-        def part(x: torch.Tensor, y: torch.Tensor, w: float, _s: float = (hi - lo) / n) -> torch.Tensor | float:
-            return step(x, y, w * _s)
-
-        total += oom_safe_step(
-            part, images[lo:hi], labels[lo:hi], zero_grad=lambda: None, controller=None, min_split=min_split
-        ) * ((hi - lo) / n)
-    return total

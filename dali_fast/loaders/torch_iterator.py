@@ -57,7 +57,7 @@ class TorchIterator(LoaderBase):
     Worker processes decode (libjpeg-turbo for plain JPEGs, Pillow for the rest, one rule), crop and
     resize (Pillow's filter through torch's antialiased uint8 kernels), augment and mirror each image
     straight into a shared-memory batch slot; the main process makes the normalized batch in one pass
-    (on a GPU, after a page-locked, overlapped copy). See `dali_fast.workers`.
+    (on a GPU, after a page-locked, overlapped copy). See `workers`.
 
     Extra arguments: ``num_workers`` (decode processes; None: one per cpu of this rank, 0 on one
     cpu). The sample order is identical to `DALIIterator` for the same (seed, epoch, rank). With

@@ -1,3 +1,6 @@
+"""`run_train`: the loss falls with every loader, the settings are checked before any work, checkpoints
+resume at the exact sample (under torchrun and after SIGKILL too)."""
+
 import contextlib
 import math
 import os
@@ -11,12 +14,12 @@ import pytest
 import torch
 from contract import each_once
 
-from dali_fast.checkpoint import load_checkpoint, read_index_records
 from dali_fast.data.base import split
 from dali_fast.data.open import open_dataset
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
-from dali_fast.train import run_train
+from dali_fast.train.checkpoint import load_checkpoint, read_index_records
+from dali_fast.train.run import run_train
 from dali_fast.transforms.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,106 +103,12 @@ def test_controller_decisions_printed(learnable):
     assert "peak" in rows[0]["decision"]["reason"]  # a real host-memory reading
 
 
-def test_evaluation_reads_the_device_once_not_per_batch():
-    """Evaluation sums loss and hits on the device and reads them back once. On the `meta` device any
-    read back fails, as it would stall a GPU: the read comes only after the last batch."""
-    from dali_fast.train import Trainer
-
-    trainer = Trainer("resnet_tiny", 3, amp=False)
-    trainer.module.to("meta")
-    trainer.device = torch.device("meta")
-    served = []
-
-    def batches():
-        for k in range(3):
-            served.append(k)
-            yield torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
-
-    with pytest.raises(RuntimeError, match="meta"):
-        trainer.evaluate(batches())
-    assert served == [0, 1, 2]  # all three batches went through before the one read
-
-
-def test_mixup_training_step_reads_nothing_back_from_the_device():
-    """A training step with mixup/cutmix (the label check included) reads no value back: on the `meta`
-    device, where any read fails, the steps run."""
-    from dali_fast.train import Trainer
-    from dali_fast.transforms.mix import MixupCutmix
-
-    trainer = Trainer("resnet_tiny", 3, amp=False, mix=MixupCutmix(num_classes=3, seed=0))
-    trainer.module.to("meta")
-    trainer.device = torch.device("meta")
-    modes = set()
-    for _ in range(6):
-        loss = trainer.step(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0]))
-        assert loss.device.type == "meta"
-        modes.add(trainer.mix.last["mode"])
-    assert modes == {"mixup", "cutmix"}
-
-
-@pytest.mark.gpu
-def test_gpu_mixup_steps_and_evaluation_do_not_stop_the_gpu():
-    """torch's sync debug mode raises at any operation that waits for the GPU: mixup/cutmix steps run
-    through it, and evaluation reaches its one read only after the last batch."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from dali_fast.train import Trainer
-    from dali_fast.transforms.mix import MixupCutmix
-
-    trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(num_classes=3, seed=0))
-    x = torch.randn(8, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 3, (8,), device="cuda")
-    trainer.step(x, y)  # the first step picks cudnn's kernels
-    torch.cuda.synchronize()
-    served = []
-
-    def batches():
-        for k in range(3):
-            served.append(k)
-            yield x, y
-
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            trainer.step(x, y)
-        with pytest.raises(RuntimeError, match="synchroniz"):
-            trainer.evaluate(batches())
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert served == [0, 1, 2]
-
-
 def test_labels_outside_the_classes_stop_training_before_any_step():
     from conftest import IndexReader, jpeg_bytes
 
     reader = IndexReader([jpeg_bytes() for _ in range(6)], classes=4)  # labels 0..5 (the index), 4 classes
     with pytest.raises(ValueError, match=r"^record 4 \(mem://4.jpg\) has label 4"):
         run_train(reader, loader="torch", epochs=1, model="resnet_tiny", batch_size=2, image_size=16, num_workers=0)
-
-
-def test_each_rank_drives_a_visible_gpu_when_the_launcher_shows_it_only_its_own(monkeypatch):
-    """SLURM --gpus-per-task=1: WORLD_SIZE=2, LOCAL_RANK=1, one visible GPU. Device 1 does not exist."""
-    import torch.distributed as dist
-
-    import dali_fast.system as system
-    import dali_fast.train as tr
-
-    monkeypatch.setattr(system, "cuda_usable", lambda: True)  # what local_device_index asks
-    monkeypatch.setattr(tr, "cuda_usable", lambda: True)  # what distributed_context asks
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    chosen = []
-    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: chosen.append(backend))
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with tr.distributed_context() as ctx:
-        assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.device_index) == (1, 2, 1, 0)
-    assert chosen == [0, "nccl"]
 
 
 def test_resume_refuses_other_settings(learnable, tmp_path):
@@ -230,9 +139,6 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
     rows = run_train(learnable, **{**kw, "epochs": 2, "batch_size": 8}, resume=True, emit=lines.append)
     assert [r["epoch"] for r in rows] == [0, 1] and lines[0].startswith("resumed from")
     assert lines[1] == "batch size 16 → 8 as given" and [r["batch_size"] for r in rows] == [16, 8]
-
-
-# ---------------------------------------------------------------- real processes: torchrun and SIGKILL
 
 
 def _skip_without_enough_gpus(nproc: int) -> None:
@@ -406,37 +312,29 @@ def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loa
         _check_epoch_cover(per_rank, train, nproc)
 
 
-def test_a_training_step_does_not_sync_with_the_host(monkeypatch):
-    """The loss stays on the device (on a GPU, reading it each step would wait for the step to finish)."""
-    from dali_fast.train import Trainer
+def test_the_settings_are_one_config_checked_before_any_work(tmp_path):
+    from conftest import IndexReader, jpeg_bytes
 
-    trainer = Trainer("resnet_tiny", 3)
-    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 1])
+    from dali_fast.train.config import TrainConfig
 
-    def no_sync(*_a, **_k):
-        raise AssertionError("a host synchronization in the training step")
+    reader = IndexReader([jpeg_bytes() for _ in range(6)])
+    for settings, says in (
+        ({"loader": "jax"}, "loader 'jax': choose one of baseline, torch, dali"),
+        ({"loader": "baseline", "controller": True}, "--controller needs --loader dali or torch"),
+        ({"resume": True}, "resume needs a checkpoint folder: pass --checkpoint DIR with --resume"),
+        ({"on_error": "ignore"}, "on_error='ignore': use 'raise' or 'skip'"),
+        ({"checkpoint_every": 0}, "checkpoint_every=0: must be >= 1 step"),
+    ):
+        with pytest.raises(ValueError) as e:
+            run_train(reader, **settings)
+        assert str(e.value).startswith(says)
+        with pytest.raises(ValueError):
+            TrainConfig(**settings).checked()
+    with pytest.raises(TypeError, match="epoch"):
+        run_train(reader, epoch=3)  # a misspelt setting is not silently ignored
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        run_train(reader, TrainConfig(out=tmp_path / "file" / "out"))
+    assert TrainConfig(out=str(tmp_path)).checked().out == tmp_path  # paths as paths, recipe resolved
+    assert TrainConfig(image_size=32).checked().recipe.image_size == 32
 
-    for name in ("item", "__float__", "tolist"):
-        monkeypatch.setattr(torch.Tensor, name, no_sync)
-    losses = [trainer.step(images, labels) for _ in range(3)]
-    monkeypatch.undo()
-    assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in losses)
-    assert float(losses[-1]) < float(losses[0]) * 1.5  # it trains (same batch three times)
-
-
-def test_a_mixed_step_trains_on_the_soft_targets():
-    """With mixup/cutmix the step's loss is soft-target cross-entropy on the mixed batch (not the labels)."""
-    from dali_fast.train import Trainer
-    from dali_fast.transforms.mix import MixupCutmix, soft_target_cross_entropy
-
-    torch.manual_seed(0)
-    trainer = Trainer("resnet_tiny", 3, mix=MixupCutmix(alpha_mixup=1.0, alpha_cutmix=1.0, num_classes=3, seed=4))
-    twin = MixupCutmix(alpha_mixup=1.0, alpha_cutmix=1.0, num_classes=3, seed=4)
-    images, labels = torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2])
-    for _ in range(3):
-        mixed, targets = twin(images, labels)
-        trainer.model.train()
-        with torch.no_grad():
-            expected = soft_target_cross_entropy(trainer.model(mixed), targets)
-        assert float(trainer.step(images, labels)) == pytest.approx(float(expected), rel=1e-5)
-        assert trainer.mix.last == twin.last
