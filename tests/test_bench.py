@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from dali_fast.bench import markdown_table, run_bench
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
+from dali_fast.tools.bench import markdown_table, run_bench
 
 
 @pytest.fixture(scope="module")
@@ -179,16 +179,16 @@ def test_no_limit_is_refused_with_stages(tmp_path, capsys):
 
 def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
     """--alternate: every row warms up, then the rows take turns, one timed epoch each."""
-    from dali_fast import bench
+    from dali_fast.tools import bench_rows
 
     order = []
-    real = bench._Row.epoch
+    real = bench_rows.Row.epoch
 
     def spy(self):
         order.append((self.name, self.epochs_run))
         real(self)
 
-    monkeypatch.setattr(bench._Row, "epoch", spy)
+    monkeypatch.setattr(bench_rows.Row, "epoch", spy)
     result = run_bench(
         str(tiny_packed / "packed"),
         loaders=["baseline", "torch"],
@@ -208,16 +208,16 @@ def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
 
 
 def test_a_row_failing_while_alternating_is_named_and_the_others_finish(tiny_packed, tmp_path, monkeypatch):
-    from dali_fast import bench
+    from dali_fast.tools import bench_rows
 
-    real = bench._Row.epoch
+    real = bench_rows.Row.epoch
 
     def flaky(self):
         if self.kind == "torch" and self.epochs_run == 1:
             raise RuntimeError("decode worker lost")
         real(self)
 
-    monkeypatch.setattr(bench._Row, "epoch", flaky)
+    monkeypatch.setattr(bench_rows.Row, "epoch", flaky)
     result = run_bench(
         str(tiny_packed / "packed"),
         loaders=["baseline", "torch"],

@@ -34,7 +34,36 @@ def dist_rank_world(rank: int | None = None, world_size: int | None = None) -> t
     return rank, world_size
 
 
-class EpochSampler:
+class OrderCursor:
+    """The cursor over an epoch's order, for an order that has ``indices()`` (this rank's samples of the
+    current epoch), ``position`` (samples already taken) and ``len`` (how many the epoch has)."""
+
+    position: int
+
+    def remaining(self) -> int:
+        return len(self) - self.position
+
+    def next_batch(self, batch_size: int) -> np.ndarray:
+        """The next ``batch_size`` (or fewer, at the end) indices; empty when the epoch is done."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        shard = self.indices()
+        out = shard[self.position : self.position + batch_size]
+        self.position += len(out)
+        return out
+
+    def batches(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
+        """The rest of the epoch cut into batches (consumes the cursor)."""
+        out = []
+        while self.remaining() > 0:
+            if drop_last and self.remaining() < batch_size:
+                self.position = len(self)
+                break
+            out.append(self.next_batch(batch_size))
+        return out
+
+
+class EpochSampler(OrderCursor):
     """The order of one rank's samples for each epoch, and a cursor into it.
 
     The epoch's order is a permutation drawn from ``(seed, epoch)``, the same on every rank;
@@ -101,28 +130,6 @@ class EpochSampler:
         shard = order[:total][self.rank :: self.world_size].astype(np.int64)
         self._cache = (epoch, shard)
         return shard
-
-    def remaining(self) -> int:
-        return len(self) - self.position
-
-    def next_batch(self, batch_size: int) -> np.ndarray:
-        """The next ``batch_size`` (or fewer, at the end) indices; empty when the epoch is done."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size}: must be >= 1")
-        shard = self.indices()
-        out = shard[self.position : self.position + batch_size]
-        self.position += len(out)
-        return out
-
-    def batches(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
-        """The rest of the epoch cut into batches (consumes the cursor)."""
-        out = []
-        while self.remaining() > 0:
-            if drop_last and self.remaining() < batch_size:
-                self.position = len(self)
-                break
-            out.append(self.next_batch(batch_size))
-        return out
 
     def state_dict(self) -> dict[str, int | bool]:
         return {

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..data.base import StreamingReader, provides
-from .sampler import EpochSampler, dist_rank_world
+from .sampler import EpochSampler, OrderCursor, dist_rank_world
 
 _WINDOW_SALT = 0x5E9_0D3  # the in-window shuffle's stream, apart from the shard shuffle's
 
@@ -80,7 +80,7 @@ def arrange(
     return np.concatenate(order).astype(np.int64), np.concatenate(group)
 
 
-class StreamingOrder:
+class StreamingOrder(OrderCursor):
     """`EpochSampler`'s interface (epoch, position, indices, batches, state) over a shard layout.
 
     ``bounds``: the first sample of each shard and the total (S+1 increasing integers); ``window``: the
@@ -186,25 +186,6 @@ class StreamingOrder:
         self.epoch = int(epoch)
         self.position = 0
         self.history = []
-
-    def remaining(self) -> int:
-        return len(self) - self.position
-
-    def next_batch(self, batch_size: int) -> np.ndarray:
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size}: must be >= 1")
-        out = self.indices()[self.position : self.position + batch_size]
-        self.position += len(out)
-        return out
-
-    def batches(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
-        out = []
-        while self.remaining() > 0:
-            if drop_last and self.remaining() < batch_size:
-                self.position = len(self)
-                break
-            out.append(self.next_batch(batch_size))
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
