@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .data.base import ON_ERROR
+
 log = logging.getLogger("dali_fast")
 
 
@@ -36,14 +38,8 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .data.writer import pack
 
-    report = pack(
-        args.src,
-        args.dst,
-        verify=not args.no_verify,
-        max_side=args.max_side,
-        workers=args.workers,
-        shard_size=args.shard_size or None,
-    )
+    kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
+    report = pack(args.src, args.dst, verify=not args.no_verify, **kw)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
@@ -235,7 +231,7 @@ def _add_data_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--image-size", type=_count(1), default=224)
     s.add_argument(
         "--on-error",
-        choices=["raise", "skip"],
+        choices=ON_ERROR,
         default="raise",
         help="an undecodable or unreadable image: stop naming it (raise), or skip, count and log it (skip)",
     )
