@@ -15,16 +15,11 @@ from torch.utils.data import Sampler
 def dist_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world_size): explicit values, else the initialized process group, else RANK/WORLD_SIZE, else 0/1."""
     if rank is None or world_size is None:
-        r, w = 0, 1
-        try:
-            import torch.distributed as dist
+        import torch.distributed as dist  # torch is imported here already (Sampler)
 
-            if dist.is_available() and dist.is_initialized():
-                r, w = dist.get_rank(), dist.get_world_size()
-            else:
-                r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        except ImportError:
-            r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
     if world_size < 1:
@@ -32,6 +27,12 @@ def dist_rank_world(rank: int | None = None, world_size: int | None = None) -> t
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}: must be in [0, {world_size}) for world_size={world_size}")
     return rank, world_size
+
+
+def per_rank(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples each of ``world_size`` ranks gets of ``n``: an equal share, the tail cut (``drop_last``)
+    or padded with repeats."""
+    return n // world_size if drop_last else math.ceil(n / world_size)
 
 
 class OrderCursor:
@@ -106,9 +107,7 @@ class EpochSampler(OrderCursor):
 
     def __len__(self) -> int:
         """Samples per epoch on this rank."""
-        if self.drop_last:
-            return self.n // self.world_size
-        return math.ceil(self.n / self.world_size) if self.n else 0
+        return per_rank(self.n, self.world_size, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``'s order and put the cursor at its start."""
@@ -124,10 +123,8 @@ class EpochSampler(OrderCursor):
             order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
         else:
             order = np.arange(self.n)
-        total = len(self) * self.world_size
-        if total > self.n:
-            order = np.resize(order, total)  # wraps around
-        shard = order[:total][self.rank :: self.world_size].astype(np.int64)
+        order = np.resize(order, len(self) * self.world_size)  # the tail cut, or padded by wrapping around
+        shard = order[self.rank :: self.world_size].astype(np.int64)
         self._cache = (epoch, shard)
         return shard
 

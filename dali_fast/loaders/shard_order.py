@@ -23,13 +23,12 @@ sample of the epoch then comes exactly once. The state keeps that history until 
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any
 
 import numpy as np
 
 from ..data.base import StreamingReader, provides
-from .sampler import EpochSampler, OrderCursor, dist_rank_world
+from .sampler import EpochSampler, OrderCursor, dist_rank_world, per_rank
 
 _WINDOW_SALT = 0x5E9_0D3  # the in-window shuffle's stream, apart from the shard shuffle's
 
@@ -38,18 +37,14 @@ def shard_sequence(bounds: np.ndarray, shard_order: np.ndarray) -> np.ndarray:
     """The sample indices of the shards in ``shard_order``, shard after shard (``bounds``: S+1 starts)."""
     counts = np.diff(bounds)[shard_order]
     starts = bounds[:-1][shard_order]
-    if not len(counts) or counts.sum() == 0:
-        return np.empty(0, np.int64)
-    ends = np.cumsum(counts)
-    return (np.arange(ends[-1], dtype=np.int64) - np.repeat(ends - counts, counts) + np.repeat(starts, counts)).astype(
-        np.int64
-    )
+    first = np.cumsum(counts) - counts  # each shard's first place in the sequence
+    return (np.arange(counts.sum()) - np.repeat(first, counts) + np.repeat(starts, counts)).astype(np.int64)
 
 
 def cut(seq: np.ndarray, world_size: int, rank: int, drop_last: bool) -> np.ndarray:
     """Rank ``rank``'s equal run of ``seq`` (padded with the sequence's own last samples, or cut)."""
     n = len(seq)
-    per = n // world_size if drop_last else math.ceil(n / world_size)
+    per = per_rank(n, world_size, drop_last)
     total = per * world_size
     if total > n:
         seq = np.concatenate([seq, seq[(n - 1 - np.arange(total - n)) % n]])
@@ -71,7 +66,7 @@ def arrange(
     order, group = [], []
     for w in range(0, len(blocks), window):
         part = np.concatenate(blocks[w : w + window])
-        ranks = np.concatenate([np.full(len(b), w + k, np.int64) for k, b in enumerate(blocks[w : w + window])])
+        ranks = np.concatenate([np.full(len(b), w + k) for k, b in enumerate(blocks[w : w + window])])
         if rng is not None:
             p = rng.permutation(len(part))
             part, ranks = part[p], ranks[p]
@@ -116,7 +111,7 @@ class StreamingOrder(OrderCursor):
                 f"{self.n} samples cannot give each of {self.world_size} ranks one with drop_last=True; "
                 "use drop_last=False or fewer ranks"
             )
-        self._shard_of = np.repeat(np.arange(len(self.bounds) - 1, dtype=np.int64), np.diff(self.bounds))
+        self._shard_of = np.repeat(np.arange(len(self.bounds) - 1), np.diff(self.bounds))
         self.layout = hashlib.sha1(self.bounds.tobytes()).hexdigest()[:16]
         self.epoch = 0
         self.position = 0
@@ -129,7 +124,7 @@ class StreamingOrder(OrderCursor):
             return None
         return np.random.default_rng([self.seed, epoch, world, rank, part, _WINDOW_SALT])
 
-    def _runs(self, epoch: int, history: list[tuple[int, int]], world: int) -> tuple[np.ndarray, int]:
+    def _runs(self, epoch: int, history: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
         """(the sequence the current part of ``epoch`` cuts into ranks, the part's number), after the
         earlier parts in ``history`` took what their ranks had reached."""
         shards = len(self.bounds) - 1
@@ -147,7 +142,7 @@ class StreamingOrder(OrderCursor):
                 taken.append(order[:p])
                 left = np.argsort(group[p:], kind="stable")  # what was not reached, back in shard blocks
                 rest.append(order[p:][left])
-            rest_all = np.concatenate(rest) if rest else np.empty(0, np.int64)
+            rest_all = np.concatenate(rest)  # every part had ranks (w >= 1)
             rest_all = rest_all[~np.isin(rest_all, np.concatenate(taken))]
             _, first = np.unique(rest_all, return_index=True)  # padding repeats: each sample once
             seq = rest_all[np.sort(first)]
@@ -162,11 +157,11 @@ class StreamingOrder(OrderCursor):
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        seq, part = self._runs(epoch, history, self.world_size)
+        seq, part = self._runs(epoch, history)
         if len(seq) < self.world_size and self.drop_last:
             out = np.empty(0, np.int64)
         else:
-            run = cut(seq, self.world_size, self.rank, self.drop_last) if len(seq) else seq
+            run = cut(seq, self.world_size, self.rank, self.drop_last)
             out, _ = arrange(run, self._shard_of, self.window, self._rng(epoch, self.world_size, self.rank, part))
         if len(self._cache) >= 4:
             self._cache.pop(next(iter(self._cache)))
@@ -177,9 +172,7 @@ class StreamingOrder(OrderCursor):
     def __len__(self) -> int:
         """Samples of the current epoch (its part since an elastic resume) on this rank."""
         if not self.history:
-            return (
-                self.n // self.world_size if self.drop_last else (math.ceil(self.n / self.world_size) if self.n else 0)
-            )
+            return per_rank(self.n, self.world_size, self.drop_last)
         return len(self.indices())
 
     def set_epoch(self, epoch: int) -> None:
@@ -222,23 +215,14 @@ class StreamingOrder(OrderCursor):
         saved_world = int(state.get("world_size", self.world_size))
         self.epoch = int(state["epoch"])
         if saved_world == self.world_size:
-            self.history, self.position = history, 0
+            self.history = history
             if not 0 <= position <= len(self):
                 raise ValueError(f"cannot resume: position {position} is outside this epoch's {len(self)} samples")
             self.position = position
             return
-        old = StreamingOrder(
-            self.bounds,
-            window=self.window,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            rank=0,
-            world_size=saved_world,
-            drop_last=self.drop_last,
-        )
-        old.epoch, old.history = self.epoch, history
-        if not 0 <= position <= len(old):
-            raise ValueError(f"cannot resume: position {position} is outside that epoch's {len(old)} samples")
+        saved_len = per_rank(len(self._runs(self.epoch, history)[0]), saved_world, self.drop_last)
+        if not 0 <= position <= saved_len:
+            raise ValueError(f"cannot resume: position {position} is outside that epoch's {saved_len} samples")
         self.history, self.position = [*history, (saved_world, position)], 0
 
 
