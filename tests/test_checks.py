@@ -40,8 +40,11 @@ SOS = _seg(0xDA, bytes(10))
         (SOI + APP0 + b"\xff\xff\xff" + SOS + b"\x12" + EOI, None),  # fill bytes before a marker
         (SOI + b"\xff\x01" + b"\xff\xd0" + APP0 + SOS + EOI, None),  # TEM, RST0: markers without a length
         (SOI + APP0 + SOS + b"\x12\x34" + EOI + b"trailer" * 300, None),  # data after the image
+        (SOI + _seg(0xE1, bytes(300)) + SOS + b"\x12" + EOI, None),  # a segment of 256 bytes or more
+        (SOI + b"\xff\xe0\x00\x02" + SOS + EOI, None),  # the shortest segment: its length field only
         (SOI + _seg(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12", "truncated JPEG (no end-of-image marker)"),
         (SOI + APP0 + SOS + b"\x12\x34", "truncated JPEG (no end-of-image marker)"),
+        (SOI + APP0 + b"\xff\xda\x00\x02", "truncated JPEG (no end-of-image marker)"),  # ends at the scan
         (SOI + APP0 + EOI, "corrupt JPEG (end of image before any scan)"),
         (SOI + APP0 + b"\x00\x11" + SOS + EOI, f"corrupt JPEG (no marker at byte {2 + len(APP0)})"),
         (SOI + b"\xff\xe0\x00\x01" + SOS + EOI, "corrupt JPEG (segment length 1 at byte 2)"),
