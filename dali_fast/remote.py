@@ -163,18 +163,23 @@ def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tup
 # ----------------------------------------------------------------------------------------------- locks
 
 _LOCK_FDS: set[int] = set()  # lock files this process holds open; a forked child closes its copies
+# Held while a lock file is opened and recorded, or forgotten and closed, and across a fork: a fork can
+# then never fall between the two, which would leave the child an fd it does not know it holds.
+_LOCK_FDS_GUARD = threading.Lock()
 
 
 def _open_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    _LOCK_FDS.add(fd)
+    with _LOCK_FDS_GUARD:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _LOCK_FDS.add(fd)
     return fd
 
 
 def _close_lock(fd: int) -> None:
-    _LOCK_FDS.discard(fd)
-    with contextlib.suppress(OSError):
-        os.close(fd)
+    with _LOCK_FDS_GUARD:
+        _LOCK_FDS.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 _READERS: weakref.WeakSet = weakref.WeakSet()
@@ -187,12 +192,17 @@ def _after_fork_in_child() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _LOCK_FDS.clear()
+    _LOCK_FDS_GUARD.release()  # taken by the forking thread before the fork
     for reader in list(_READERS):
         reader._reset_process_state()  # noqa: SLF001
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_LOCK_FDS_GUARD.acquire,
+        after_in_parent=_LOCK_FDS_GUARD.release,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- cache

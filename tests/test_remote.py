@@ -517,3 +517,37 @@ def test_the_command_line_takes_a_url(s3, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"data set: {SPEC} (RemoteShardsReader)" in proc.stdout and f"records:  {N}" in proc.stdout
+
+
+def test_a_fork_never_falls_between_opening_a_lock_file_and_recording_it(tmp_path):
+    """A thread opens and closes shard lock files while the main thread forks: no child may hold a lock
+    file it does not know of (it would keep a flock lock past its parent's release: a stalled cache)."""
+    import threading
+
+    from dali_fast import remote
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            remote._close_lock(remote._open_lock(tmp_path / "x.lock"))
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    leaked = 0
+    try:
+        for _ in range(200):
+            pid = os.fork()
+            if pid == 0:  # the child: count the lock files it still has open
+                held = 0
+                for fd in os.listdir("/proc/self/fd"):
+                    try:
+                        held += os.readlink(f"/proc/self/fd/{fd}").endswith(".lock")
+                    except OSError:
+                        pass
+                os._exit(1 if held else 0)
+            leaked += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        stop.set()
+        thread.join()
+    assert leaked == 0
