@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import os
 import re
 import shlex
@@ -344,6 +345,7 @@ TEST_REF = re.compile(r"tests/(test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
 BARE_REF = re.compile(r"(?<![\w/])(test_\w+\.py)")
 
 
+@functools.cache
 def _defined(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names = set()
