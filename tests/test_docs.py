@@ -270,6 +270,10 @@ def _run_python(block: Block, folder: Path, env: dict, objects: dict, monkeypatc
         for value in namespace.values():
             if isinstance(value, (dali_fast.DALIIterator, dali_fast.TorchIterator)):
                 value.close()
+        if "s3://" in block.code:  # fsspec keeps file systems per process, endpoint and all: leave none behind
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
         if "accelerate" in sys.modules:  # Accelerate keeps its state per process: leave none behind
             from accelerate.state import AcceleratorState
 
