@@ -542,7 +542,7 @@ def test_a_fork_never_falls_between_opening_a_lock_file_and_recording_it(tmp_pat
                 held = 0
                 for fd in os.listdir("/proc/self/fd"):
                     try:
-                        held += os.readlink(f"/proc/self/fd/{fd}").endswith(".lock")
+                        held += os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
                     except OSError:
                         pass
                 os._exit(1 if held else 0)
