@@ -1210,3 +1210,24 @@ def test_check_encoded_gives_one_verdict_for_bytes_arrays_and_views():
             assert check_encoded(form) == verdict, name
     assert check_encoded(cases["two_images"]) is None  # the first image's EOI follows the first scan
     assert check_encoded(cases["thumbnail_eoi_only"]) == "truncated JPEG (no end-of-image marker)"
+
+
+def test_a_failed_parallel_read_returns_only_after_every_read_has_finished():
+    """The first run's error is raised once the other runs are done, not while they still hold files."""
+    import time
+
+    from dali_fast.records import READ_THREADS, read_parallel
+
+    finished = []
+
+    def read(x: int) -> int:
+        if x == 0:
+            raise FileNotFoundError("gone")
+        time.sleep(0.05)
+        finished.append(x)
+        return x
+
+    items = list(range(2 * READ_THREADS))
+    with pytest.raises(FileNotFoundError):
+        read_parallel(read, items)
+    assert sorted(finished) == [x for x in items if x >= 2]  # run 0 (items 0, 1) stopped at its error
