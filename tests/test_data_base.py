@@ -150,3 +150,24 @@ def test_on_error_is_one_of_two_words():
     assert ON_ERROR == ("raise", "skip") and check_on_error("skip") == "skip"
     with pytest.raises(ValueError, match=r"^on_error='ignore': use 'raise' or 'skip'$"):
         check_on_error("ignore")
+
+
+def test_a_failed_parallel_read_returns_only_after_every_read_has_finished():
+    """The first run's error is raised once the other runs are done, not while they still hold files."""
+    import time
+
+    from dali_fast.data.base import READ_THREADS, read_parallel
+
+    finished = []
+
+    def read(x: int) -> int:
+        if x == 0:
+            raise FileNotFoundError("gone")
+        time.sleep(0.05)
+        finished.append(x)
+        return x
+
+    items = list(range(2 * READ_THREADS))
+    with pytest.raises(FileNotFoundError):
+        read_parallel(read, items)
+    assert sorted(finished) == [x for x in items if x >= 2]  # run 0 (items 0, 1) stopped at its error

@@ -7,7 +7,7 @@ import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -153,11 +153,12 @@ if hasattr(os, "register_at_fork"):
 def read_parallel(read: Callable[[T], R], items: Sequence[T]) -> list[R]:
     """``[read(x) for x in items]`` in order, by the read pool: the items split into one run per thread, so
     that slow reads (a network file system) overlap and the pool's bookkeeping is per run, not per item.
-    An exception ``read`` raises reaches the caller."""
+    An exception ``read`` raises reaches the caller once every run has finished: no read outlives the call."""
     if len(items) < 2:
         return [read(x) for x in items]
     step = -(-len(items) // READ_THREADS)
     runs = [read_pool().submit(_read_run, read, items[k : k + step]) for k in range(0, len(items), step)]
+    wait(runs)  # every run done, so a failure is raised with no read still holding a file open
     return [r for run in runs for r in run.result()]
 
 

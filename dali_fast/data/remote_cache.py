@@ -23,18 +23,23 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02  # waiting on another process's download or for room
 
 _LOCK_FDS: set[int] = set()  # lock files this process holds open; a forked child closes its copies
+# Held while a lock file is opened and recorded, or forgotten and closed, and across a fork: a fork can
+# then never fall between the two, which would leave the child an fd it does not know it holds.
+_LOCK_FDS_GUARD = threading.Lock()
 
 
 def open_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    _LOCK_FDS.add(fd)
+    with _LOCK_FDS_GUARD:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _LOCK_FDS.add(fd)
     return fd
 
 
 def close_lock(fd: int) -> None:
-    _LOCK_FDS.discard(fd)
-    with contextlib.suppress(OSError):
-        os.close(fd)
+    with _LOCK_FDS_GUARD:
+        _LOCK_FDS.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _close_locks_in_child() -> None:
@@ -44,10 +49,15 @@ def _close_locks_in_child() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _LOCK_FDS.clear()
+    _LOCK_FDS_GUARD.release()  # taken by the forking thread before the fork
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_locks_in_child)
+    os.register_at_fork(
+        before=_LOCK_FDS_GUARD.acquire,
+        after_in_parent=_LOCK_FDS_GUARD.release,
+        after_in_child=_close_locks_in_child,
+    )
 
 
 class ShardCache:
