@@ -33,12 +33,13 @@ docs: $(STAMP)
 test: lint docs
 	$(PY) -m pytest -q
 
-# Mutation testing of the core (not part of `make test`; about 10-20 minutes on 2 cores).
+# Mutation testing of the core (not part of `make test`; about 10-20 minutes on 2 cores). One OpenMP thread:
+# mutmut forks a process per mutant, and torch's thread pool does not survive a fork (see tests/conftest.py).
 # The scope and test selection are in pyproject.toml [tool.mutmut]; the report goes to build/mutation/.
 mutate: $(STAMP)
 	$(PIP) install --quiet -e '.[dev,mutate]'
 	rm -rf mutants
-	$(VENV)/bin/mutmut run --max-children $(or $(JOBS),2) > build-mutmut.log 2>&1 || (tail -c 2000 build-mutmut.log; exit 1)
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(or $(JOBS),2) > build-mutmut.log 2>&1 || (tail -c 2000 build-mutmut.log; exit 1)
 	mkdir -p build && mv build-mutmut.log build/mutmut.log
 	$(PY) benchmarks/mutation_report.py --out build/mutation
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from dali_fast import DALIIterator, open_dataset, pack
-from dali_fast.synthetic import make_synthetic
+from dali_fast.data.synthetic import make_synthetic
 
 
 def tiny_shards(root: Path, shards: int, members: int) -> None:

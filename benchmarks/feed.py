@@ -93,12 +93,23 @@ def load_package(folder: Path, name: str = "dali_fast_compared") -> ModuleType:
     return module
 
 
+def _module(package: ModuleType, *names: str) -> ModuleType:
+    """``package``'s module of the first of ``names`` that it has (this revision's, or an older one's)."""
+    for name in names[:-1]:
+        try:
+            return importlib.import_module(f"{package.__name__}.{name}")
+        except ImportError:
+            continue
+    return importlib.import_module(f"{package.__name__}.{names[-1]}")
+
+
 def source_rows(package: ModuleType, paths: dict[str, Path], batch: int, cache_bytes: int) -> dict[str, Callable]:
     """One epoch of each source, through ``package``'s DALIIterator wiring (its reader, cache, erasing
     boxes and BatchSource), as a function of the epoch's plan."""
-    iterator = importlib.import_module(f"{package.__name__}.iterator")
-    pipeline = importlib.import_module(f"{package.__name__}.pipeline")
-    recipe = importlib.import_module(f"{package.__name__}.recipe")
+    iterator = _module(package, "loaders.dali_iterator", "iterator")
+    pipeline = _module(package, "loaders.dali_pipeline", "pipeline")
+    skips = _module(package, "loaders.base", "pipeline")  # SkipLog's home
+    recipe = _module(package, "transforms.recipe", "recipe")
     packed = package.open_dataset(paths["packed"])
 
     def dali(reader, **kw):
@@ -115,7 +126,7 @@ def source_rows(package: ModuleType, paths: dict[str, Path], batch: int, cache_b
     def epoch(loader, plan: list[np.ndarray]) -> int:
         """One epoch through the loader's external source, wired as DALIIterator wires it."""
         boxes = loader._boxes()  # noqa: SLF001
-        source = pipeline.BatchSource(loader.dataset, plan, loader.on_error, pipeline.SkipLog(), boxes=boxes)
+        source = pipeline.BatchSource(loader.dataset, plan, loader.on_error, skips.SkipLog(), boxes=boxes)
         n = 0
         try:
             while True:

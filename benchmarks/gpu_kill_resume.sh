@@ -26,7 +26,7 @@ grep -m1 "resumed from" "$CK/after.log" || { echo "the second run did not resume
 "$PY" - "$CK" <<'EOF'
 import json, sys
 from pathlib import Path
-from dali_fast.checkpoint import load_checkpoint, read_index_records
+from dali_fast.train.checkpoint import load_checkpoint, read_index_records
 ck = Path(sys.argv[1])
 state = load_checkpoint(ck / "checkpoint.pt")
 before, after = read_index_records(ck / "before.jsonl"), read_index_records(ck / "after.jsonl")

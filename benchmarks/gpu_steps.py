@@ -134,7 +134,7 @@ def _make_chunk(job: tuple[str, str, int, int, tuple[int, int], int, int]) -> st
             return str(make_photos(Path(out), images, classes, size, quality, seed))
         except SystemExit as e:  # photos.py's one-line refusals; a worker must raise, not exit
             raise RuntimeError(str(e)) from None
-    from dali_fast.synthetic import make_synthetic
+    from dali_fast.data.synthetic import make_synthetic
 
     return str(make_synthetic(out, images=images, classes=classes, seed=seed, progress=False))
 
@@ -221,7 +221,7 @@ def _pillow(data: np.ndarray) -> np.ndarray:
 def _dali_decode(datas: list[np.ndarray], device: str, device_id: int | None, **kw: Any) -> list[np.ndarray]:
     from nvidia.dali import fn, pipeline_def, types
 
-    from dali_fast.pipeline import shutdown_pipeline
+    from dali_fast.loaders.dali_pipeline import shutdown_pipeline
 
     @pipeline_def(batch_size=len(datas), num_threads=4, device_id=device_id, prefetch_queue_depth=1)
     def pipe():
@@ -250,7 +250,7 @@ def step_decode(args: argparse.Namespace) -> None:
     DALI's CPU decoder, the `mixed` GPU decoder as training uses it (fancy chroma upsampling) and with
     DALI's default; then the whole eval transform, DALIIterator on the GPU against DALIIterator on the CPU."""
     from dali_fast import DALIIterator, open_dataset
-    from dali_fast.recipe import Recipe
+    from dali_fast.transforms.recipe import Recipe
 
     if args.doctor_json is not None:
         doctor_figures(args.doctor_json)
@@ -300,8 +300,9 @@ def step_failures(args: argparse.Namespace) -> None:
     """float16 output with random erasing on the GPU, then a real DALI out-of-memory: the GPU filled by
     torch up to a small margin, a DALIIterator must raise DALIMemoryError and tell its controller."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.iterator import DALIMemoryError, parse_dali_error
-    from dali_fast.recipe import Recipe, sample_erasing_box
+    from dali_fast.loaders.dali_iterator import DALIMemoryError, parse_dali_error
+    from dali_fast.transforms.draws import sample_erasing_box
+    from dali_fast.transforms.recipe import Recipe
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)
@@ -366,7 +367,7 @@ def step_failures(args: argparse.Namespace) -> None:
     finally:
         big.close()
         del hog
-        from dali_fast.controller import release_unused_memory
+        from dali_fast.loaders.probes import release_unused_memory
 
         release_unused_memory()
 
@@ -374,7 +375,7 @@ def step_failures(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the loader's ceiling
 def _timed_source() -> dict[str, float]:
     """Time every call of the external source (the callback DALI runs on the training thread)."""
-    from dali_fast.pipeline import BatchSource
+    from dali_fast.loaders.dali_pipeline import BatchSource
 
     stats = {"seconds": 0.0, "calls": 0}
     real = BatchSource.__call__
@@ -458,8 +459,8 @@ def step_models(args: argparse.Namespace) -> None:
     model fed one batch already on the device (its ceiling); GPU utilization; memory as NVML sees this
     process against what torch's allocator reserved."""
     from dali_fast import DALIIterator, open_dataset
-    from dali_fast.monitor import UtilizationMonitor
-    from dali_fast.train import Trainer
+    from dali_fast.train.monitor import UtilizationMonitor
+    from dali_fast.train.trainer import Trainer
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)
@@ -522,7 +523,7 @@ def step_controller(args: argparse.Namespace) -> None:
     the first epoch). Per epoch: its batch size and decision, the peak it read, and the device memory in
     use right after it released the caches (the old pipeline must be gone by then)."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.controller import release_unused_memory
+    from dali_fast.loaders.probes import release_unused_memory
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

@@ -40,8 +40,8 @@ import torch
 
 import dali_fast
 from dali_fast import DALIIterator, open_dataset, pack
-from dali_fast.pipeline import augment, default_num_threads
-from dali_fast.recipe import Recipe
+from dali_fast.transforms.dali import augment, default_num_threads
+from dali_fast.transforms.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import make_photos  # noqa: E402 - a sibling script

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from dali_fast.bench import run_bench
+from dali_fast.tools.bench import run_bench
 
 
 def main() -> None:

@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from dali_fast import DALIIterator, open_dataset
-    from dali_fast.synthetic import make_synthetic
+    from dali_fast.data.synthetic import make_synthetic
 
     with tempfile.TemporaryDirectory() as d, moto_server() as endpoint:
         root = Path(d)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dali_fast.records import (
+from dali_fast.data.format import (
     DATA_FILE,
     FORMAT_VERSION,
     HEADER_DTYPE,
@@ -23,8 +23,8 @@ from dali_fast.records import (
     META_FILE,
     PATHS_FILE,
     RECORD_DTYPE,
-    MemmapReader,
 )
+from dali_fast.data.packed import MemmapReader
 
 
 def write_fake(root: Path, n: int, rec_len: int = 110_000) -> None:

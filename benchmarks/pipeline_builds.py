@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dali_fast import DALIIterator, open_dataset, pack
-from dali_fast.synthetic import make_synthetic
+from dali_fast.data.synthetic import make_synthetic
 
 
 def run(reader, epochs: int, batch: int, size: int, rebuild: bool) -> dict[str, float]:

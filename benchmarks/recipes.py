@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from dali_fast.bench import run_bench
+from dali_fast.tools.bench import run_bench
 
 AUGMENTS = ["none", "randaugment", "trivialaugment"]
 

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dali_fast.decode import decode_rgb
-from dali_fast.records import open_dataset
-from dali_fast.resize import random_resized_crop_box, resize
+from dali_fast.data.open import open_dataset
+from dali_fast.transforms.decode import decode_rgb
+from dali_fast.transforms.resize import random_resized_crop_box, resize
 
 
 def filters(size: int) -> dict:

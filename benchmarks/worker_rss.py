@@ -68,14 +68,14 @@ def run_one(
     kind: str, dataset: str, epochs: int, workers: int, batch_size: int, image_size: int, augment: str, train: bool
 ) -> dict:
     """Run ``epochs`` epochs of one loader in this process; memory of the process tree after each."""
-    from dali_fast.recipe import Recipe
-    from dali_fast.records import open_dataset
-    from dali_fast.train import make_loader_for
+    from dali_fast.data.open import open_dataset
+    from dali_fast.loaders.factory import make_loader
+    from dali_fast.transforms.recipe import Recipe
 
     reader = open_dataset(dataset)
     recipe = Recipe(image_size=image_size, auto_augment=None if augment == "none" else augment)
-    loader = make_loader_for(
-        kind, reader, batch_size, train=train, image_size=image_size, num_workers=workers, seed=0, recipe=recipe
+    loader = make_loader(
+        reader, batch_size, backend=kind, train=train, image_size=image_size, num_workers=workers, seed=0, recipe=recipe
     )
     me = os.getpid()
     per_epoch = []
@@ -100,7 +100,7 @@ def run_one(
         if hasattr(loader, "close"):
             loader.close()
         else:
-            from dali_fast.fallback import shutdown_workers
+            from dali_fast.loaders.dataloader import shutdown_workers
 
             shutdown_workers(loader)
     return {"loader": kind, "seconds": time.perf_counter() - t0, "epochs": per_epoch}

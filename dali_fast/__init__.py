@@ -5,38 +5,61 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .cache import CachedReader, LRUCache
-from .records import ImageFolderReader, MemmapReader, PackReport, open_dataset, pack
-from .sampler import EpochSampler
-
 __version__ = "0.1.0"
 
-# Heavier modules (torch, DALI) load on first use, so `import dali_fast` stays cheap.
-_LAZY = {
-    "DALIIterator": "iterator",
-    "TorchIterator": "fallback",
-    "create_optimized_dataloader": "fallback",
-    "make_loader": "fallback",
-    "BatchSizeController": "controller",
-    "make_synthetic": "synthetic",
-    "Recipe": "recipe",
-    "MixupCutmix": "recipe",
+# Every public name loads on first use, so `import dali_fast` stays cheap (no torch, no DALI).
+_HOME = {
+    "BatchSizeController": ".loaders.controller",
+    "CachedReader": ".data.cache",
+    "DALIIterator": ".loaders.dali_iterator",
+    "EpochSampler": ".loaders.sampler",
+    "ImageFolderReader": ".data.folder",
+    "LRUCache": ".data.cache",
+    "MemmapReader": ".data.packed",
+    "MixupCutmix": ".transforms.mix",
+    "PackReport": ".data.writer",
+    "Recipe": ".transforms.recipe",
+    "TorchIterator": ".loaders.torch_iterator",
+    "create_optimized_dataloader": ".loaders.dataloader",
+    "make_dataloader": ".loaders.dataloader",
+    "make_loader": ".loaders.factory",
+    "make_synthetic": ".data.synthetic",
+    "open_dataset": ".data.open",
+    "pack": ".data.writer",
 }
 
 __all__ = [
+    "BatchSizeController",
     "CachedReader",
+    "DALIIterator",
     "EpochSampler",
     "ImageFolderReader",
     "LRUCache",
     "MemmapReader",
+    "MixupCutmix",
     "PackReport",
+    "Recipe",
+    "TorchIterator",
+    "create_optimized_dataloader",
+    "make_dataloader",
+    "make_loader",
+    "make_synthetic",
     "open_dataset",
     "pack",
-    *_LAZY,
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'dali_fast' has no attribute {name!r}")
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'dali_fast' has no attribute {name!r}")
+    value = getattr(import_module(home, __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+assert sorted(__all__) == __all__ and set(__all__) == set(_HOME)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .data.base import ON_ERROR
+
 log = logging.getLogger("dali_fast")
 
 
@@ -26,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_make_synthetic(args: argparse.Namespace) -> int:
-    from .synthetic import make_synthetic
+    from .data.synthetic import make_synthetic
 
     make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed)
     print(f"wrote {args.images} images in {args.classes} classes to {args.out}")
@@ -34,58 +36,18 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from .records import pack
+    from .data.writer import pack
 
-    report = pack(
-        args.src,
-        args.dst,
-        verify=not args.no_verify,
-        max_side=args.max_side,
-        workers=args.workers,
-        shard_size=args.shard_size or None,
-    )
+    kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
+    report = pack(args.src, args.dst, verify=not args.no_verify, **kw)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    import numpy as np
+    from .tools.inspect import inspect_dataset
 
-    from .records import MemmapReader, open_dataset
-
-    reader = open_dataset(args.dataset)
-    n = len(reader)
-    print(f"data set: {args.dataset} ({type(reader).__name__})")
-    print(f"records:  {n}")
-    print(
-        f"classes:  {len(reader.classes)} ({', '.join(reader.classes[:5])}{', ...' if len(reader.classes) > 5 else ''})"
-    )
-    if isinstance(reader, MemmapReader):
-        lengths = np.asarray(reader.records["length"], dtype=np.int64)
-        total = int(lengths.sum())
-        if args.verify and not reader.index_intact():
-            print(f"verify:   the index does not match its checksum (labels or offsets changed): {reader.path}")
-            return 1
-        counts = np.bincount(reader.labels, minlength=len(reader.classes))
-    else:
-        if hasattr(reader, "total_bytes"):
-            total = int(reader.total_bytes)
-        else:
-            total = int(sum(Path(reader.source(i)).stat().st_size for i in range(n)))
-        counts = np.bincount(reader.labels, minlength=len(reader.classes))
-        if getattr(reader, "skipped", None):
-            print(f"skipped:  {len(reader.skipped)} (first: {reader.skipped[0][0]}: {reader.skipped[0][1]})")
-    print(f"bytes:    {total} ({total / 2**20:.1f} MiB), mean {total / max(n, 1) / 1024:.1f} KiB per record")
-    print(f"per class: min {int(counts.min()) if n else 0}, max {int(counts.max()) if n else 0}")
-    if args.verify:
-        if not isinstance(reader, MemmapReader):
-            raise UserError(f"{args.dataset}: --verify checks crc32 of a packed data set; pack it first")
-        bad = reader.verify(progress=True)
-        if bad:
-            print(f"verify:   {len(bad)} corrupt records: " + ", ".join(f"{i} ({reader.source(i)})" for i in bad[:10]))
-            return 1
-        print(f"verify:   all {n} records match their crc32")
-    return 0
+    return inspect_dataset(args.dataset, verify=args.verify, emit=print)
 
 
 def _size(text: str) -> int:
@@ -139,7 +101,7 @@ _crop_fraction = _number(lambda v: 0 < v <= 1, "in (0, 1]")
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
     """The recipe the flags describe (a bad combination is one line, before any work)."""
-    from .recipe import Recipe
+    from .transforms.recipe import Recipe
 
     return Recipe(
         image_size=args.image_size,
@@ -160,7 +122,8 @@ def _augments(text: str) -> list[str]:
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:
-    from .stages import run_stages
+    from .tools.report import stages_summary
+    from .tools.stages import run_stages
 
     result = run_stages(
         args.dataset,
@@ -175,20 +138,13 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         out=args.out,
         emit=log.info,
     )
-    s, m = result["settings"], result["machine"]
-    where = m["gpu"] or f"{m['cpu_count']} CPU cores, no GPU (DALI CPU-only mode)"
-    print(
-        f"\n{s['images']} images ({s['data_bytes'] / 2**20:.0f} MiB), cache {s['cache_bytes'] / 2**20:.0f} MiB, "
-        f"{s['epochs']} timed epochs after a warm-up ({s['controller_epochs']} for the controller), batch "
-        f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where}\n"
-    )
-    print(result["table"])
-    print(f"\nwrote {Path(args.out) / 'stages.json'} and {Path(args.out) / 'stages.png'}")
+    print(stages_summary(result, Path(args.out)))
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .tools.bench import run_bench
+    from .tools.report import bench_summary
 
     if args.stages:
         if args.no_limit or args.alternate:
@@ -226,65 +182,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         alternate=args.alternate,
         emit=log.info,
     )
-    m = result["machine"]
-    where = m["gpu"] or f"{m['cpu_count']} CPU cores, no GPU (DALI CPU-only mode)"
-    s = result["settings"]
-    print(
-        f"\n{s['images']} images, {s['epochs']} timed epochs after a warm-up, batch {s['batch_size']}, "
-        f"{s['image_size']}px, model={s['model']} on {where}\n"
-    )
-    print(result["table"])
-    for row in result["rows"]:
-        for d in row.get("batch_decisions", []):
-            print(
-                f"  {row['loader']} epoch {d['epoch']}: {d['reason']} → batch {d['batch_size']} → {d['next_batch_size']}"
-            )
-    print(f"\nwrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'bench.png'}")
+    print(bench_summary(result, Path(args.out)))
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .bench import default_dataset
-    from .records import open_dataset
-    from .train import run_train
+    import dataclasses
+
+    from .data.open import open_dataset
+    from .data.synthetic import default_dataset
+    from .train.config import TrainConfig
+    from .train.run import run_train
 
     augments = _augments(args.augment)
     if len(augments) > 1:
         raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
-    recipe = _recipe(args, augments[0])
-    path = args.dataset or default_dataset(args.images)[1]
-    run_train(
-        open_dataset(path),
-        loader=args.loader,
-        epochs=args.epochs,
-        model=args.model,
-        batch_size=args.batch_size,
-        image_size=args.image_size,
-        lr=args.lr,
-        amp=args.amp,
-        controller=args.controller,
-        seed=args.seed,
-        num_workers=args.num_workers,
-        drop_last=args.drop_last,
-        checkpoint=args.checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        record_indices=args.record_indices,
-        out=args.out,
-        on_error=args.on_error,
-        recipe=recipe,
-        mixup=args.mixup,
-        cutmix=args.cutmix,
-        label_smoothing=args.label_smoothing,
-        emit=print,
-    )
+    flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
+    config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
+    run_train(open_dataset(args.dataset or default_dataset(args.images)[1]), config, emit=print)
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
-    from .doctor import diagnose, probe
+    from .tools.diagnosis import diagnose
+    from .tools.doctor import probe
 
     readings = probe(quick=args.quick)
     result = diagnose(readings)
@@ -308,7 +231,7 @@ def _add_data_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--image-size", type=_count(1), default=224)
     s.add_argument(
         "--on-error",
-        choices=["raise", "skip"],
+        choices=ON_ERROR,
         default="raise",
         help="an undecodable or unreadable image: stop naming it (raise), or skip, count and log it (skip)",
     )

@@ -21,10 +21,11 @@ import os
 import sys
 from typing import Any
 
-from .controller import BatchSizeController
-from .fallback import make_loader
-from .iterator import LoaderBase
-from .records import Reader, open_dataset
+from .data.base import Reader
+from .data.open import open_dataset
+from .loaders.base import LoaderBase
+from .loaders.controller import BatchSizeController
+from .loaders.factory import make_loader
 
 
 def _lightning_data_module() -> type:

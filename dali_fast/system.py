@@ -1,12 +1,19 @@
-"""Small readings of the machine and file writes shared by the loaders, probes, monitor and commands."""
+"""Small readings of the machine (CPUs, the CUDA device of this process, NVML's handle for it) and the atomic
+writes (files and folders) shared by every wing. torch is imported inside the functions that need it."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
-from collections.abc import Callable
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
 
 
 def available_cpus() -> int:
@@ -44,11 +51,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead_temporaries(path: Path) -> None:
-    """Remove the temporary files that writers of ``path`` killed mid-write left beside it."""
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2 : -4]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+def default_cache_dir() -> Path:
+    """Where dali_fast keeps what it makes once and reuses (the default synthetic set, shard indexes,
+    remote shards): ``$DALI_FAST_CACHE``, or ``~/.cache/dali_fast``."""
+    return Path(os.environ.get("DALI_FAST_CACHE", Path.home() / ".cache" / "dali_fast"))
+
+
+def _temporary(path: Path, token: str = "") -> Path:
+    """The temporary file or folder this process writes ``path`` through: ``.NAME.PID[-TOKEN].tmp`` beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}{token}.tmp")
+
+
+def clean_stale(path: str | Path) -> None:
+    """Remove the temporaries (files or folders, see `_temporary`) that writers of ``path`` killed mid-write
+    left beside it; those of processes still running are theirs, and stay."""
+    path = Path(path)
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 : -4].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        log.info("removing %s, left by a killed run", tmp)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
@@ -58,8 +83,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durab
     beside it, renamed over it when complete. ``durable`` also fsyncs the file and the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temporaries(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    clean_stale(path)
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -79,6 +104,35 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durab
                 os.close(fd)
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, doing: str = "writing", what: str = "run") -> Iterator[Path]:
+    """A new folder at ``path``, whole or not at all: the block fills the temporary folder it is given,
+    which is renamed to ``path`` when the block ends (replacing an empty folder there) and removed if the
+    block fails. Temporaries that killed runs left are removed first. Another folder appearing at
+    ``path`` meanwhile is a `FileExistsError` (``doing`` and ``what`` word it: "appeared while packing
+    (another pack ...)"); a ``path`` that cannot be made, a one-line `ValueError`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path)
+    tmp = _temporary(path, f"-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        with contextlib.suppress(OSError):
+            path.rmdir()  # only an empty folder goes
+        try:
+            os.rename(tmp, path)
+        except OSError as e:
+            if path.exists():
+                raise FileExistsError(
+                    f"{path}: appeared while {doing} (another {what} to the same place?); this {what} is discarded"
+                ) from None
+            raise ValueError(f"{path}: cannot be created ({e.strerror or e}); choose another destination") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def check_writable_folder(path: str | Path, what: str) -> None:
     """Fail now, in one line, if folder ``path`` could not be created or written later (``what`` names it)."""
     path = Path(path)
@@ -91,6 +145,58 @@ def check_writable_folder(path: str | Path, what: str) -> None:
         raise ValueError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {probe} is not writable; choose another path")
+
+
+def cuda_usable() -> bool:
+    """True when torch sees a CUDA device it can use."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
+    except Exception:  # noqa: BLE001 - a broken driver means "no GPU" here
+        return False
+
+
+def local_device_index() -> int:
+    """The CUDA device of this process: ``LOCAL_RANK`` under a launcher, else the current device.
+
+    Launchers that give each process its own GPU through ``CUDA_VISIBLE_DEVICES`` (SLURM's
+    ``--gpus-per-task=1``, for one) leave fewer visible devices than local ranks: device
+    ``LOCAL_RANK`` does not exist there, so the index is ``LOCAL_RANK % device_count()``, and the
+    log says so once.
+    """
+    import torch
+
+    if "LOCAL_RANK" not in os.environ:
+        return torch.cuda.current_device() if cuda_usable() else 0
+    local = int(os.environ["LOCAL_RANK"])
+    count = torch.cuda.device_count() if cuda_usable() else 0
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)), local + 1)
+    if count == 0 or count >= ranks:
+        return local
+    index = local % count
+    _say_device_once(local, ranks, count, index)
+    return index
+
+
+_SAID: set[tuple[int, int, int]] = set()
+
+
+def _say_device_once(local: int, ranks: int, count: int, index: int) -> None:
+    if (local, ranks, count) in _SAID:
+        return
+    _SAID.add((local, ranks, count))
+    shared = count > 1  # one visible device per process is the launcher's binding; several: ranks share them
+    (log.warning if shared else log.info)(
+        "LOCAL_RANK=%d of %d local ranks sees %d CUDA device(s) (the launcher set CUDA_VISIBLE_DEVICES per "
+        "process): using CUDA device %d (LOCAL_RANK %% %d)%s",
+        local,
+        ranks,
+        count,
+        index,
+        count,
+        "; several ranks share a GPU" if shared else "",
+    )
 
 
 def cuda_device_uuid(cuda_index: int) -> str | None:

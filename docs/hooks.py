@@ -22,17 +22,6 @@ INCLUDE = re.compile(r"^<!-- include (\S+) -->$", re.M)
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 IDENTIFIER = re.compile(r"^::: (dali_fast(?:\.\w+)+)[ \t]*$", re.M)
 
-# The deep import paths the docs name, and the module each lives in until the package moves into its
-# wings (data/, transforms/, loaders/). Used only while the deep path is not in the source tree.
-BEFORE_THE_WINGS = {
-    "dali_fast.transforms.recipe": "dali_fast.recipe",
-    "dali_fast.transforms.mix": "dali_fast.recipe",
-    "dali_fast.loaders.factory": "dali_fast.fallback",
-    "dali_fast.data.open": "dali_fast.records",
-    "dali_fast.data.writer": "dali_fast.records",
-}
-
-
 def _module_exists(dotted: str) -> bool:
     path = ROOT.joinpath(*dotted.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
@@ -49,7 +38,7 @@ def public_names() -> dict[str, str]:
         targets = (
             node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
         )
-        if any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in targets) and isinstance(node.value, ast.Dict):
+        if any(isinstance(t, ast.Name) and t.id == "_HOME" for t in targets) and isinstance(node.value, ast.Dict):
             for key, value in zip(node.value.keys, node.value.values, strict=True):
                 module = ast.literal_eval(value)
                 module = module[0] if isinstance(module, tuple) else module
@@ -68,9 +57,7 @@ def _resolve(match: re.Match) -> str:
     else:
         module, name = ".".join(parts[:-1]), parts[-1]
         if not _module_exists(module):
-            if module not in BEFORE_THE_WINGS:
-                raise PluginError(f"API page: {identifier}: no module {module} in the source tree")
-            module = BEFORE_THE_WINGS[module]
+            raise PluginError(f"API page: {identifier}: no module {module} in the source tree")
         target = f"{module}.{name}"
     return f'::: {target}\n    options:\n      heading: "{identifier}"\n      toc_label: "{parts[-1]}"'
 

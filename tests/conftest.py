@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+if "mutmut" in sys.modules:
+    # A mutation run forks a process per mutant from one that has run the tests: torch's OpenMP threads do
+    # not survive a fork, and the child's first parallel op would hang. One intra-op thread: no pool at all.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90, **save) -> bytes:
@@ -74,3 +82,29 @@ def index_reader() -> IndexReader:
     """37 small JPEGs (a prime count, so no batch size divides it) labelled by index."""
     colors = [(200, 30, 60), (10, 200, 10), (0, 0, 255), (250, 250, 0)]
     return IndexReader([jpeg_bytes(32 + i % 5, 24 + i % 3, colors[i % 4]) for i in range(37)])
+
+
+def one_line(excinfo) -> str:
+    """The message of a raised error, which must be one line."""
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory) -> Path:
+    """60 synthetic photos in 3 classes, one of them truncated (left out alike by every pack)."""
+    from dali_fast.data.synthetic import make_synthetic
+
+    root = tmp_path_factory.mktemp("photos")
+    make_synthetic(root / "src", images=60, classes=3, progress=False)
+    bad = sorted((root / "src").rglob("*.jpg"))
+    bad[7].write_bytes(bad[7].read_bytes()[:500])  # one truncated, left out the same way by every worker count
+    return root / "src"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """``$DALI_FAST_CACHE`` in ``tmp_path``: what a test's readers save (shard indexes) stays with the test."""
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

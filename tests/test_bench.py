@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from dali_fast.bench import markdown_table, run_bench
-from dali_fast.records import pack
-from dali_fast.synthetic import make_synthetic
+from dali_fast.data.synthetic import make_synthetic
+from dali_fast.data.writer import pack
+from dali_fast.tools.bench import markdown_table, run_bench
 
 
 @pytest.fixture(scope="module")
@@ -78,28 +78,6 @@ def test_table_marks_failures():
 def test_bad_loader_name(tmp_path):
     with pytest.raises(ValueError, match="loader 'jax'"):
         run_bench(str(tmp_path), loaders=["jax"], out=tmp_path)
-
-
-def test_default_dataset_made_once_when_ranks_race(tmp_path):
-    """Under torchrun all ranks ask for the synthetic set at once: one makes it, the others wait."""
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "from dali_fast.bench import default_dataset; from dali_fast.records import open_dataset;"
-        "f, p = default_dataset(24, classes=3, progress=False); print(p, len(open_dataset(p)))"
-    )
-    env = {**os.environ, "DALI_FAST_CACHE": str(tmp_path)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(3)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
-    assert {o.strip() for o, _ in outs} == {f"{tmp_path / 'synthetic-24x3' / 'packed'} 24"}
 
 
 def test_bench_on_a_folder_with_a_bad_image_names_it_in_one_line_or_skips_it(tmp_path, capsys):
@@ -201,16 +179,16 @@ def test_no_limit_is_refused_with_stages(tmp_path, capsys):
 
 def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
     """--alternate: every row warms up, then the rows take turns, one timed epoch each."""
-    from dali_fast import bench
+    from dali_fast.tools import bench_rows
 
     order = []
-    real = bench._Row.epoch
+    real = bench_rows.Row.epoch
 
     def spy(self):
         order.append((self.name, self.epochs_run))
         real(self)
 
-    monkeypatch.setattr(bench._Row, "epoch", spy)
+    monkeypatch.setattr(bench_rows.Row, "epoch", spy)
     result = run_bench(
         str(tiny_packed / "packed"),
         loaders=["baseline", "torch"],
@@ -230,16 +208,16 @@ def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
 
 
 def test_a_row_failing_while_alternating_is_named_and_the_others_finish(tiny_packed, tmp_path, monkeypatch):
-    from dali_fast import bench
+    from dali_fast.tools import bench_rows
 
-    real = bench._Row.epoch
+    real = bench_rows.Row.epoch
 
     def flaky(self):
         if self.kind == "torch" and self.epochs_run == 1:
             raise RuntimeError("decode worker lost")
         real(self)
 
-    monkeypatch.setattr(bench._Row, "epoch", flaky)
+    monkeypatch.setattr(bench_rows.Row, "epoch", flaky)
     result = run_bench(
         str(tiny_packed / "packed"),
         loaders=["baseline", "torch"],

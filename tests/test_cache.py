@@ -3,7 +3,7 @@ import threading
 import numpy as np
 import pytest
 
-from dali_fast.cache import CachedReader, LRUCache
+from dali_fast.data.cache import CachedReader, LRUCache
 
 
 def test_lru_order_and_evictions():
@@ -102,7 +102,9 @@ def test_cached_values_are_private_copies_not_views_of_the_file(tmp_path):
     """A hit must not depend on the memory map: the cache holds its own bytes."""
     from conftest import jpeg_bytes, make_folder
 
-    from dali_fast.records import DATA_FILE, MemmapReader, pack
+    from dali_fast.data.format import DATA_FILE
+    from dali_fast.data.packed import MemmapReader
+    from dali_fast.data.writer import pack
 
     src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(40, 30), jpeg_bytes(30, 40)]})
     pack(src, tmp_path / "p", progress=False)
@@ -162,7 +164,7 @@ class BatchReader(ListReader):
         self.batches = []
 
     def read_batch_checked(self, indices):
-        from dali_fast.records import check_encoded
+        from dali_fast.data.checks import check_encoded
 
         self.batches.append(list(indices))
         datas = [np.frombuffer(self.items[i], np.uint8) for i in indices]

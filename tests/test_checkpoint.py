@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dali_fast.checkpoint import (
+from dali_fast.train.checkpoint import (
     IndexRecorder,
     check_resume_config,
     load_checkpoint,
@@ -168,7 +168,7 @@ def test_sigkill_during_atomic_write_leaves_the_previous_checkpoint_whole(tmp_pa
 def test_plain_turns_numpy_and_odd_values_into_plain_python(tmp_path):
     import numpy as np
 
-    from dali_fast.checkpoint import plain
+    from dali_fast.train.checkpoint import plain
 
     value = {"n": np.int64(7), "f": np.float32(0.5), "t": (1, 2), "p": Path("a/b"), "nested": [{"x": np.bool_(True)}]}
     out = plain(value)

@@ -108,7 +108,7 @@ def test_bad_input_exit_2_one_line(tmp_path):
     ],
 )
 def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):
-    from dali_fast.synthetic import make_synthetic
+    from dali_fast.data.synthetic import make_synthetic
 
     (tmp_path / "afile").write_text("x")
     (tmp_path / "full").mkdir()
@@ -119,3 +119,22 @@ def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv,
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
     assert len(err) == 1 and says in err[0], err
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["old.jpg"]  # nothing mixed in
+
+
+def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
+    from test_shards import write_shards  # skipped without the webdataset package
+
+    from dali_fast.data.synthetic import make_synthetic
+    from dali_fast.data.writer import pack
+
+    write_shards(tmp_path / "shards")
+    make_synthetic(tmp_path / "folder", images=6, classes=2, progress=False)
+    pack(tmp_path / "folder", tmp_path / "packed", progress=False)
+    for path, kind, n in (
+        ("shards", "WebDatasetReader", 21),
+        ("folder", "ImageFolderReader", 6),
+        ("packed", "MemmapReader", 6),
+    ):
+        assert main(["inspect", str(tmp_path / path)]) == 0
+        out = capsys.readouterr().out
+        assert f"({kind})" in out and f"records:  {n}" in out

@@ -1,20 +1,12 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
-from dali_fast.controller import (
-    BatchSizeController,
-    DeviceMemoryProbe,
-    HostProbe,
-    MaxProbe,
-    NvmlProbe,
-    TorchCudaProbe,
-    oom_safe_step,
-)
+from dali_fast.loaders.controller import BatchSizeController
+from dali_fast.loaders.probes import MaxProbe, NvmlProbe, TorchCudaProbe
 
 
 class ScriptedProbe:
@@ -111,7 +103,7 @@ def test_hysteresis_no_flip_flop():
 def test_unreadable_probe_holds_and_logs_once(caplog):
     c = BatchSizeController(8, 4096, probe=ScriptedProbe([None, None, 0.1, None]))
     c.attach(64)
-    with caplog.at_level(logging.WARNING, logger="dali_fast.controller"):
+    with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.controller"):
         assert run(c, 4) == [64, 64, 64, 128]
     assert c.batch_size == 128
     assert [h["decision"] for h in c.history] == ["hold", "hold", "grow", "hold"]
@@ -159,64 +151,6 @@ def test_nvml_probe_unreadable_holds_once(caplog):
     assert len(warnings) == 1 and "Not Found" in warnings[0].getMessage()
 
 
-def test_nvml_probe_reads_fake_handles(monkeypatch):
-    # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
-    # torch would report the real GPU's, which the fake does not know).
-    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
-
-    class Mem:
-        def __init__(self, used, total):
-            self.used, self.total = used, total
-
-    class FakeNvml:
-        def __init__(self):
-            self.used = [10, 30, 70, 20]
-
-        def nvmlInit(self):
-            pass
-
-        def nvmlDeviceGetHandleByIndex(self, i):
-            return ("handle", i)
-
-        def nvmlDeviceGetMemoryInfo(self, handle):
-            return Mem(self.used.pop(0) if len(self.used) > 1 else self.used[0], 100)
-
-    probe = NvmlProbe(device_index=1, interval=0.01, nvml=FakeNvml())
-    assert probe.capacity_bytes == 100
-    probe.reset_peak()
-    import time
-
-    time.sleep(0.1)
-    assert probe.peak_fraction() == pytest.approx(0.70)
-
-
-def test_torch_probe_without_cuda_cannot_read():
-    if torch.cuda.is_available():
-        pytest.skip("has CUDA")
-    p = TorchCudaProbe()
-    p.reset_peak()
-    assert p.peak_fraction() is None
-
-
-def test_max_probe():
-    p = MaxProbe([ScriptedProbe([0.3]), ScriptedProbe([None]), ScriptedProbe([0.5])])
-    p.reset_peak()
-    assert p.peak_fraction() == 0.5
-    assert MaxProbe([ScriptedProbe([None])]).peak_fraction() is None
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
-def test_host_probe_reads_real_numbers():
-    p = HostProbe(interval=0.01)
-    p.reset_peak()
-    block = bytearray(200 * 2**20)  # touch 200 MiB
-    block[::4096] = b"x" * len(block[::4096])
-    frac = p.peak_fraction()
-    del block
-    assert p.capacity_bytes > 200 * 2**20
-    assert frac is not None and 200 * 2**20 / p.capacity_bytes <= frac < 1
-
-
 def test_on_change_and_state_dict():
     changes = []
     c = BatchSizeController(8, 1024, probe=ScriptedProbe([0.1, 0.9]), on_change=lambda a, b: changes.append((a, b)))
@@ -232,29 +166,6 @@ def test_bad_arguments():
     for args, match in [((0, 8), "min_batch"), ((16, 8), "min_batch"), ((8, 16, 1.5), "target_fraction")]:
         with pytest.raises(ValueError, match=match):
             BatchSizeController(*args)
-
-
-def test_oom_safe_step_runs_halves_each_sample_once():
-    seen = []
-    weights = []
-
-    def step(x, y, w):
-        if len(y) > 3:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test double)")
-        seen.extend(y.tolist())
-        weights.append((len(y), w))
-        return float(y.float().mean())
-
-    c = BatchSizeController(2, 64, probe=ScriptedProbe([0.5]))
-    c.attach(10)
-    zeroed = []
-    loss = oom_safe_step(step, torch.zeros(10, 1), torch.arange(10), zero_grad=lambda: zeroed.append(1), controller=c)
-    assert sorted(seen) == list(range(10))
-    assert sum(w for _, w in weights) == pytest.approx(1.0)  # the halves' losses add up to the batch mean
-    assert all(w == pytest.approx(n / 10) for n, w in weights)
-    assert loss == pytest.approx(4.5) and zeroed == [1]
-    c.end_epoch(0)
-    assert c.batch_size == 8 and c.history[-1]["decision"] == "shrink"
 
 
 def test_iterator_driven_by_controller_six_epochs(index_reader):
@@ -275,18 +186,6 @@ def test_iterator_driven_by_controller_six_epochs(index_reader):
             assert sorted(labels) == list(range(37)) and batches == expected
             sizes.append(c.history[-1]["batch_size"])
         assert sizes == [4, 8, 16, 32, 16, 8]
-
-
-@pytest.mark.gpu
-def test_real_gpu_probes_read():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    for probe in (NvmlProbe(0), DeviceMemoryProbe(0), TorchCudaProbe(0)):
-        probe.reset_peak()
-        x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-        frac = probe.peak_fraction()
-        del x
-        assert probe.capacity_bytes > 2**30 and frac is not None and 0 < frac < 1
 
 
 def _two_rank_decisions(rank: int, world: int, init_file: str, out_file: str) -> None:
@@ -355,7 +254,7 @@ def test_a_probe_with_only_the_two_documented_methods_works():
 def test_every_decision_recorded_exactly(caplog):
     c = BatchSizeController(8, 256, probe=ScriptedProbe([0.10, 0.30, 0.95, None, 0.50, 0.20]))
     c.attach(64)
-    with caplog.at_level(logging.INFO, logger="dali_fast.controller"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.controller"):
         sizes = run(c, 3)
         c.begin_epoch()
         c.report_oom(64)
@@ -458,7 +357,7 @@ def test_edge_arguments_accepted():
 
 
 def test_ranks_are_asked_to_agree_unless_told_not_to(monkeypatch):
-    import dali_fast.controller as ctl
+    import dali_fast.loaders.controller as ctl
 
     asked = []
 
@@ -490,24 +389,6 @@ def test_state_round_trip_and_minimal_state():
     e = BatchSizeController(8, 256, probe=ScriptedProbe([]))
     e.load_state_dict({"batch_size": 16})
     assert (e.batch_size, e.history, e.observations, e.ceiling) == (16, [], [], None)
-
-
-def test_oom_retry_runs_after_the_failed_step_is_freed():
-    """The halves must not run while the failed step's activations are kept alive by the traceback."""
-    import weakref
-
-    refs, alive_when_halves_ran = [], []
-
-    def step(x, y, w):
-        if len(y) > 4:
-            activations = torch.ones(1000)  # what the failed forward had allocated
-            refs.append(weakref.ref(activations))
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test double)")
-        alive_when_halves_ran.append(refs[0]() is not None)
-        return 0.0
-
-    oom_safe_step(step, torch.zeros(8, 1), torch.arange(8), zero_grad=lambda: None)
-    assert alive_when_halves_ran == [False, False]
 
 
 class CachingAllocatorProbe:
@@ -556,7 +437,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
     import sys
     import types
 
-    from dali_fast import controller as ctl
+    from dali_fast.loaders import probes
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -571,7 +452,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
     c.begin_epoch()
     assert calls == ["torch", "dali"] and probe.resets == 1  # released before the peak is reset
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    ctl.release_unused_memory()
+    probes.release_unused_memory()
     assert calls == ["torch", "dali"]  # nothing to release without CUDA
 
 
@@ -579,7 +460,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
 def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dali_fast.controller import TorchCudaProbe, release_unused_memory
+    from dali_fast.loaders.probes import release_unused_memory
 
     probe = TorchCudaProbe(torch.cuda.current_device())
     probe.reset_peak()
@@ -591,68 +472,6 @@ def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
     small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
     del small
     assert probe.peak_fraction() < large / 10  # the cached 2 GiB no longer counts
-
-
-def oom_split_step(alloc, free: int, calls: list[int]):
-    """The step of the out-of-memory split tests: a batch of more than 2 samples keeps 0.6 x ``free`` (its
-    activations) and asks for 0.6 x ``free`` more, which cannot fit; a half keeps 0.5 x ``free``, which
-    fits only once the failed step's memory is gone."""
-
-    def step(x, y, w):
-        calls.append(len(y))
-        held = [alloc(int(free * 0.6))] if len(y) > 2 else []
-        held.append(alloc(int(free * (0.6 if len(y) > 2 else 0.5))))  # the full batch runs out of memory here
-        return torch.zeros((), device=x.device) * len(held)
-
-    return step
-
-
-class CountedDeviceMemory:
-    """A device of ``free`` bytes whose blocks are freed when nothing refers to them any more (as torch's
-    tensors are): an allocation that does not fit raises torch's out-of-memory error."""
-
-    def __init__(self, free: int) -> None:
-        self.free, self.live, self.peak = free, 0, 0
-
-    def alloc(self, n: int) -> object:
-        import weakref
-
-        if self.live + n > self.free:
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (modelled): {n} more with {self.live} held")
-        block = type("Block", (), {})()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(block, self._release, n)
-        return block
-
-    def _release(self, n: int) -> None:
-        self.live -= n
-
-
-def test_oom_split_step_runs_out_of_memory_and_the_halves_fit_once_it_is_freed():
-    """What the GPU test below claims, on a model of the device: the full batch's step really runs out
-    of memory (its first allocation is kept), and the halves fit only because the failed step's memory
-    was let go before they ran."""
-    device, calls = CountedDeviceMemory(1000), []
-    oom_safe_step(oom_split_step(device.alloc, 1000, calls), torch.zeros(4, 1), torch.arange(4), zero_grad=lambda: None)
-    assert calls == [4, 2, 2] and device.live == 0 and device.peak == 600
-
-
-@pytest.mark.gpu
-def test_gpu_oom_split_frees_the_failed_step():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    calls: list[int] = []
-
-    def alloc(n):
-        return torch.empty(n, dtype=torch.uint8, device="cuda")
-
-    step = oom_split_step(alloc, free, calls)
-    oom_safe_step(step, torch.zeros(4, 1, device="cuda"), torch.arange(4, device="cuda"), zero_grad=lambda: None)
-    assert calls == [4, 2, 2]  # the whole batch ran out of memory; each half fitted
-    torch.cuda.empty_cache()
 
 
 class _FakeCuda:
@@ -687,7 +506,7 @@ def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
     broken.nvmlInit = no_library
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     _FakeCuda().install(monkeypatch)
-    from dali_fast.controller import default_probe
+    from dali_fast.loaders.probes import default_probe
 
     probe = default_probe()
     probe.reset_peak()
@@ -697,21 +516,3 @@ def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
     c.attach(256)
     c.begin_epoch()
     assert c.end_epoch(0) == 256  # 75 % now, 150 % predicted at 512: held, not grown
-
-
-def test_device_memory_probe_samples_the_epoch_s_peak():
-    readings = iter([10, 70, 40] + [40] * 1000)  # used GiB, as (free, total) readings go
-    probe = DeviceMemoryProbe(0, interval=0.01, mem_get_info=lambda d: (2**30 * (100 - next(readings)), 100 * 2**30))
-    assert probe.capacity_bytes == 100 * 2**30 and probe.name == "cuda.mem_get_info"
-    probe.reset_peak()
-    import time
-
-    time.sleep(0.05)
-    assert probe.peak_fraction() == pytest.approx(0.70)
-
-    def broken(d):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    dead = DeviceMemoryProbe(0, mem_get_info=broken)
-    dead.reset_peak()
-    assert dead.capacity_bytes is None and dead.peak_fraction() is None

@@ -10,7 +10,7 @@ import pytest
 from conftest import jpeg_bytes
 from PIL import Image
 
-from dali_fast.decode import Decoder, decode_rgb, fast_path_header, jpeg_header, reduction
+from dali_fast.transforms.decode import Decoder, decode_rgb, fast_path_header, jpeg_header, reduction
 
 pytest.importorskip("simplejpeg")
 

@@ -39,9 +39,6 @@ OUTPUT_LANGS = {"text"}
 MAX_NOT_RUN = 8  # blocks that cannot run here; keep the list short and honest
 NOT_RUN = re.compile(r"^<!-- not run: (.+?) -->$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[^`\s]*)\s*$")
-# Deep import paths of the package's wings, documented before the code moves into them: a block that fails
-# only because one of them does not exist yet is an expected failure until both changes are on main.
-WINGS = re.compile(r"^dali_fast\.(transforms|loaders|data)(\.|$)")
 SCALE = 32  # batch sizes in snippets are divided by this
 
 
@@ -262,10 +259,6 @@ def _run_python(block: Block, folder: Path, env: dict, objects: dict, monkeypatc
     namespace = {"__name__": "__snippet__", **objects}
     try:
         exec(compile(small_python(block.code), block.id, "exec"), namespace)  # noqa: S102 - the docs' own code
-    except ModuleNotFoundError as e:
-        if WINGS.match(e.name or ""):
-            pytest.xfail(f"{block.id}: {e.name} is a documented path of the package's wings, not in this tree yet")
-        raise
     finally:
         for value in namespace.values():
             if isinstance(value, (dali_fast.DALIIterator, dali_fast.TorchIterator)):

@@ -9,122 +9,15 @@ import pytest
 from PIL import Image
 
 from dali_fast.cli import main
-from dali_fast.doctor import (
+from dali_fast.tools.diagnosis import diagnose
+from dali_fast.tools.doctor import (
     TEST_JPEG,
-    TORCH_CUDA12_INDEX,
     Readings,
     decode_check,
-    diagnose,
     hw_decoder_check,
     probe,
     probe_nvml,
 )
-
-
-def gpu_host(**changes) -> Readings:
-    """Readings of a healthy GPU host; tests change what they need."""
-    r = Readings(
-        python="3.12.3 (linux x86_64)",
-        torch="2.13.0+cu128",
-        torch_cuda="12.8",
-        cuda_available=True,
-        driver="570.86.15",
-        driver_cuda="12.8",
-        gpus=[{"index": 0, "name": "NVIDIA H200", "memory_gib": 139.8, "jpeg_engine": True}],
-        dali="2.4.0",
-        dali_libs={"nvImageCodec": "0.9.0", "CUDA": "12.8"},
-        cpu_decode={"ok": True, "mean_diff": 0.0, "error": None},
-        gpu_decode={"ok": True, "mean_diff": 0.4, "error": None},
-        hw_decoder={"jpeg_engine": True, "peak_util": 37, "used": True},
-    )
-    for k, v in changes.items():
-        setattr(r, k, v)
-    return r
-
-
-def test_healthy_gpu_host():
-    d = diagnose(gpu_host())
-    assert d.ok and d.problem is None
-    text = "\n".join(d.lines)
-    assert "torch       2.13.0+cu128 (CUDA 12.8 build); CUDA usable" in text
-    assert "driver      570.86.15 (supports CUDA 12.8), 1 GPU(s)" in text
-    assert "gpu 0       NVIDIA H200, 139.8 GiB, hardware JPEG engine: yes" in text
-    assert 'decode gpu  ok (device="mixed"; mean difference 0.4 levels from Pillow)' in text
-    assert "hw decoder  used: JPEG engine utilization reached 37 %" in text
-
-
-@pytest.mark.parametrize(
-    ("hw", "line"),
-    [
-        ({"jpeg_engine": False, "peak_util": None, "used": False}, "has no hardware JPEG engine"),
-        ({"jpeg_engine": True, "peak_util": 0, "used": False}, "present but stayed idle"),
-        ({"jpeg_engine": None, "peak_util": None, "used": None, "error": "NVML busy"}, "unknown (NVML busy)"),
-    ],
-)
-def test_hardware_decoder_lines_do_not_fail_the_check(hw, line):
-    d = diagnose(gpu_host(hw_decoder=hw, gpus=[{"index": 0, "name": "NVIDIA A10", "memory_gib": 22.0}]))
-    assert d.ok and any(line in x for x in d.lines)
-
-
-def test_no_container_toolkit():
-    """What `docker run` without --gpus (or without the NVIDIA Container Toolkit) looks like."""
-    r = gpu_host(
-        cuda_available=False,
-        cuda_error="Found no NVIDIA driver on your system.",
-        nvml_error="NVML Shared Library Not Found",
-        driver=None,
-        driver_cuda=None,
-        gpus=[],
-        gpu_decode=None,
-        hw_decoder=None,
-    )
-    d = diagnose(r)
-    assert d.problem == (
-        "no NVIDIA GPU visible (NVML: NVML Shared Library Not Found): on a GPU host install the NVIDIA driver; "
-        "in Docker run with --gpus all (needs the NVIDIA Container Toolkit on the host)"
-    )
-    assert "driver      not found through NVML (NVML Shared Library Not Found)" in d.lines
-
-
-def test_cpu_only_torch_on_a_gpu_host():
-    d = diagnose(gpu_host(torch="2.13.0+cpu", torch_cuda=None, cuda_available=False, gpu_decode=None))
-    assert d.problem == (
-        f"torch 2.13.0+cpu is a CPU-only build but a GPU is present: pip install torch --index-url {TORCH_CUDA12_INDEX}"
-    )
-
-
-def test_driver_older_than_torch_cuda():
-    r = gpu_host(cuda_available=False, cuda_error="driver too old", driver="470.82", driver_cuda="11.4")
-    assert diagnose(r).problem == (
-        "the driver 470.82 supports CUDA up to 11.4 but torch was built for CUDA 12.8: "
-        "update the driver or install a torch build for CUDA 11.4 or older"
-    )
-
-
-def test_torch_cannot_use_cuda_for_another_reason():
-    r = gpu_host(cuda_available=False, cuda_error="CUDA-capable device(s) is/are busy or unavailable")
-    assert diagnose(r).problem == (
-        "torch 2.13.0+cu128 cannot use the GPU: CUDA-capable device(s) is/are busy or unavailable"
-    )
-
-
-def test_no_visible_gpu_with_a_driver():
-    r = gpu_host(cuda_available=False, gpus=[])
-    assert "reports no GPU" in diagnose(r).problem
-
-
-def test_dali_missing():
-    r = gpu_host(dali=None, dali_error="No module named 'nvidia'", cpu_decode=None, gpu_decode=None, hw_decoder=None)
-    d = diagnose(r)
-    assert d.problem == "NVIDIA DALI is not installed (No module named 'nvidia'): pip install nvidia-dali-cuda120"
-    assert "decode gpu  not tried (no usable GPU or no DALI)" in d.lines
-
-
-def test_gpu_decode_failure_is_the_problem():
-    r = gpu_host(gpu_decode={"ok": False, "error": "nvImageCodec: failed to create decoder"}, hw_decoder=None)
-    d = diagnose(r)
-    assert d.problem == 'DALI cannot decode a JPEG with device="mixed": nvImageCodec: failed to create decoder'
-    assert 'decode gpu  FAILED (device="mixed"): nvImageCodec: failed to create decoder' in d.lines
 
 
 class FakeNVMLError(Exception):
@@ -204,7 +97,7 @@ def test_hw_check_decodes_megapixel_images_for_longer_than_nvml_s_window(monkeyp
     """NVML averages the JPEG engine's utilization over ~0.17-1 s: a few 64x48 thumbnails decode in a
     sliver of that and can read 0 %. The check decodes batches of >= 1 MP baseline 4:2:0 JPEGs (what the
     engine takes) for more than twice the longest window."""
-    import dali_fast.doctor as doctor
+    import dali_fast.tools.doctor as doctor
 
     built, runs = [], []
 
@@ -238,9 +131,6 @@ def test_hw_check_decodes_megapixel_images_for_longer_than_nvml_s_window(monkeyp
     assert out["megapixels"] >= 1.0 and out["seconds"] >= 0.2 and out["images_per_s"] > 0
 
 
-# ---------------------------------------------------------------- real readings on this machine
-
-
 def test_real_cpu_decode_of_the_embedded_jpeg():
     pytest.importorskip("nvidia.dali")
     assert TEST_JPEG[:2] == b"\xff\xd8"
@@ -271,7 +161,7 @@ def test_quick_reads_nvml_only_no_cuda_no_dali(monkeypatch, capsys):
 
     import torch
 
-    import dali_fast.doctor as doctor
+    import dali_fast.tools.doctor as doctor
 
     def touched(*_a, **_k):
         raise AssertionError("--quick touched CUDA or DALI")
@@ -322,7 +212,7 @@ def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):
     pytest.importorskip("nvidia.dali")
     import nvidia.dali.fn as fn
 
-    import dali_fast.doctor as doctor
+    import dali_fast.tools.doctor as doctor
 
     seen = []
 
@@ -332,7 +222,7 @@ def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):
 
     monkeypatch.setattr(fn.decoders, "image", image)
     p = doctor._decode_pipeline(TEST_JPEG, "mixed", None, 1, 0.65)  # noqa: SLF001
-    from dali_fast.pipeline import shutdown_pipeline
+    from dali_fast.loaders.dali_pipeline import shutdown_pipeline
 
     shutdown_pipeline(p)
     assert seen[0]["device"] == "mixed" and seen[0]["jpeg_fancy_upsampling"] is True

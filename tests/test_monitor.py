@@ -2,7 +2,7 @@ import subprocess
 import sys
 import time
 
-from dali_fast.monitor import UtilizationMonitor
+from dali_fast.train.monitor import UtilizationMonitor
 
 
 def test_cpu_monitor_samples_phases_and_stops():

@@ -1,4 +1,4 @@
-"""Recipes: the per-image transform on both backends, and batch-level mixup/cutmix and label smoothing."""
+"""Recipes: the per-image transform on both backends, and what the recipe changes in each loader's output."""
 
 from __future__ import annotations
 
@@ -12,76 +12,7 @@ import torch
 from default_output import GOLDEN, ListReader, fingerprint, images, versions
 from PIL import Image
 
-from dali_fast.autoaugment import OPS
-from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
-from dali_fast.recipe import MixupCutmix, Recipe, soft_target_cross_entropy
-
-
-def batch(n=8, classes=5, size=16):
-    images = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, size, size).clone()
-    return images, torch.arange(n) % classes
-
-
-def test_mixup_targets_sum_to_one_and_match_the_coefficient():
-    mix = MixupCutmix(alpha_mixup=0.8, alpha_cutmix=0.0, label_smoothing=0.0, num_classes=5, seed=1)
-    images, labels = batch()
-    out, targets = mix(images, labels)
-    lam = mix.last["lam"]
-    assert mix.last["mode"] == "mixup" and 0 <= lam <= 1
-    assert torch.allclose(targets.sum(1), torch.ones(8))
-    assert torch.allclose(out[:, 0, 0, 0], lam * images[:, 0, 0, 0] + (1 - lam) * images.flip(0)[:, 0, 0, 0])
-    assert targets[0, labels[0]] == pytest.approx(lam + (1 - lam) * float(labels[0] == labels[-1]))
-
-
-def test_cutmix_box_area_matches_lambda():
-    mix = MixupCutmix(alpha_mixup=0.0, alpha_cutmix=1.0, label_smoothing=0.0, num_classes=5, seed=3)
-    images, labels = batch(size=32)
-    for _ in range(20):
-        out, targets = mix(images, labels)
-        y0, y1, x0, x1 = mix.last["box"]
-        pasted = (out[0, 0] != images[0, 0]).sum().item()  # pixels of sample 0 that came from sample 7
-        assert pasted == (y1 - y0) * (x1 - x0)
-        assert abs((1 - mix.last["lam"]) * 32 * 32 - pasted) < 32  # within one pixel row
-        assert torch.allclose(targets.sum(1), torch.ones(8))
-
-
-def test_label_smoothing_and_reproducible_from_a_seed():
-    images, labels = batch()
-    a = MixupCutmix(label_smoothing=0.1, num_classes=5, seed=7)
-    b = MixupCutmix(label_smoothing=0.1, num_classes=5, seed=7)
-    for _ in range(5):
-        (xa, ta), (xb, tb) = a(images, labels), b(images, labels)
-        assert torch.equal(xa, xb) and torch.equal(ta, tb) and a.last == b.last
-    off = MixupCutmix(prob=0.0, label_smoothing=0.1, num_classes=5)
-    _, t = off(images, labels)
-    assert off.last["mode"] == "none" and t[0].tolist() == pytest.approx([0.92, 0.02, 0.02, 0.02, 0.02])
-
-
-@pytest.mark.parametrize(
-    "kw, message",
-    [
-        ({"alpha_mixup": -1}, "alpha_mixup=-1: must be >= 0 (0 turns it off)"),
-        ({"prob": 1.5}, "prob=1.5: must be in [0, 1]"),
-        ({"label_smoothing": -0.1}, "label_smoothing=-0.1: must be in [0, 1]"),
-        ({"num_classes": 0}, "num_classes=0: must be a positive integer"),
-    ],
-)
-def test_bad_settings_one_line(kw, message):
-    with pytest.raises(ValueError) as e:
-        MixupCutmix(**kw)
-    assert str(e.value) == message
-
-
-def test_soft_target_cross_entropy_equals_plain_for_one_hot():
-    logits = torch.randn(4, 5)
-    labels = torch.tensor([0, 3, 1, 4])
-    onehot = torch.nn.functional.one_hot(labels, 5).float()
-    assert soft_target_cross_entropy(logits, onehot) == pytest.approx(
-        float(torch.nn.functional.cross_entropy(logits, labels))
-    )
-
-
-# ----------------------------------------------------------------------------- the per-image recipe
+from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD, Recipe
 
 BACKENDS = ["torch", "dali"]
 
@@ -247,7 +178,10 @@ def test_eval_resize_and_crop_follow_the_recipe(backend):
         ({"scale": (0.9, 0.2)}, "scale=(0.9, 0.2): need 0 < min <= max <= 1"),
         ({"ratio": (1,)}, "ratio=(1,): give two numbers (min, max)"),
         ({"auto_augment": "foo"}, "auto_augment='foo': use None, 'randaugment', 'trivialaugment', 'autoaugment'"),
-        ({"mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2)}, "mean has 3 values and std 2: give one per RGB channel (3 each)"),
+        (
+            {"mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2)},
+            "mean has 3 values and std 2: give one per RGB channel (3 each)",
+        ),
         ({"mean": None}, "mean and std: give both (0-1 scale, one per channel) or neither (uint8 output)"),
         ({"std": (0.2, 0.0, 0.2)}, "mean=(0.485, 0.456, 0.406), std=(0.2, 0.0, 0.2): need finite means and std > 0"),
         ({"hflip": 1.5}, "hflip=1.5: must be a probability in [0, 1]"),
@@ -255,7 +189,10 @@ def test_eval_resize_and_crop_follow_the_recipe(backend):
         ({"magnitude": 31}, "magnitude=31: must be an integer in [0, num_magnitude_bins - 1]"),
         ({"interpolation": "cubic"}, "interpolation='cubic': use one of bilinear, bicubic, nearest, lanczos"),
         ({"eval_crop_fraction": 0}, "eval_crop_fraction=0: must be in (0, 1]"),
-        ({"eval_resize_size": 100}, "eval_resize_size=100 is smaller than image_size=224: the centre crop would not fit"),
+        (
+            {"eval_resize_size": 100},
+            "eval_resize_size=100 is smaller than image_size=224: the centre crop would not fit",
+        ),
         ({"dtype": torch.uint8}, "dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it"),
         ({"image_size": 0}, "image_size=0: must be a positive integer"),
     ],
@@ -274,53 +211,6 @@ def test_a_loader_argument_that_disagrees_with_the_recipe_is_refused(photos):
     assert loader("torch", photos, image_size=48).recipe == Recipe(image_size=48)
 
 
-@pytest.mark.parametrize("name", sorted(set(OPS) - {"Identity"}))
-def test_every_pillow_operation_changes_an_image(name):
-    """The Pillow twins of DALI's operations: each does something (at a middle magnitude) and keeps the size."""
-    y, x = np.mgrid[0:32, 0:32]
-    noise = np.random.default_rng(0).integers(0, 40, (32, 32, 3))
-    im = Image.fromarray((np.stack([x * 5, y * 5, (x + y) * 2], -1) + noise).astype(np.uint8))
-    magnitude = {"Posterize": 2, "Solarize": 128, "Rotate": 30, "TranslateX": 8, "TranslateY": 8}.get(name, 0.5)
-    out = OPS[name](im, magnitude, 128)
-    assert out.size == im.size and out.mode == "RGB"
-    assert not np.array_equal(np.asarray(out), np.asarray(im))
-
-
-@pytest.mark.parametrize("source", ["torch", "dali", "dataloader"])
-def test_mixup_cutmix_on_batches_from_any_loader(source, photos):
-    """Our loaders' batches and a plain DataLoader's: mixed on their own device, soft targets summing to 1."""
-    if source == "dataloader":
-        from torch.utils.data import DataLoader
-
-        from dali_fast.baseline import BaselineDataset
-
-        images, labels = next(iter(DataLoader(BaselineDataset(photos, image_size=16), batch_size=8)))
-    else:
-        images, labels = next(iter(loader(source, photos, image_size=16)))
-    for kw in ({"alpha_cutmix": 0.0}, {"alpha_mixup": 0.0}):
-        mix = MixupCutmix(num_classes=3, seed=5, **kw)
-        out, targets = mix(images, labels)
-        assert out.shape == images.shape and out.device == images.device and targets.shape == (8, 3)
-        assert torch.allclose(targets.sum(1), torch.ones(8))
-        assert mix.last["mode"] == ("mixup" if kw.get("alpha_cutmix") == 0.0 else "cutmix")
-    uint8 = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="mixup blends images: pass float images"):
-        MixupCutmix(alpha_cutmix=0.0, num_classes=3)(uint8, torch.tensor([0, 1]))
-
-
-def test_mixup_cutmix_reads_nothing_back_from_the_device():
-    """The label check must not read labels back from the GPU each step (two host syncs). On the `meta`
-    device any read of a value fails, as a GPU read would stall: mixing works there, both ways. Labels on
-    the CPU are still checked (no sync there)."""
-    images, labels = batch()
-    for kw in ({"alpha_cutmix": 0.0}, {"alpha_mixup": 0.0}, {"prob": 0.0}):
-        mix = MixupCutmix(num_classes=5, seed=1, **kw)
-        out, targets = mix(images.to("meta"), labels.to("meta"))
-        assert out.device.type == "meta" and targets.shape == (8, 5)
-    with pytest.raises(ValueError, match=r"labels outside 0..4: set num_classes to the data set's classes"):
-        MixupCutmix(num_classes=5)(images, labels + 1)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
 def test_gpu_recipes_run_on_the_device_and_erase_the_cpu_boxes(policy, photos):
@@ -337,56 +227,3 @@ def test_gpu_recipes_run_on_the_device_and_erase_the_cpu_boxes(policy, photos):
     assert torch.equal(runs[0][0], runs[1][0])
     cpu, _ = epoch(TorchIterator(photos, 8, device="cpu", num_workers=0, seed=1, recipe=recipe))
     assert [zero_box(img) for img in runs[0][0].cpu()] == [zero_box(img) for img in cpu]
-
-
-ERASING_RECIPES = [
-    Recipe(random_erasing=0.25),
-    Recipe(image_size=32, random_erasing=1.0, erasing_scale=(0.9, 1.0), erasing_ratio=(1.0, 1.0)),
-    Recipe(image_size=17, random_erasing=0.5, erasing_scale=(0.02, 0.9), erasing_ratio=(0.1, 10.0)),
-]
-
-
-@pytest.mark.parametrize("recipe", ERASING_RECIPES, ids=["default", "near_whole", "wide"])
-def test_erasing_boxes_are_a_pure_function_of_seed_epoch_and_index(recipe):
-    """A sample's box is the same drawn alone (TorchIterator's workers), in any batch, in any order (DALI's
-    source): batches of every size, permuted, and the one-sample path all agree exactly."""
-    from dali_fast.recipe import erasing_boxes, sample_erasing_box
-
-    index = np.random.default_rng(1).permutation(3000)
-    whole = erasing_boxes(recipe, 7, 2, index)
-    assert whole.dtype == np.int64 and whole.shape == (3000, 4)
-    for size in (1, 2, 3, 4, 5, 64, 256):
-        parts = np.concatenate([erasing_boxes(recipe, 7, 2, index[k : k + size]) for k in range(0, 600, size)])
-        assert np.array_equal(parts, whole[: len(parts)]), size
-    in_order = erasing_boxes(recipe, 7, 2, np.arange(3000))  # index is a permutation of 0..2999
-    assert np.array_equal(in_order[index], whole)  # another order, the same box for each sample
-    singles = [sample_erasing_box(recipe, 7, 2, int(i)) for i in index[:400]]
-    assert singles == [tuple(row) for row in whole[:400].tolist()]
-    assert all(type(v) is int for v in singles[0])
-    assert not np.array_equal(erasing_boxes(recipe, 7, 3, index), whole)  # another epoch: other boxes
-    assert not np.array_equal(erasing_boxes(recipe, 8, 2, index), whole)  # another seed: other boxes
-
-
-def test_erasing_boxes_follow_torchvisions_rule():
-    """Over many samples: a box with the recipe's probability, strictly inside, of the recipe's area and
-    aspect (up to rounding to whole pixels), at a uniform position; none when erasing is off."""
-    from dali_fast.recipe import erasing_boxes
-
-    S, n = 64, 40_000
-    recipe = Recipe(image_size=S, random_erasing=0.3, erasing_scale=(0.05, 0.3), erasing_ratio=(0.5, 2.0))
-    boxes = erasing_boxes(recipe, 0, 0, np.arange(n))
-    on = boxes[:, 2] > 0
-    assert abs(on.mean() - 0.3) < 0.015  # binomial sd 0.0023: the draw is fixed, this only guards the rule
-    assert (boxes[~on] == 0).all()
-    top, left, h, w = boxes[on].T
-    assert (top >= 0).all() and (left >= 0).all() and (top + h <= S).all() and (left + w <= S).all()
-    assert (h < S).all() and (w < S).all() and (h > 0).all() and (w > 0).all()
-    area = h * w / (S * S)
-    assert area.min() >= 0.05 - 2 / S and area.max() <= 0.3 + 2 / S
-    aspect = h / w
-    assert aspect.min() >= 0.5 * (1 - 2 / 8) and aspect.max() <= 2.0 * (1 + 2 / 8)
-    assert abs(np.log(aspect).mean()) < 0.02  # log-uniform on a symmetric range: centred on aspect 1
-    slack = (S - h + 1).astype(np.float64)
-    assert abs((top / slack).mean() - 0.5) < 0.02 and abs((left / slack).mean() - 0.5) < 0.02
-    assert (erasing_boxes(recipe.with_(random_erasing=0.0), 0, 0, np.arange(100)) == 0).all()
-    assert (erasing_boxes(recipe, 0, 0, np.zeros(0, np.int64))).shape == (0, 4)

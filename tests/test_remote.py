@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 from conftest import jpeg_bytes
+from contract import each_once, run_save_load_state
 
 from dali_fast import open_dataset
-from dali_fast.fallback import TorchIterator
-from dali_fast.pipeline import BadRecordError
-from dali_fast.remote import RemoteShardsReader, ShardCache, is_remote
+from dali_fast.data.remote import RemoteShardsReader
+from dali_fast.loaders.base import BadRecordError
+from dali_fast.loaders.torch_iterator import TorchIterator
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -101,11 +102,6 @@ def sizes(server) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------- open
 
 
-def test_urls_are_remote_and_paths_are_not():
-    assert is_remote("s3://b/x.tar") and is_remote("gs://b/x-{0..3}.tar") and is_remote("https://h/x.tar")
-    assert not is_remote("data/train") and not is_remote("file:///data/x.tar") and not is_remote(Path("s3:/x"))
-
-
 def test_every_sample_reads_back_exactly_and_the_index_is_read_once(s3, tmp_path):
     r = open_dataset(SPEC, **opts(s3, tmp_path))
     assert isinstance(r, RemoteShardsReader) and len(r) == N and r.classes == [str(i) for i in range(N)]
@@ -157,10 +153,10 @@ def test_cold_then_warm_cache_one_download_per_shard(s3, tmp_path):
     s3.counts.reset()
     r = open_dataset(SPEC, **opts(s3, tmp_path))  # a cold shard cache
     loader = TorchIterator(r, 5, image_size=16, num_workers=0, rank=0, world_size=1, seed=1)
-    assert sorted(epoch_labels(loader, 0)) == list(range(N))
+    each_once(epoch_labels(loader, 0), range(N))
     assert served_per_shard(s3) == sizes(s3) and r.stats()["downloads"] == SHARDS  # each shard once
     s3.counts.reset()
-    assert sorted(epoch_labels(loader, 1)) == list(range(N))  # warm: nothing fetched
+    each_once(epoch_labels(loader, 1), range(N))  # warm: nothing fetched
     assert served_per_shard(s3) == {} and r.stats()["downloads"] == SHARDS
     cached = sorted((tmp_path / "cache" / "shards").glob("*.tar"))
     assert sorted(p.read_bytes() for p in cached) == sorted(s3.objects.values())  # whole shards, nothing else
@@ -200,22 +196,6 @@ def test_a_budget_smaller_than_the_data_set(s3, tmp_path):
     assert 0 < peak[0] <= limit
     assert r.stats()["evictions"] >= 2 * (SHARDS - 2) - 2
     r.close()
-
-
-def test_cache_keeps_pinned_shards_and_clears_dead_downloads(tmp_path):
-    cache = ShardCache(tmp_path / "c", limit=300)
-    write = lambda body: lambda tmp: tmp.write_bytes(body)  # noqa: E731
-    pin_a = cache.acquire("a", 100, write(b"a" * 100), pin=True)
-    assert cache.acquire("b", 100, write(b"b" * 100), pin=False) is None
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / "c" / f"z.part-{int(dead.stdout)}-1").write_bytes(b"z" * 50)  # a download whose process died
-    assert cache.acquire("c", 100, write(b"c" * 100), pin=True) != 0
-    assert not list((tmp_path / "c").glob("*.part-*"))  # cleared, so c fits
-    assert cache.acquire("d", 150, write(b"d" * 150), pin=False, block_for_room=False) is False  # a, c pinned
-    cache.release("a", pin_a)
-    assert cache.acquire("d", 150, write(b"d" * 150), pin=False) is None
-    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) == ["c.tar", "d.tar"]  # a and b made room
-    assert cache.used() <= 300 and cache.downloads == 4 and cache.evictions == 2
 
 
 # --------------------------------------------------------------------------------------------- HTTP
@@ -328,6 +308,13 @@ def test_a_shard_changed_after_its_index_was_cached_gets_a_new_index_not_the_old
         open_dataset(SPEC, **opts(s3, tmp_path, on_error="raise"))
 
 
+def test_save_load_state_contract_over_streamed_shards(s3, tmp_path):
+    """The contract checker over the streaming order, the downloads ahead and the cache under a budget."""
+    r = open_dataset(SPEC, **opts(s3, tmp_path, cache_limit=4 * len(s3.objects["train-000000.tar"]), shuffle_window=2))
+    run_save_load_state(lambda: TorchIterator(r, 5, image_size=16, num_workers=0, rank=0, world_size=1, seed=2), 4)
+    r.close()
+
+
 def test_elastic_resume_on_another_world_size(s3, tmp_path):
     r = open_dataset(SPEC, **opts(s3, tmp_path))
     first = [TorchIterator(r, 3, image_size=16, num_workers=0, rank=k, world_size=2, seed=6) for k in range(2)]
@@ -345,8 +332,7 @@ def test_elastic_resume_on_another_world_size(s3, tmp_path):
         got = [b[1].tolist() for b in loader]
         rest.append(sum(got, []))
     assert len({len(x) for x in rest}) == 1
-    both = Counter(seen + sum(rest, []))
-    assert set(both) == set(range(N)) and sum(both.values()) - N <= 2  # each sample; repeats only as padding
+    each_once(seen + sum(rest, []), range(N), padding=2)  # each sample; repeats only as the new ranks' padding
     r.close()
 
 
@@ -458,7 +444,7 @@ KILL_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_gives_each_sample_once_and_fetches_only_what_is_left(s3, tmp_path):
     pytest.importorskip("nvidia.dali")
-    from dali_fast.shard_order import StreamingOrder
+    from dali_fast.loaders.shard_order import StreamingOrder
 
     r = open_dataset(SPEC, **opts(s3, tmp_path, cache="indexing"))  # the node's index
     order = StreamingOrder(r.shard_bounds, window=1, seed=5, rank=0, world_size=1).indices()
@@ -499,7 +485,7 @@ def test_sigkill_mid_epoch_then_resume_gives_each_sample_once_and_fetches_only_w
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     after = [i for x in lines[len(before) // 4 :] for i in x.get("labels", [])]
     assert lines[-1].get("done") and len(before) >= 8
-    assert sorted(before + after) == list(range(N))  # each sample exactly once
+    each_once(before + after, range(N))
     still_needed = {f"train-{i // PER_SHARD:06d}.tar" for i in after}
     assert set(served_per_shard(s3)) == still_needed and served_per_shard(s3) == {k: sizes(s3)[k] for k in still_needed}
     assert len(still_needed) < SHARDS  # the shard read to its end before the kill was not fetched again
@@ -517,37 +503,3 @@ def test_the_command_line_takes_a_url(s3, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"data set: {SPEC} (RemoteShardsReader)" in proc.stdout and f"records:  {N}" in proc.stdout
-
-
-def test_a_fork_never_falls_between_opening_a_lock_file_and_recording_it(tmp_path):
-    """A thread opens and closes shard lock files while the main thread forks: no child may hold a lock
-    file it does not know of (it would keep a flock lock past its parent's release: a stalled cache)."""
-    import threading
-
-    from dali_fast import remote
-
-    stop = threading.Event()
-
-    def churn() -> None:
-        while not stop.is_set():
-            remote._close_lock(remote._open_lock(tmp_path / "x.lock"))
-
-    thread = threading.Thread(target=churn, daemon=True)
-    thread.start()
-    leaked = 0
-    try:
-        for _ in range(200):
-            pid = os.fork()
-            if pid == 0:  # the child: count the lock files it still has open
-                held = 0
-                for fd in os.listdir("/proc/self/fd"):
-                    try:
-                        held += os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
-                    except OSError:
-                        pass
-                os._exit(1 if held else 0)
-            leaked += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    finally:
-        stop.set()
-        thread.join()
-    assert leaked == 0

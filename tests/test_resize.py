@@ -1,13 +1,25 @@
-"""The resize to the output square: Pillow's filters, antialiased, written in place."""
+"""Crop boxes, the resize to the output square (Pillow's filters, antialiased, written in place), and a
+record decoded, cropped and resized as the recipe says."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
 import torch
+from conftest import jpeg_bytes
 from PIL import Image
 
-from dali_fast.resize import PIL_RESAMPLE, pixel_box, resize, resize_into
+from dali_fast.transforms.recipe import Recipe
+from dali_fast.transforms.resize import (
+    PIL_RESAMPLE,
+    decode_crop,
+    pixel_box,
+    random_resized_crop_box,
+    resize,
+    resize_into,
+)
 
 
 def photo(h: int = 370, w: int = 470, seed: int = 0) -> np.ndarray:
@@ -99,3 +111,37 @@ def test_pixel_box_rounds_scales_and_stays_inside():
     assert pixel_box((10, 21, 111, 221), 0.5, 0.5, 235, 185) == (5, 10, 56, 110)  # a 1/2-scale decode
     assert pixel_box((0, 0, 470, 370), 0.5, 0.5, 235, 185) == (0, 0, 235, 185)
     assert pixel_box((469.9, 369.9, 470, 370), 0.125, 0.125, 59, 47) == (58, 46, 59, 47)  # never empty
+
+
+def test_random_resized_crop_box_ranges():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        left, top, w, h = random_resized_crop_box(rng, 500, 375)
+        assert 0 <= left and left + w <= 500 and 0 <= top and top + h <= 375
+        assert 0.08 * 0.95 <= w * h / (500 * 375) <= 1.0
+    # an extreme aspect ratio falls back to the centre crop clamped to the ratio range
+    assert random_resized_crop_box(np.random.default_rng(1), 1000, 10, scale=(0.99, 1.0)) == (493, 0, 13, 10)
+
+
+def test_eval_is_the_centre_of_the_resized_image():
+    data = jpeg_bytes(90, 60)
+    recipe = Recipe(image_size=32)
+    got = decode_crop(data, train=False, recipe=recipe, rng=np.random.default_rng(0))
+    im = Image.open(io.BytesIO(data)).convert("RGB")
+    short = recipe.resize_shorter  # 37
+    rw, rh = round(90 * short / 60), short
+    ref = np.asarray(im.resize((rw, rh), Image.BILINEAR))
+    x0, y0 = (rw - 32 + 1) // 2, (rh - 32 + 1) // 2
+    diff = np.abs(got.numpy().astype(int) - ref[y0 : y0 + 32, x0 : x0 + 32].astype(int))
+    assert got.shape == (32, 32, 3) and diff.max() <= 1
+
+
+def test_eval_resize_is_one_rule_for_every_loader():
+    """The shorter side to resize_shorter (never under the output size), the centre rounded half up (DALI's)."""
+    from dali_fast.transforms.resize import eval_resize
+
+    recipe = Recipe(image_size=224)  # resize_shorter = round(224 / 0.875) = 256
+    assert eval_resize(500, 375, recipe) == (341, 256, 59, 16)
+    assert eval_resize(256, 256, recipe) == (256, 256, 16, 16)
+    assert eval_resize(257, 1000, Recipe(image_size=224, eval_resize_size=225)) == (225, 875, 1, 326)
+    assert eval_resize(3, 1000, Recipe(image_size=16, eval_resize_size=16)) == (16, 5333, 0, 2659)

@@ -3,7 +3,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dali_fast.sampler import EpochSampler, dist_rank_world
+from dali_fast.loaders.sampler import EpochSampler, dist_rank_world
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

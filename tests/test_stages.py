@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dali_fast.stages import IMAGENET_IMAGES, STAGES, fmt_duration, run_stages
-from dali_fast.synthetic import make_synthetic
+from dali_fast.data.synthetic import make_synthetic
+from dali_fast.tools.stages import IMAGENET_IMAGES, STAGES, fmt_duration, run_stages
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_every_stage_in_order_cumulative_and_consistent(tiny, tmp_path):
 
 
 def test_a_stage_that_cannot_run_is_named_with_its_reason(tiny, tmp_path, monkeypatch):
-    import dali_fast.stages as stages
+    import dali_fast.tools.stages as stages
 
     monkeypatch.setattr(stages, "dali_status", lambda: (False, "nvidia.dali does not import (test)"))
     monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1] + stages.STAGES[4:])  # baseline, then the DALI rows
@@ -89,8 +89,8 @@ class FakeGpuMonitor:
 def test_stage_memory_is_the_process_reading_bench_uses(tiny, tmp_path, monkeypatch):
     """Not torch's max_memory_reserved, which leaves DALI's pool and outputs out: the monitor's NVML
     reading for this process, as `bench` reports it, over the stage's timed epochs."""
-    import dali_fast.monitor as monitor
-    import dali_fast.stages as stages
+    import dali_fast.tools.stages as stages
+    import dali_fast.train.monitor as monitor
 
     monkeypatch.setattr(monitor, "UtilizationMonitor", FakeGpuMonitor)
     monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1])

@@ -3,7 +3,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from dali_fast.synthetic import make_synthetic
+from dali_fast.data.synthetic import make_synthetic
 
 
 def test_deterministic_and_imagefolder_shaped(tmp_path):
@@ -28,3 +28,25 @@ def test_classes_differ_in_colour(tmp_path):
         arrs = [np.asarray(Image.open(p), np.float32).mean(axis=(0, 1)) for p in (root / cls).glob("*.jpg")]
         means[cls] = np.mean(arrs, axis=0)
     assert np.abs(means["class_0"] - means["class_1"]).max() > 20
+
+
+def test_default_dataset_made_once_when_ranks_race(tmp_path):
+    """Under torchrun all ranks ask for the synthetic set at once: one makes it, the others wait."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from dali_fast.data.synthetic import default_dataset; from dali_fast.data.open import open_dataset;"
+        "f, p = default_dataset(24, classes=3, progress=False); print(p, len(open_dataset(p)))"
+    )
+    env = {**os.environ, "DALI_FAST_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
+    assert {o.strip() for o, _ in outs} == {f"{tmp_path / 'synthetic-24x3' / 'packed'} 24"}

@@ -1,10 +1,20 @@
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from dali_fast.system import atomic_write, available_cpus, cpus_per_local_rank, read_proc_kib
+from dali_fast.system import (
+    atomic_dir,
+    atomic_write,
+    available_cpus,
+    clean_stale,
+    cpus_per_local_rank,
+    default_cache_dir,
+    read_proc_kib,
+)
 
 
 def test_cpus_are_shared_between_local_ranks(monkeypatch):
@@ -65,6 +75,62 @@ def test_atomic_write_removes_temporaries_of_dead_writers_only(tmp_path):
     assert not dead_tmp.exists() and live_tmp.exists()
 
 
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+
+
+def test_atomic_dir_shows_the_folder_only_when_complete(tmp_path):
+    dst = tmp_path / "out"
+    with atomic_dir(dst) as tmp:
+        (tmp / "a").write_bytes(b"1")
+        assert not dst.exists() and tmp.parent == tmp_path and tmp.name.startswith(".out.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (dst / "a").read_bytes() == b"1"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_dir(empty) as tmp:  # an empty folder is replaced
+        (tmp / "b").write_bytes(b"2")
+    assert (empty / "b").read_bytes() == b"2"
+
+
+def test_a_failing_atomic_dir_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match="disk full"), atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a").write_bytes(b"half")
+        raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_appearing_meanwhile_is_named_and_kept(tmp_path):
+    dst = tmp_path / "out"
+    with pytest.raises(FileExistsError) as e, atomic_dir(dst, doing="packing", what="pack") as tmp:
+        (tmp / "mine").write_bytes(b"1")
+        dst.mkdir()
+        (dst / "theirs").write_bytes(b"2")
+    assert str(e.value) == f"{dst}: appeared while packing (another pack to the same place?); this pack is discarded"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and sorted(p.name for p in dst.iterdir()) == ["theirs"]
+
+
+def test_clean_stale_removes_dead_runs_files_and_folders_only(tmp_path):
+    dst, dead = tmp_path / "set", _dead_pid()
+    left = [tmp_path / f".set.{dead}.tmp", tmp_path / f".set.{dead}-0a1b.tmp"]
+    kept = [tmp_path / f".set.{os.getppid()}-0a1b.tmp", tmp_path / f".set.{os.getpid()}.tmp", tmp_path / ".set.x.tmp"]
+    left[0].write_bytes(b"partial")
+    left[1].mkdir()
+    (left[1] / "data.bin").write_bytes(b"partial")
+    for p in kept:
+        p.mkdir()
+    other = tmp_path / f".settings.{dead}.tmp"  # another path's temporary
+    other.write_bytes(b"x")
+    clean_stale(dst)
+    assert not any(p.exists() for p in left) and all(p.exists() for p in kept) and other.exists()
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("DALI_FAST_CACHE")
+    assert str(default_cache_dir()).endswith(".cache/dali_fast")
+
+
 class EightGpuNvml:
     """NVML at its boundary on an 8-GPU node: handles are NVML indices; UUIDs GPU-uuid-0 ... GPU-uuid-7."""
 
@@ -82,7 +148,7 @@ class EightGpuNvml:
 
 
 def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
-    from dali_fast.controller import NvmlProbe
+    from dali_fast.loaders.probes import NvmlProbe
     from dali_fast.system import nvml_handle
 
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
@@ -149,3 +215,42 @@ def test_gpu_nvml_handle_is_the_cuda_device():
         uuid = pynvml.nvmlDeviceGetUUID(nvml_handle(pynvml, i))
         uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
         assert uuid.split("-", 1) in (["GPU", cuda_device_uuid(i)], ["MIG", cuda_device_uuid(i)])
+
+
+def test_local_rank_picks_the_gpu(monkeypatch):
+    import dali_fast.system as system
+
+    monkeypatch.setattr(system, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert system.local_device_index() == 3  # torchrun's process on the node's fourth GPU → DALI device_id 3
+
+
+def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeypatch, caplog):
+    """SLURM's --gpus-per-task=1 (and other launchers) show each process only its own GPU through
+    CUDA_VISIBLE_DEVICES: device LOCAL_RANK does not exist there ("invalid device ordinal")."""
+    import dali_fast.system as system
+
+    monkeypatch.setattr(system, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(system, "_SAID", set())
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+        assert system.local_device_index() == 0
+        assert system.local_device_index() == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "LOCAL_RANK=3 of 4 local ranks sees 1 CUDA device(s) (the launcher set CUDA_VISIBLE_DEVICES per process): "
+        "using CUDA device 0 (LOCAL_RANK % 1)"
+    ]  # once, not per loader
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+        assert system.local_device_index() == 1  # 4 ranks on 2 visible GPUs: they share, and the log warns
+    assert (
+        caplog.records[-1].levelno == logging.WARNING and "several ranks share a GPU" in caplog.records[-1].getMessage()
+    )
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert system.local_device_index() == 0  # no LOCAL_WORLD_SIZE: rank 3 still cannot be device 3 of 1

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes
-from PIL import Image
 
-from dali_fast.recipe import Recipe, sample_rng
-from dali_fast.workers import (
-    BatchMaker,
-    SlotRing,
-    Task,
-    decode_crop,
-    finish_batch,
-    image_shape,
-    slot_layout,
-)
+from dali_fast.loaders.workers import BatchMaker, SlotRing, Task, image_shape, slot_layout
+from dali_fast.transforms.draws import sample_rng
+from dali_fast.transforms.recipe import Recipe
+from dali_fast.transforms.resize import decode_crop
 
 
 class FakeEvent:
@@ -108,7 +98,7 @@ def test_both_layouts_hold_the_same_pixels(index_reader):
 
 
 def test_erasing_boxes_and_policies_come_back_per_sample(index_reader):
-    from dali_fast.recipe import sample_erasing_box
+    from dali_fast.transforms.draws import sample_erasing_box
 
     recipe = Recipe(image_size=16, random_erasing=1.0, auto_augment="trivialaugment")
     m, ring = maker(index_reader, recipe=recipe)
@@ -119,69 +109,20 @@ def test_erasing_boxes_and_policies_come_back_per_sample(index_reader):
     assert not torch.equal(ring.buffer[0], plain_ring.buffer[0])  # the policy changed pixels
 
 
-def test_eval_is_the_centre_of_the_resized_image():
-    data = jpeg_bytes(90, 60)
-    recipe = Recipe(image_size=32)
-    got = decode_crop(data, train=False, recipe=recipe, rng=np.random.default_rng(0))
-    im = Image.open(io.BytesIO(data)).convert("RGB")
-    short = recipe.resize_shorter  # 37
-    rw, rh = round(90 * short / 60), short
-    ref = np.asarray(im.resize((rw, rh), Image.BILINEAR))
-    x0, y0 = (rw - 32 + 1) // 2, (rh - 32 + 1) // 2
-    diff = np.abs(got.numpy().astype(int) - ref[y0 : y0 + 32, x0 : x0 + 32].astype(int))
-    assert got.shape == (32, 32, 3) and diff.max() <= 1
-
-
-def test_finish_never_returns_the_slots_memory():
-    """The slot is reused for the next batch right after: every output is a new tensor."""
-    u8 = torch.randint(0, 255, (4, 3, 8, 8), dtype=torch.uint8)
-    for dtype, fmt in [(torch.uint8, torch.contiguous_format), (torch.float16, torch.contiguous_format)]:
-        out = finish_batch(u8, dtype, fmt)
-        assert out.untyped_storage().data_ptr() != u8.untyped_storage().data_ptr()
-        assert torch.equal(out.to(torch.float32), u8.to(torch.float32))
-    hwc = torch.randint(0, 255, (4, 8, 8, 3), dtype=torch.uint8)
-    out = finish_batch(hwc.permute(0, 3, 1, 2), torch.uint8, torch.channels_last)
-    assert out.untyped_storage().data_ptr() != hwc.untyped_storage().data_ptr()
-    assert out.is_contiguous(memory_format=torch.channels_last) and torch.equal(out, hwc.permute(0, 3, 1, 2))
-
-
-def test_finish_normalizes_and_erases():
-    u8 = torch.full((2, 3, 4, 4), 128, dtype=torch.uint8)
-    mean, std = (128.0, 0.0, 255.0), (2.0, 128.0, 1.0)
-    out = finish_batch(u8, torch.float32, mean=mean, std=std, boxes=torch.tensor([[0, 0, 2, 2], [0, 0, 0, 0]]))
-    assert out[1, :, 0, 0].tolist() == [0.0, 1.0, -127.0]
-    assert (out[0, :, :2, :2] == 0).all() and out[0, 2, 3, 3] == -127.0
-
-
 def test_tame_malloc_applies_on_glibc():
     """In a process of its own: the settings are per process, and this one runs the other tests."""
     import platform
     import subprocess
     import sys
 
-    code = "from dali_fast.workers import tame_malloc; print(tame_malloc())"
+    code = "from dali_fast.loaders.workers import tame_malloc; print(tame_malloc())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert out.strip() == str(glibc)
 
 
-@pytest.mark.parametrize("size", [224, 8])  # one image per cache-sized step, or the whole batch in one
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_finish_in_cache_sized_steps_is_bit_identical_to_whole_batch_ops(size, dtype, memory_format):
-    from dali_fast.pipeline import IMAGENET_MEAN, IMAGENET_STD
-
-    u8 = torch.randint(0, 256, (5, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # an NHWC slot's view
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-    want = u8.to(torch.float32).sub_(mean).mul_(1.0 / std).to(dtype)
-    got = finish_batch(u8, dtype, memory_format, IMAGENET_MEAN, IMAGENET_STD)
-    assert got.dtype == dtype and got.is_contiguous(memory_format=memory_format)
-    assert torch.equal(got, want)
-
-
 def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
-    from dali_fast.workers import split
+    from dali_fast.loaders.workers import split
 
     assert split(32, 2) == [(0, 16), (16, 32)]
     assert split(37, 3) == [(0, 12), (12, 24), (24, 37)]

@@ -1,0 +1,219 @@
+"""What every data set looks like to the loaders (`Reader`, and the optional members a reader may
+have), the reads with their checks, the shared reader threads, subsets and fingerprints."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+
+from .checks import check_encoded, check_label
+
+T, R = TypeVar("T"), TypeVar("R")
+
+ON_ERROR = ("raise", "skip")  # what a reader or a loader does with a bad record: name it and stop, or skip it
+
+
+def check_on_error(on_error: str) -> str:
+    """``on_error`` when it is one of `ON_ERROR`, else a one-line ValueError naming the choices."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
+    return on_error
+
+
+CheckedBatch = tuple[list[np.ndarray | None], np.ndarray, dict[int, str]]
+"""A batch read with its checks: the records' bytes (None where unreadable), their int64 labels, and
+``{position in the batch: why that record is bad}`` (empty when every record is good)."""
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """What every data set looks like to the loaders: ``len(reader)``, ``reader[i] -> (encoded bytes as a
+    uint8 array, label)``, ``reader.classes`` and ``reader.source(i)`` (where record ``i`` came from, for
+    messages). A reader may also have the optional members declared by the protocols below; the loaders
+    use each where `provides` finds it, and do without it otherwise."""
+
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]: ...
+    def source(self, i: int) -> str: ...
+
+
+class BatchReader(Protocol):
+    """Optional: reads a batch at once (in the reader threads, or as views of a map) with the read-time
+    checks of `read_checked`. The package's readers also have ``read_batch(indices) -> (bytes, labels)``,
+    the same without the checks."""
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch: ...
+
+
+class LabelledReader(Protocol):
+    """Optional: every record's label as one int64 array (read without the records), for label checks."""
+
+    labels: np.ndarray
+
+
+class FingerprintedReader(Protocol):
+    """Optional: what identifies the contents (a resume on other data is refused by it)."""
+
+    fingerprint: str
+
+
+class StreamingReader(Protocol):
+    """Optional: a reader of shards streamed in order (remote shards). ``shard_bounds`` are the first
+    record of each shard and the total; the loaders then use the streaming order over windows of
+    ``shuffle_window`` shards, tell the reader each pass's order (`schedule`) and what was delivered
+    (`advance`), so it downloads ahead."""
+
+    streaming: bool
+    shard_bounds: np.ndarray
+    shuffle_window: int
+
+    def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None: ...
+    def advance(self, count: int) -> None: ...
+
+
+_MISSING = object()
+
+
+def provides(reader: object, protocol: type) -> bool:
+    """Whether ``reader`` has every member ``protocol`` declares: looked up statically, so no property
+    is computed (a folder's fingerprint reads every file's metadata)."""
+    names = [*getattr(protocol, "__annotations__", {}), *(k for k, v in vars(protocol).items() if callable(v))]
+    return all(
+        inspect.getattr_static(reader, name, _MISSING) is not _MISSING for name in names if not name.startswith("_")
+    )
+
+
+def read_record(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | None]:
+    """``reader[i]`` as (bytes, label, None), or (None, -1, reason) when the record's file cannot be read
+    (permissions, a broken symlink, a file that vanished): a bad record, handled like any other."""
+    try:
+        data, label = reader[i]
+    except OSError as e:
+        return None, -1, f"unreadable: {e.strerror or e}"
+    return data, label, None
+
+
+def read_checked(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | None]:
+    """``reader[i]`` with the cheap checks: (bytes, label, None), or (bytes or None, label, why it is bad)."""
+    data, label, reason = read_record(reader, i)
+    if reason is None:
+        reason = check_label(label, len(reader.classes)) or check_encoded(data)
+    return data, label, reason
+
+
+def read_batch_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
+    """`read_checked` for a batch: through the reader's own ``read_batch_checked`` where it has one
+    (a packed set checks in O(1) per record, folders and shards read in parallel), else record by record."""
+    if provides(reader, BatchReader):
+        return reader.read_batch_checked(indices)  # type: ignore[attr-defined]
+    datas: list[np.ndarray | None] = []
+    labels: list[int] = []
+    bad: dict[int, str] = {}
+    for pos, i in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
+        data, label, reason = read_checked(reader, i)
+        datas.append(data)
+        labels.append(label)
+        if reason is not None:
+            bad[pos] = reason
+    return datas, np.asarray(labels, dtype=np.int64), bad
+
+
+READ_THREADS = 8  # files read at once per process: what hides a network file system's latency
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def read_pool() -> ThreadPoolExecutor:
+    """This process's pool of ``READ_THREADS`` reader threads, shared by every reader; made on first use
+    (and again in a forked child, which inherits the object but not its threads)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="dali_fast-read")
+        return _pool
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def read_parallel(read: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[read(x) for x in items]`` in order, by the read pool: the items split into one run per thread, so
+    that slow reads (a network file system) overlap and the pool's bookkeeping is per run, not per item.
+    An exception ``read`` raises reaches the caller once every run has finished: no read outlives the call."""
+    if len(items) < 2:
+        return [read(x) for x in items]
+    step = -(-len(items) // READ_THREADS)
+    runs = [read_pool().submit(_read_run, read, items[k : k + step]) for k in range(0, len(items), step)]
+    wait(runs)  # every run done, so a failure is raised with no read still holding a file open
+    return [r for run in runs for r in run.result()]
+
+
+def _read_run(read: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    return [read(x) for x in items]
+
+
+class SubsetReader:
+    """The reader interface over some of another reader's records (e.g. a held-out split)."""
+
+    def __init__(self, reader: Reader, indices: Sequence[int]) -> None:
+        self.reader, self.indices = reader, np.asarray(indices, dtype=np.int64)
+        self.classes = reader.classes
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return self.reader[int(self.indices[i])]
+
+    def source(self, i: int) -> str:
+        return self.reader.source(int(self.indices[i]))
+
+    @property
+    def labels(self) -> np.ndarray:
+        return np.asarray(self.reader.labels)[self.indices]  # type: ignore[attr-defined]
+
+
+def split(reader: Reader, holdout: float, seed: int = 0) -> tuple[SubsetReader, SubsetReader]:
+    """(train, held-out) subsets; the held-out share is drawn per class-agnostic permutation of (seed)."""
+    order = np.random.default_rng([seed, 99]).permutation(len(reader))
+    k = max(1, int(round(len(reader) * holdout)))
+    return SubsetReader(reader, np.sort(order[k:])), SubsetReader(reader, np.sort(order[:k]))
+
+
+def check_labels(reader: Reader, num_classes: int) -> None:
+    """Refuse, in one line, a data set whose labels fall outside 0..num_classes-1 (read once, on the CPU,
+    from the reader's label column where it has one), instead of checking each batch on the device."""
+    try:
+        labels = np.asarray(reader.labels, dtype=np.int64) if provides(reader, LabelledReader) else None  # type: ignore[attr-defined]
+    except AttributeError:  # a subset or a cache over a reader without a label column
+        labels = None
+    if labels is None:
+        return
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"record {i} ({reader.source(i)}) has label {int(labels[i])}, outside 0..{num_classes - 1} "
+            f"({num_classes} classes); {len(bad)} record(s) in all: fix the labels or the class list and pack again"
+        )
+
+
+def fingerprint(reader: Reader) -> str:
+    """What identifies the data set's contents, so a resume on other data of the same size is refused."""
+    if provides(reader, FingerprintedReader):
+        return str(reader.fingerprint)  # type: ignore[attr-defined]
+    return f"{type(reader).__name__}:{len(reader)}"

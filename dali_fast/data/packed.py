@@ -1,0 +1,276 @@
+"""`MemmapReader`: a packed data set (see `format`) read in place.
+
+Opening reads the 64-byte header, checks every file's size against it, and memory-maps the rest, so it
+costs the same for ten records or ten million; ``reader[i]`` is a zero-copy view of record ``i``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .base import CheckedBatch
+from .checks import (
+    JPEG_EOI_BYTES,
+    JPEG_SOI_BYTES,
+    PNG_IEND_BYTES,
+    PNG_SIGNATURE_BYTES,
+    QUICK_MIN,
+    check_encoded,
+    check_index,
+    check_label,
+)
+from .format import (
+    DATA_FILE,
+    FORMAT_VERSION,
+    HEADER_DTYPE,
+    INDEX_FILE,
+    MAGIC,
+    META_FILE,
+    PATHS_FILE,
+    RECORD_DTYPE,
+    SHARD_FILE,
+)
+
+
+def _read_classes(meta_path: Path) -> list[str]:
+    """The class names in a packed set's meta.json, or a one-line error naming the file."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{meta_path}: not valid JSON ({e}); pack the data set again") from None
+    classes = meta.get("classes") if isinstance(meta, dict) else None
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise ValueError(f"{meta_path}: has no 'classes' list of names; pack the data set again")
+    return classes
+
+
+class MemmapReader:
+    """Read-only, memory-mapped reader of a packed data set.
+
+    ``reader[i]`` returns a zero-copy ``uint8`` view of record ``i`` and its label.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._open()
+
+    def _open(self) -> None:
+        root = self.path
+        index_path = root / INDEX_FILE
+        for p in (index_path, root / PATHS_FILE, root / META_FILE):
+            if not p.is_file():
+                raise FileNotFoundError(
+                    f"{p}: missing; {root} is not a complete packed data set, pack it again "
+                    f"with `dali-fast pack SRC {root}`"
+                )
+        index_size = index_path.stat().st_size
+        if index_size < HEADER_DTYPE.itemsize:
+            raise ValueError(f"{index_path}: truncated header ({index_size} bytes); pack the data set again")
+        header = np.fromfile(index_path, dtype=HEADER_DTYPE, count=1)[0]
+        if bytes(header["magic"]) != MAGIC:
+            raise ValueError(f"{index_path}: wrong magic {bytes(header['magic'])!r}; not a dali_fast index")
+        version = int(header["version"])
+        if version == 1:
+            raise ValueError(
+                f"{index_path}: format version 1 (an older dali_fast, whose labels were not checksummed), "
+                f"this dali_fast reads version {FORMAT_VERSION}; pack the data set again with `dali-fast pack`"
+            )
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{index_path}: format version {version}, this dali_fast reads version {FORMAT_VERSION}; "
+                "pack the data set again with this version"
+            )
+        if int(header["record_size"]) != RECORD_DTYPE.itemsize:
+            raise ValueError(f"{index_path}: record size {int(header['record_size'])} != {RECORD_DTYPE.itemsize}")
+        count = int(header["count"])
+        expected = HEADER_DTYPE.itemsize + count * RECORD_DTYPE.itemsize
+        if index_size != expected:
+            raise ValueError(
+                f"{index_path}: {index_size} bytes, expected {expected} for {count} records (truncated?); "
+                "pack the data set again"
+            )
+        data_size = int(header["data_size"])
+        self.shard_size = int(header["shard_size"])
+        data_paths = self._data_files(root)
+        actual = sum(p.stat().st_size for p in data_paths)
+        if actual != data_size:
+            where = data_paths[0] if len(data_paths) == 1 else f"{root}/data-*.bin ({len(data_paths)} shards)"
+            raise ValueError(
+                f"{where}: {actual} bytes, the index says {data_size} (truncated or modified); pack the data set again"
+            )
+        paths_size = int(header["paths_size"])
+        if (root / PATHS_FILE).stat().st_size != paths_size:
+            raise ValueError(f"{root / PATHS_FILE}: size does not match the index; pack the data set again")
+        self.classes: list[str] = _read_classes(root / META_FILE)
+        if len(self.classes) != int(header["classes"]):
+            raise ValueError(
+                f"{root / META_FILE}: lists {len(self.classes)} classes, the index was written for "
+                f"{int(header['classes'])}; pack the data set again"
+            )
+        self.index_crc32 = int(header["index_crc32"])
+        self.count = count
+        self.data_size = data_size
+        self.records = (
+            np.memmap(index_path, dtype=RECORD_DTYPE, mode="r", offset=HEADER_DTYPE.itemsize, shape=(count,))
+            if count
+            else np.zeros(0, RECORD_DTYPE)
+        )
+        self.shards = [
+            np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8) for p in data_paths
+        ]
+        self.data = self.shards[0] if not self.shard_size else None  # the one data file of an unsharded set
+        # Plain-array views of the same maps, for the batch reads: slicing a memmap subclass costs a
+        # Python-level __array_finalize__ per record, slicing an ndarray does not.
+        self._rows = np.asarray(self.records)
+        self._flat = [np.asarray(m) for m in self.shards]
+        self._paths = np.memmap(root / PATHS_FILE, dtype=np.uint8, mode="r") if paths_size else np.zeros(0, np.uint8)
+
+    def _data_files(self, root: Path) -> list[Path]:
+        """data.bin, or the shards data-00000.bin ... in order (each must exist)."""
+        if not self.shard_size:
+            path = root / DATA_FILE
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path}: missing; {root} is not a complete packed data set, pack it again "
+                    f"with `dali-fast pack SRC {root}`"
+                )
+            return [path]
+        found = sorted(root.glob("data-*.bin"))
+        expected = [root / SHARD_FILE.format(k) for k in range(len(found))]
+        if not found or found != expected:
+            raise FileNotFoundError(
+                f"{root}: the data shards are not data-00000.bin ... data-{len(found) - 1:05d}.bin in sequence; "
+                f"a shard is missing: pack it again with `dali-fast pack SRC {root}`"
+            )
+        return found
+
+    def _view(self, offset: int, length: int) -> np.ndarray:
+        if not self.shard_size:
+            return self.shards[0][offset : offset + length]
+        shard, local = divmod(offset, self.shard_size)  # a record never spans two shards
+        return self.shards[shard][local : local + length]
+
+    # Memmaps would pickle their whole contents: reopen by path instead (DataLoader workers).
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path = state["path"]
+        self._open()
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def labels(self) -> np.ndarray:
+        """All labels as an int64 array (reads the index column); refuses labels outside the classes."""
+        labels = np.asarray(self.records["label"], dtype=np.int64)
+        if len(labels) and int(labels.max()) >= len(self.classes):
+            bad = int(np.argmax(labels >= len(self.classes)))
+            raise ValueError(
+                f"{self.path / INDEX_FILE}: record {bad} has label {int(labels[bad])}, but there are "
+                f"{len(self.classes)} classes; check it with `dali-fast inspect --verify` and pack the data set again"
+            )
+        return labels
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data set's contents (record count, data size, index checksum), e.g. for resuming."""
+        return f"packed:{self.count}:{self.data_size}:{self.index_crc32:08x}"
+
+    def index_intact(self) -> bool:
+        """True when the index rows (offsets, lengths, labels, checksums) are as `pack` wrote them."""
+        rows = self.records.tobytes() if self.count else b""
+        return zlib.crc32(rows) == self.index_crc32
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        rec = self.records[check_index(i, self.count)]
+        return self._view(int(rec["offset"]), int(rec["length"])), int(rec["label"])
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Records for ``indices``: a list of zero-copy views and an int64 label array."""
+        views, labels, _, _ = self._batch(indices)
+        return views, labels
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """`read_batch` with the read-time checks, O(1) per record: (views, labels, {position: reason}).
+
+        `pack` checked every record's structure (``verify`` decodes it; without it, `check_encoded`
+        walks it) and stored its crc, so reading checks only what damage after packing would break
+        first: the label is one of the classes, a JPEG starts with its SOI and ends with its EOI, a
+        PNG starts with its signature and ends with IEND. Those bytes are gathered for the whole batch
+        at once; the few records that do not pass (data after the image's end, damage) get the full
+        `check_encoded`, which names what is wrong. Damage between the ends (in the headers or the
+        compressed data) passes: the pipeline finds what breaks its decoder by decoding the failed
+        batch's records one by one, and `verify` finds all of it beforehand by the crc.
+        """
+        views, labels, offsets, lengths = self._batch(indices)
+        ok = (lengths >= QUICK_MIN) & (labels < len(self.classes))
+        rows = np.flatnonzero(ok)  # the others are bad, or too short for the quick look: the full check decides
+        edges = self._edges(offsets[rows], lengths[rows])
+        heads, tails = edges[:, :8], edges[:, 8:]
+        jpeg = (heads[:, :3] == JPEG_SOI_BYTES).all(axis=1) & (tails[:, -2:] == JPEG_EOI_BYTES).all(axis=1)
+        png = (heads == PNG_SIGNATURE_BYTES).all(axis=1) & (tails == PNG_IEND_BYTES).all(axis=1)
+        ok[rows] = jpeg | png
+        bad: dict[int, str] = {}
+        for pos in np.flatnonzero(~ok).tolist():  # rare: data after the image's end, or damage
+            reason = check_label(int(labels[pos]), len(self.classes)) or check_encoded(views[pos])
+            if reason is not None:
+                bad[pos] = reason
+        return views, labels, bad
+
+    def _batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """(views, labels, offsets, lengths) of ``indices``, the arrays int64 (negative indices count from the end)."""
+        rows = self._rows[np.asarray(indices, dtype=np.int64)]
+        offsets, lengths = rows["offset"].astype(np.int64), rows["length"].astype(np.int64)
+        if not self.shard_size:
+            data = self._flat[0]
+            views = [data[a:b] for a, b in np.stack([offsets, offsets + lengths], axis=1).tolist()]
+        else:  # shard k holds the global offsets [k * size, (k + 1) * size); a record never spans two
+            size, shards = self.shard_size, self._flat
+            spans = np.stack([offsets // size, offsets % size, offsets % size + lengths], axis=1).tolist()
+            views = [shards[k][a:b] for k, a, b in spans]
+        return views, rows["label"].astype(np.int64), offsets, lengths
+
+    def _edges(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The first 8 and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records, 20) uint8
+        array, gathered from the maps at once (once per shard the records are in)."""
+        at = np.concatenate(
+            [offsets[:, None] + np.arange(8), (offsets + lengths)[:, None] - np.arange(12, 0, -1)], axis=1
+        )
+        span = self.shard_size or self.data_size  # unsharded: one shard, in which every such record starts
+        shard = offsets // span
+        out = np.empty(at.shape, np.uint8)
+        for k in np.unique(shard).tolist():
+            rows = shard == k
+            out[rows] = self._flat[k][at[rows] - k * span]
+        return out
+
+    def source(self, i: int) -> str:
+        """The path the record was packed from."""
+        rec = self.records[check_index(i, self.count)]
+        off, n = int(rec["path_offset"]), int(rec["path_length"])
+        return bytes(self._paths[off : off + n]).decode("utf-8", errors="surrogateescape")
+
+    def verify(self, progress: bool = False) -> list[int]:
+        """Check every record's crc32; returns the indices whose bytes do not match (see also `index_intact`)."""
+        bad: list[int] = []
+        it = range(self.count)
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc="verify", unit="rec")  # pragma: no mutate (display only)
+        for i in it:
+            view, _ = self[i]
+            if zlib.crc32(view) != int(self.records[i]["crc32"]):
+                bad.append(i)
+        return bad
+
+    def __repr__(self) -> str:
+        return f"MemmapReader({str(self.path)!r}, records={self.count}, classes={len(self.classes)})"

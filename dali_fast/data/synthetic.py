@@ -1,0 +1,116 @@
+"""The embedded default data set: ImageNet-like JPEGs made on demand, deterministic for a seed
+(`make_synthetic`), kept packed in the cache folder for ``bench`` and ``train`` (`default_dataset`).
+
+Each image is a smooth random field (upsampled low-resolution noise) with fine noise on top,
+so it compresses like a photo. Each class has its own tint and stripe orientation, so a
+small network can learn the classes: a falling loss proves images and labels arrive intact.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..system import atomic_dir, default_cache_dir
+from .writer import pack
+
+log = logging.getLogger(__name__)
+
+
+def class_style(label: int, classes: int) -> tuple[np.ndarray, float]:
+    """(RGB tint in [0, 1], stripe angle in radians) for a class."""
+    rng = np.random.default_rng([12345, label])
+    hue = label / max(classes, 1)
+    tint = 0.5 + 0.45 * np.cos(2 * np.pi * (hue + np.array([0.0, 1 / 3, 2 / 3])))
+    return tint * rng.uniform(0.85, 1.0), np.pi * label / max(classes, 1)
+
+
+def make_image(rng: np.random.Generator, label: int, classes: int) -> tuple[bytes, tuple[int, int]]:
+    """One JPEG: (encoded bytes, (width, height))."""
+    from PIL import Image
+
+    area = rng.normal(500 * 375, 60_000)
+    aspect = np.exp(rng.uniform(np.log(0.6), np.log(1.8)))
+    w = int(np.clip(np.sqrt(max(area, 40_000) * aspect), 160, 1000))
+    h = int(np.clip(w / aspect, 120, 1000))
+    tint, angle = class_style(label, classes)
+    tint = tint.astype(np.float32)
+    low = rng.uniform(0, 1, size=(rng.integers(4, 9), rng.integers(4, 9), 3)).astype(np.float32)
+    field = np.asarray(Image.fromarray((low * 255).astype(np.uint8)).resize((w, h), Image.BICUBIC), np.float32)
+    period = rng.uniform(12, 24)
+    # stripes = 0.5 + 0.5 sin(2 pi (x cos a + y sin a) / period), as an outer sum: float32, one pass
+    k = np.float32(2 * np.pi / period)
+    phase = np.arange(w, dtype=np.float32)[None, :] * (k * np.float32(np.cos(angle)))
+    phase = phase + np.arange(h, dtype=np.float32)[:, None] * (k * np.float32(np.sin(angle)))
+    stripes = np.sin(phase, out=phase)
+    stripes *= 60.0
+    stripes += 60.0  # 120 x (0.5 + 0.5 sin)
+    img = rng.standard_normal(size=(h, w, 3), dtype=np.float32)
+    img *= 6.0
+    img += 0.45 * field
+    img += stripes[..., None] * tint
+    img *= 0.6 + 0.6 * tint
+    img = np.clip(img, 0, 255, out=img).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(img).save(out, "JPEG", quality=int(rng.integers(75, 96)))
+    return out.getvalue(), (w, h)
+
+
+def make_synthetic(
+    out: str | os.PathLike, images: int = 1000, classes: int = 10, seed: int = 0, progress: bool = True
+) -> Path:
+    """Write an ImageFolder of ``images`` JPEGs in ``classes`` classes at ``out``; returns ``out``.
+
+    The same (images, classes, seed) always gives the same bytes. ``out`` must not exist (or be an
+    empty folder): the set is written into a temporary folder beside it and renamed into place when
+    complete, so two runs never mix and an interrupted run leaves nothing at ``out``.
+    """
+    if images < 1 or classes < 1:
+        raise ValueError(f"images={images}, classes={classes}: both must be >= 1")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: is a file; make-synthetic writes a new folder, choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: already exists and is not empty; choose a new folder or remove it")
+    width = len(str(classes - 1))
+    names = [f"class_{c:0{width}d}" for c in range(classes)]
+    with atomic_dir(out, what="make-synthetic run") as tmp:
+        for name in names:
+            (tmp / name).mkdir()
+        it = range(images)
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc="make-synthetic", unit="img")
+        for i in it:
+            label = i % classes
+            data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
+            (tmp / names[label] / f"img_{i:07d}.jpg").write_bytes(data)
+    log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
+    return out
+
+
+def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
+    """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder."""
+    root = default_cache_dir() / f"synthetic-{images}x{classes}"
+    folder, packed = root / "images", root / "packed"
+    if packed.exists():
+        return folder, packed
+    root.mkdir(parents=True, exist_ok=True)
+    # Under torchrun every rank arrives here at once: the first makes the set, the others wait for it.
+    with open(root / ".lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no flock (Windows): one process at a time is then the user's affair
+            pass
+        if not packed.exists():
+            if not folder.exists():  # complete if it exists (written atomically)
+                make_synthetic(folder, images=images, classes=classes, progress=progress)
+            pack(folder, packed, progress=progress, verify=False)
+    return folder, packed

@@ -1,0 +1,227 @@
+"""`WebDatasetReader`: WebDataset tar shards (see `shards`) read in place, with random access.
+
+The reader walks the tar headers once, keeps an index of (shard, offset, size, label) per sample, and hands
+out zero-copy views into the memory-mapped shards, so the sampler, both iterators, the cache, ``bench``
+and ``train`` work on it unchanged. The index is saved under ``$DALI_FAST_CACHE/wds-index``, keyed by
+the shards' paths, sizes and modification times, so opening the same shards again costs milliseconds.
+
+What this is not: streaming from object storage (that is `remote`). Random access needs the shards on a
+local or shared file system; compressed shards (``.tar.gz``) have no random access and are refused with
+what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..system import atomic_write, default_cache_dir
+from .base import CheckedBatch, check_on_error, read_parallel
+from .checks import check_encoded, check_index
+from .shards import expand_shards, index_shard, refuse_compressed
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+
+
+class WebDatasetReader:
+    """The reader interface over WebDataset tar shards (see the module docstring).
+
+    ``label_key`` names the label in ``.json`` members (used when a sample has no ``.cls``).
+    ``on_error="skip"`` leaves out, counts and names samples without an image or a label and damaged
+    shards; ``"raise"`` refuses them in one line naming the shard and member.
+    """
+
+    def __init__(
+        self,
+        shards: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        label_key: str = "label",
+        on_error: str = "skip",
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        paths = expand_shards(shards) if isinstance(shards, str | os.PathLike) else [Path(p) for p in shards]
+        if not paths:
+            raise ValueError("no shards given")
+        for p in paths:
+            refuse_compressed(p)
+        self.shards = [p.resolve() for p in paths]
+        self.label_key = label_key
+        self.on_error = check_on_error(on_error)
+        self.path = self.shards[0].parent
+        self.skipped: list[tuple[str, str]] = []
+        self.ignored: Counter[str] = Counter()  # members with other extensions, by extension
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "wds-index"
+        self.index_file = cache / f"{self._cache_key()}.npz"
+        if not self._load_index():
+            self._build_index()
+            self._save_index()
+        self._maps: list[np.memmap | None] = [None] * len(self.shards)
+        labels = self._labels
+        self.classes = [str(i) for i in range(int(labels.max()) + 1)] if len(labels) else []
+        if self.skipped:
+            log.warning(
+                "%d samples left out of %d shards (first: %s: %s)",
+                len(self.skipped),
+                len(self.shards),
+                *self.skipped[0],
+            )
+        if not len(self._labels):
+            raise ValueError(f"{self.shards[0]}: no samples with an image and a label in {len(self.shards)} shard(s)")
+
+    # ------------------------------------------------------------------ index
+    def _cache_key(self) -> str:
+        h = hashlib.sha1(f"v{INDEX_VERSION}|{self.label_key}|{self.on_error}".encode())
+        for p in self.shards:
+            st = p.stat()
+            h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        return h.hexdigest()
+
+    def _build_index(self) -> None:
+        shard_ids, offsets, sizes, labels, names = [], [], [], [], []
+        for s, path in enumerate(self.shards):
+            found = index_shard(path, label_key=self.label_key, on_error=self.on_error)
+            self.skipped += found.skipped
+            self.ignored.update(found.ignored)
+            shard_ids.append(np.full(len(found.labels), s, dtype=np.uint32))
+            offsets.append(found.offsets)
+            sizes.append(found.sizes)
+            labels.append(found.labels)
+            names += found.names
+        self._shard = np.concatenate(shard_ids).astype(np.uint32)
+        self._offset = np.concatenate(offsets).astype(np.uint64)
+        self._size = np.concatenate(sizes).astype(np.uint64)
+        self._labels = np.concatenate(labels).astype(np.int64)
+        blob = "\n".join(names).encode("utf-8", "surrogateescape")
+        self._names = np.frombuffer(blob, dtype=np.uint8).copy()
+        self._name_ends = np.cumsum([len(n.encode("utf-8", "surrogateescape")) + 1 for n in names], dtype=np.int64)
+
+    def _save_index(self) -> None:
+        arrays = {
+            "shard": self._shard,
+            "offset": self._offset,
+            "size": self._size,
+            "labels": self._labels,
+            "names": self._names,
+            "name_ends": self._name_ends,
+            "skipped": np.asarray(json.dumps([list(x) for x in self.skipped]).encode(), dtype=bytes),
+            "ignored": np.asarray(json.dumps(dict(self.ignored)).encode(), dtype=bytes),
+        }
+        try:
+            atomic_write(self.index_file, lambda f: np.savez(f, **arrays))
+        except OSError as e:  # a read-only cache folder costs the next open a scan, nothing more
+            log.warning(
+                "cannot save the shard index to %s (%s); set DALI_FAST_CACHE to a writable folder", self.index_file, e
+            )
+
+    def _load_index(self) -> bool:
+        try:
+            with np.load(self.index_file) as z:
+                self._shard, self._offset, self._size = z["shard"], z["offset"], z["size"]
+                self._labels, self._names, self._name_ends = z["labels"], z["names"], z["name_ends"]
+                self.skipped = [tuple(x) for x in json.loads(bytes(z["skipped"]))]
+                self.ignored = Counter(json.loads(bytes(z["ignored"])))
+        except (OSError, KeyError, ValueError):
+            return False
+        return True
+
+    # ------------------------------------------------------------------ reader interface
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all images (the index's sizes)."""
+        return int(self._size.sum())
+
+    @property
+    def fingerprint(self) -> str:
+        return f"webdataset:{len(self)}:{self.index_file.stem[:16]}"
+
+    def _map(self, shard: int) -> np.memmap:
+        m = self._maps[shard]
+        if m is None:
+            m = self._maps[shard] = np.memmap(self.shards[shard], dtype=np.uint8, mode="r")
+        return m
+
+    def member(self, i: int) -> tuple[str, int, int]:
+        """(shard path, offset, size) of record ``i``'s image in its shard."""
+        j = check_index(i, len(self))
+        return str(self.shards[int(self._shard[j])]), int(self._offset[j]), int(self._size[j])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        j = check_index(i, len(self))
+        off, size = int(self._offset[j]), int(self._size[j])
+        return self._map(int(self._shard[j]))[off : off + size], int(self._labels[j])
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """The images of ``indices``, read in parallel by the read pool, and their labels (an unreadable
+        or shortened shard raises OSError)."""
+        got, labels = self._read_members(indices, _read_member)
+        return got, labels
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """`read_batch` with `check_encoded` on every image, in the reader threads (nothing checked the
+        members before); a member that cannot be read is a bad record, not an error."""
+        got, labels = self._read_members(indices, _read_member_checked)
+        return [d for d, _ in got], labels, {pos: why for pos, (_, why) in enumerate(got) if why is not None}
+
+    def _read_members(self, indices: Sequence[int], read: Callable) -> tuple[list, np.ndarray]:
+        idx = np.asarray(indices, dtype=np.int64)
+        shards = [str(self.shards[s]) for s in self._shard[idx].tolist()]
+        members = zip(shards, self._offset[idx].tolist(), self._size[idx].tolist(), strict=True)
+        return read_parallel(read, list(members)), self._labels[idx]
+
+    def source(self, i: int) -> str:
+        """``shard.tar:member`` of record ``i``."""
+        j = check_index(i, len(self))
+        start = int(self._name_ends[j - 1]) if j else 0
+        name = bytes(self._names[start : int(self._name_ends[j]) - 1]).decode("utf-8", "surrogateescape")
+        return f"{self.shards[int(self._shard[j])]}:{name}"
+
+    # DataLoader workers: reopen by paths (the index comes from the cache file).
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_maps"] = [None] * len(self.shards)
+        return state
+
+    def __repr__(self) -> str:
+        return f"WebDatasetReader({len(self.shards)} shards, records={len(self)}, classes={len(self.classes)})"
+
+
+def _pread(member: tuple[str, int, int]) -> bytes:
+    """The bytes of a (shard, offset, size) member: one positioned read (no shared file position)."""
+    path, offset, size = member
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise OSError(errno.EIO, f"the shard ends at byte {offset + len(data)}, inside this member; index it again")
+    return data
+
+
+def _read_member(member: tuple[str, int, int]) -> np.ndarray:
+    return np.frombuffer(_pread(member), dtype=np.uint8)
+
+
+def _read_member_checked(member: tuple[str, int, int]) -> tuple[np.ndarray | None, str | None]:
+    try:
+        data = _pread(member)
+    except OSError as e:
+        return None, f"unreadable: {e.strerror or e}"
+    return np.frombuffer(data, dtype=np.uint8), check_encoded(data)

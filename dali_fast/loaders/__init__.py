@@ -1,0 +1,1 @@
+"""Loaders: the epoch driver every backend shares (`base.LoaderBase`), the backends, and `factory.make_loader`."""

@@ -1,0 +1,393 @@
+"""`LoaderBase`: the epoch driver every backend shares, and what a backend must write (see its docstring).
+It imports no backend: `DALIIterator` and `TorchIterator` are subclasses in their own modules.
+
+Also here: what both backends raise and count for a bad record (`BadRecordError`, `SkipLog`, ``ON_ERROR``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provides
+from ..data.cache import CachedReader, LRUCache
+from ..system import cuda_usable
+from ..transforms.recipe import Recipe, resolve_recipe
+from .sampler import EpochSampler, LoaderSampler, dist_rank_world
+from .shard_order import StreamingOrder, make_order
+
+__all__ = ["ON_ERROR", "BadRecordError", "LoaderBase", "SkipLog", "bad_record_message"]
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class BadRecordError(ValueError):
+    """A record that cannot be decoded; names its index and source path."""
+
+
+@dataclass
+class SkipLog:
+    """Skipped records: counted, and each logged once."""
+
+    count: int = 0
+    logged: set[int] = field(default_factory=set)
+
+    def add(self, index: int, source: str, reason: str) -> None:
+        self.count += 1
+        if index not in self.logged:
+            self.logged.add(index)
+            log.warning("skipping record %d (%s): %s", index, source, reason)
+
+
+def bad_record_message(reader: Reader, index: int, reason: str) -> str:
+    return (
+        f"record {index} ({reader.source(index)}): {reason}; remove or re-pack it, "
+        "or skip bad records with on_error='skip' (dali-fast: --on-error skip)"
+    )
+
+
+_ABANDONED = (
+    "this pass over the loader was abandoned when another started (iter(), set_epoch() or load_state_dict()); "
+    "iterate one pass at a time"
+)
+
+
+class LoaderBase:
+    """The epoch driver every backend shares: the epoch order and its cursor, resume, sharding across
+    ranks, the batch size and the controller hooks. Exactly-once and resume live here, once.
+
+    ``recipe`` (a `dali_fast.Recipe`) is the per-image transform; ``image_size``, ``dtype`` and
+    ``memory_format`` adjust the default recipe and must agree with a given one.
+
+    The position is the number of this rank's samples already *yielded* in the current epoch
+    (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
+    resumes at exactly the next sample. ``last_indices`` holds the data set indices the last
+    yielded batch accounts for (skipped undecodable records included), for audits and debugging.
+
+    A backend is a subclass that calls ``super().__init__(dataset, batch_size, **kwargs)`` first and
+    writes two methods, which the base does not:
+
+    - ``_run(plan, start)``: for each batch of ``plan`` (arrays of data set indices, in order; ``start``
+      is the position of the first), yield ``(images, labels, consumed)``, ``consumed`` being the planned
+      samples the batch accounts for, bad records it skipped included. In order, nothing dropped or
+      repeated; it may work ahead (the base counts what was yielded, not what was asked for). Bad records
+      follow ``self.on_error``: `BadRecordError` naming the record, or ``self._skips.add(...)``.
+    - ``close()``: release what the backend holds between passes (processes, a pipeline, buffers); the
+      next pass starts them again. A backend that holds nothing writes ``def close(self): pass``.
+
+    Optional: ``_release_stale(batch_size)``, to free before the controller measures what the coming
+    pass will not use. A subclass that lacks one of the two, or whose ``__init__`` does not reach the
+    base's, is told so in one line.
+    """
+
+    backend = "base"
+    _REQUIRED = ("_run", "close")
+
+    def __init__(
+        self,
+        dataset: Reader,
+        batch_size: int,
+        *,
+        train: bool = True,
+        image_size: int | None = None,
+        device: str = "auto",
+        seed: int = 0,
+        drop_last: bool = False,
+        cache_bytes: int = 0,
+        controller: Any = None,
+        num_threads: int | None = None,
+        dtype: torch.dtype | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: str = "raise",
+        prefetch: int = 2,
+        memory_format: torch.memory_format | None = None,
+        recipe: Recipe | None = None,
+    ) -> None:
+        missing = [name for name in self._REQUIRED if getattr(type(self), name) is getattr(LoaderBase, name)]
+        if missing:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not write {' and '.join(missing)}: a LoaderBase backend writes "
+                "_run(plan, start), which yields each planned batch, and close(), which releases what it holds"
+            )
+        if not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+        # image_size, dtype and memory_format are the recipe's; as arguments they adjust the default one.
+        self.recipe = resolve_recipe(recipe, image_size=image_size, dtype=dtype, memory_format=memory_format)
+        if device not in ("auto", "cpu", "cuda", "gpu"):
+            raise ValueError(f"device={device!r}: use 'auto' (GPU when CUDA is usable), 'cuda' or 'cpu'")
+        check_on_error(on_error)
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes={cache_bytes}: must be >= 0 (0 disables the cache)")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads={num_threads}: must be >= 1")
+        if prefetch < 1:
+            raise ValueError(f"prefetch={prefetch}: must be >= 1")
+        if len(dataset) == 0:
+            raise ValueError("the data set is empty; nothing to load")
+        if device in ("cuda", "gpu") and not cuda_usable():
+            raise ValueError(f"device={device!r} but CUDA is not usable here; use device='auto' or 'cpu'")
+        self.gpu = device in ("cuda", "gpu") or (device == "auto" and cuda_usable())
+        self._rank_arg, self._world_arg = rank, world_size
+        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.cache: LRUCache | None = LRUCache(cache_bytes) if cache_bytes else None
+        self.dataset: Reader = CachedReader(dataset, self.cache) if self.cache is not None else dataset
+        self.train = bool(train)
+        self.image_size = self.recipe.image_size
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.num_threads = num_threads
+        self.dtype = self.recipe.out_dtype
+        self.on_error = on_error
+        self.prefetch = int(prefetch)
+        self.memory_format = self.recipe.memory_format
+        self._data = dataset
+        # A reader that streams shards (remote data) is told each pass's order, to download ahead.
+        self._streaming: Any = dataset if provides(dataset, StreamingReader) and dataset.streaming else None  # type: ignore[attr-defined]
+        self.order: EpochSampler | StreamingOrder = self._new_order(self.rank, self.world_size)
+        self.controller = controller
+        self._batch_size = int(batch_size)
+        if controller is not None:
+            controller.attach(int(batch_size))
+        self._epoch_bs: int | None = None  # batch size of the epoch in progress
+        self._finished = False  # the current epoch was consumed to the end
+        self._skips = SkipLog()
+        self._ctrl_epoch: int | None = None  # the epoch the controller is measuring
+        self.last_indices: np.ndarray = np.empty(0, dtype=np.int64)
+        self._resumed = False  # load_state_dict() was called since the last iter()
+        self._active: weakref.ref | None = None  # the pass in progress, if any
+        self._current_pass: object | None = None  # the token of the pass allowed to deliver batches
+        self._ready = True  # the base's __init__ ran (see `_check_ready`)
+
+    def _check_ready(self) -> None:
+        """A subclass whose ``__init__`` did not run the base's is named in one line, not an AttributeError."""
+        if not self.__dict__.get("_ready"):
+            raise NotImplementedError(
+                f"{type(self).__name__} was not set up by LoaderBase.__init__: "
+                "did you call super().__init__(dataset, batch_size, **kwargs)?"
+            )
+
+    # ------------------------------------------------------------------ public surface
+    batch_sampler = None  # batches are cut inside the loader (DataLoader's attribute, for frameworks that read it)
+
+    @property
+    def sampler(self) -> LoaderSampler:
+        """This rank's order for the current epoch, as a `torch.utils.data.Sampler`.
+
+        Frameworks call ``loader.sampler.set_epoch(epoch)`` (Lightning does, each epoch): that goes
+        through ``loader.set_epoch``, so it keeps a resumed position and is refused during a pass.
+        """
+        return LoaderSampler(self)
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size of the epoch in progress, else of the next epoch."""
+        if self._epoch_bs is not None:
+            return self._epoch_bs
+        return int(self.controller.batch_size) if self.controller is not None else self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if self._current_pass is not None and self._pass_running():
+            raise ValueError("the batch size can change only between epochs; set it before iterating")
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"batch_size={value!r}: must be a positive integer")
+        if self.controller is not None:
+            self.controller.attach(int(value))
+        self._batch_size = int(value)
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
+    @property
+    def skipped(self) -> int:
+        """Records skipped as undecodable (``on_error='skip'``), over the iterator's life."""
+        return self._skips.count
+
+    def _new_order(self, rank: int, world_size: int) -> EpochSampler | StreamingOrder:
+        """The epoch order: shards streamed for a streaming reader, else random access (`shard_order.make_order`)."""
+        return make_order(
+            self._data, seed=self.seed, shuffle=self.train, rank=rank, world_size=world_size, drop_last=self.drop_last
+        )
+
+    def cache_stats(self) -> dict[str, float] | None:
+        return self.cache.stats() if self.cache is not None else None
+
+    def _follow_process_group(self) -> None:
+        """Take rank and world size from a process group started after this loader was made (Lightning
+        and Accelerate start it after the user built the loader); explicit rank/world_size stay."""
+        self._check_ready()
+        rank, world = dist_rank_world(self._rank_arg, self._world_arg)
+        if (rank, world) == (self.rank, self.world_size):
+            return
+        if self.order.position not in (0, len(self.order)) or self._pass_running():
+            raise RuntimeError(
+                f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
+                f"{self.rank} of {self.world_size}; make the loader after the process group starts"
+            )
+        epoch = self.order.epoch
+        self.rank, self.world_size = rank, world
+        self.order = self._new_order(rank, world)
+        self.order.set_epoch(epoch)
+        log.info("loader: now rank %d of %d (the process group started after the loader was made)", rank, world)
+
+    def __len__(self) -> int:
+        """Batches in this epoch on this rank, at this epoch's batch size."""
+        self._follow_process_group()
+        n, bs = len(self.order), self.batch_size
+        return n // bs if self.drop_last else math.ceil(n / bs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order. Calling it with the epoch a resumed state is in keeps the position."""
+        self._supersede_pass("set_epoch()")
+        epoch = int(epoch)
+        if epoch != self.order.epoch or self._finished:
+            self.order.set_epoch(epoch)
+            self._finished = False
+            self._resumed = False
+
+    def _pass_running(self) -> bool:
+        """A pass has started (its first batch was asked for) and has not ended or been closed."""
+        gen = self._active() if self._active is not None else None
+        return gen is not None and inspect.getgeneratorstate(gen) in (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
+
+    def _supersede_pass(self, what: str) -> None:
+        """Start over from ``what`` (a new iter(), set_epoch, load_state_dict) while an earlier pass is
+        suspended: that pass is abandoned, as a DataLoader abandons its old iterator, and raises a
+        one-line error if it is asked for another batch, so no batch is ever delivered by two passes."""
+        self._check_ready()
+        if self._pass_running():  # started: abandon it (a pass not started yet plans when it starts)
+            log.debug("%s abandons the pass in progress", what)
+            self._current_pass = None
+            self._epoch_bs = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: epoch, samples yielded so far, and what must match to resume."""
+        self._check_ready()
+        sd: dict[str, Any] = {
+            "sampler": self.order.state_dict(),
+            "finished": self._finished,
+            "batch_size": self._batch_size,
+            "backend": self.backend,
+        }
+        if self.controller is not None:
+            sd["controller"] = self.controller.state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next batch starts at exactly the sample after the last one yielded."""
+        self._supersede_pass("load_state_dict()")
+        if (
+            not isinstance(state, dict)
+            or not isinstance(state.get("sampler"), dict)
+            or not {
+                "epoch",
+                "position",
+            }
+            <= set(state["sampler"])
+        ):
+            raise ValueError(
+                "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
+            )
+        saved_kind, kind = state["sampler"].get("order", "random"), getattr(self.order, "kind", "random")
+        if saved_kind != kind:
+            raise ValueError(
+                f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
+                "order; resume with the data set it was saved with"
+            )
+        self.order.load_state_dict(state["sampler"])
+        self._finished = bool(state.get("finished", False))
+        self._batch_size = int(state.get("batch_size", self._batch_size))
+        if self.controller is not None and "controller" in state:
+            self.controller.load_state_dict(state["controller"])
+        self._resumed = True  # the next iter() continues from here instead of restarting the epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        """A pass over the rest of the epoch: the whole current epoch, as a DataLoader does, unless
+        ``load_state_dict()`` was called since the last ``iter()`` (then from the saved position).
+
+        The pass decides what it covers when its first batch is asked for, so ``set_epoch`` between
+        ``iter()`` and the first ``next()`` (as Lightning calls them) still applies.
+        """
+        self._supersede_pass("iter()")
+        token = object()
+        gen = self._epoch(token)
+        self._current_pass = token
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _plan_pass(self) -> tuple[list[np.ndarray], int, int]:
+        """(index batches, batch size, start position) of the pass that starts now."""
+        self._follow_process_group()
+        if self._finished:
+            # Looping again without set_epoch: move on to the next epoch's order.
+            self.order.set_epoch(self.order.epoch + 1)
+            self._finished = False
+        elif not self._resumed:
+            self.order.position = 0  # e.g. after a peek with next(iter(loader)) or a break
+        self._resumed = False
+        bs = self.batch_size
+        start = self.order.position
+        shard = self.order.indices()
+        stop = len(shard)
+        if self.drop_last:
+            stop = start + (len(shard) - start) // bs * bs
+        return [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)], bs, start
+
+    # ------------------------------------------------------------------ epoch driver
+    def _epoch(self, token: object) -> Iterator[Batch]:
+        if self._current_pass is not token:
+            raise RuntimeError(_ABANDONED)
+        plan, bs, start = self._plan_pass()
+        self._epoch_bs = bs
+        self._release_stale(bs)  # before the controller releases caches and starts measuring
+        if self.controller is not None and (start == 0 or self._ctrl_epoch != self.order.epoch):
+            # From the epoch's start, or from a resumed position when this process has not measured it yet.
+            self.controller.begin_epoch()
+            self._ctrl_epoch = self.order.epoch
+        shard = self.order.indices()
+        if self._streaming is not None:  # what this pass reads, then the next epoch: downloaded ahead
+            upcoming = np.concatenate(plan) if plan else shard[:0]
+            self._streaming.schedule(upcoming, then=self.order.indices(self.order.epoch + 1))
+        try:
+            for images, labels, consumed in self._run(plan, start):
+                at = self.order.position
+                self.last_indices = shard[at : at + consumed]
+                self.order.position += consumed
+                if self._streaming is not None:
+                    self._streaming.advance(consumed)  # the batch is decoded: its shards' use may be over
+                yield images, labels
+                if self._current_pass is not token:
+                    raise RuntimeError(_ABANDONED)
+            self.order.position = len(self.order)
+            self._finished = True
+            if self.controller is not None:
+                self.controller.end_epoch(self.order.epoch)
+        finally:
+            if self._current_pass is token:
+                self._epoch_bs = None
+
+    def _release_stale(self, batch_size: int) -> None:
+        """Free what the backend keeps that the pass about to start at ``batch_size`` will not use. Called
+        before the controller releases cached memory and resets its peak, so the epoch's reading is its own."""
+
+    def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Yield (images, labels, planned samples accounted for) for each planned batch, in order (the
+        backend writes it; see the class docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write _run(plan, start)")
+
+    def close(self) -> None:
+        """Release what the backend holds between passes (worker processes, a pipeline); a later pass
+        starts again (the backend writes it; see the class docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write close()")

@@ -1,0 +1,120 @@
+"""The plain baseline, as PyTorch users write it today: the reference row of every comparison.
+
+A `torch.utils.data.DataLoader` over a Dataset that opens each file with Pillow and applies the
+recipe (RandomResizedCrop, horizontal flip, automatic augmentation, normalization, random erasing)
+per sample on the CPU (the same `Recipe` as the other loaders), with one worker per cpu. Kept honest:
+no deliberate slowness, and no tricks the typical script does not have either (no draft-mode decode,
+no GPU normalization).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ..data.base import Reader, check_on_error, read_checked
+from ..data.checks import pillow_reason
+from ..system import cpus_per_local_rank
+from ..transforms.decode import open_image, to_rgb
+from ..transforms.pillow import PillowTransform
+from ..transforms.recipe import Recipe, resolve_recipe
+from .base import BadRecordError, bad_record_message
+from .sampler import dist_rank_world
+
+log = logging.getLogger(__name__)
+
+
+class BaselineDataset(Dataset):
+    """Per-sample Pillow decode + transforms, like torchvision's ImageFolder with the usual transforms."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        train: bool = True,
+        image_size: int | None = None,
+        on_error: str = "raise",
+        recipe: Recipe | None = None,
+    ) -> None:
+        self.reader, self.train, self.on_error = reader, train, on_error
+        self.recipe = resolve_recipe(recipe, image_size=image_size)
+        self.image_size = self.recipe.image_size
+        self._transform = PillowTransform(self.recipe, train)
+        self._rng: np.random.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+        """The sample, or (``on_error='skip'``) None for a bad record, which `skip_bad` drops from the batch."""
+        if self._rng is None:  # one generator per worker process, seeded by torch's worker seed
+            self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
+        data, label, reason = read_checked(self.reader, i)
+        im = None
+        if reason is None:
+            try:
+                im = to_rgb(open_image(data))  # the shared rule: EXIF orientation, 16-bit scaled
+                im.load()
+            except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
+                reason = pillow_reason(e)
+        if im is None:
+            if self.on_error == "skip":
+                log.warning("skipping record %d (%s): %s", i, self.reader.source(i), reason)
+                return None
+            raise BadRecordError(bad_record_message(self.reader, i, reason or "unreadable"))
+        return self._transform(im, self._rng), int(label)
+
+
+def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DataLoader's default collate, without the samples `BaselineDataset` skipped (None)."""
+    from torch.utils.data import default_collate
+
+    good = [s for s in samples if s is not None]
+    if not good:
+        return torch.empty(0, 3, 0, 0), torch.empty(0, dtype=torch.int64)
+    return default_collate(good)
+
+
+TAKES = ("train", "image_size", "num_workers", "drop_last", "seed", "on_error", "recipe")  # make_baseline_loader's
+
+
+def make_baseline_loader(
+    reader: Reader,
+    batch_size: int,
+    *,
+    train: bool = True,
+    image_size: int | None = None,
+    num_workers: int | None = None,
+    drop_last: bool = False,
+    seed: int = 0,
+    on_error: str = "raise",
+    recipe: Recipe | None = None,
+) -> DataLoader:
+    """DataLoader(shuffle=train, num_workers=cpus (per local rank), pin_memory when CUDA) over `BaselineDataset`.
+
+    Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does; call
+    ``loader.sampler.set_epoch(epoch)`` each epoch then.
+    """
+    check_on_error(on_error)
+    if num_workers is None:
+        num_workers = cpus_per_local_rank()
+    dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error, recipe=recipe)
+    sampler = None
+    rank, world = dist_rank_world()
+    if world > 1:
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=drop_last
+        )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=train if sampler is None else None,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        drop_last=drop_last,
+        collate_fn=skip_bad if on_error == "skip" else None,
+    )

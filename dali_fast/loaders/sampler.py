@@ -1,0 +1,181 @@
+"""Per-epoch sample order, sharded across ranks, with a resumable cursor (`EpochSampler`), and a loader's
+order as a `torch.utils.data.Sampler` (`LoaderSampler`, what frameworks read)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+
+def dist_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): explicit values, else the initialized process group, else RANK/WORLD_SIZE, else 0/1."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist  # torch is imported here already (Sampler)
+
+        r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        rank = r if rank is None else rank
+        world_size = w if world_size is None else world_size
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: must be in [0, {world_size}) for world_size={world_size}")
+    return rank, world_size
+
+
+def per_rank(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples each of ``world_size`` ranks gets of ``n``: an equal share, the tail cut (``drop_last``)
+    or padded with repeats."""
+    return n // world_size if drop_last else math.ceil(n / world_size)
+
+
+class OrderCursor:
+    """The cursor over an epoch's order, for an order that has ``indices()`` (this rank's samples of the
+    current epoch), ``position`` (samples already taken) and ``len`` (how many the epoch has)."""
+
+    position: int
+
+    def remaining(self) -> int:
+        return len(self) - self.position
+
+    def next_batch(self, batch_size: int) -> np.ndarray:
+        """The next ``batch_size`` (or fewer, at the end) indices; empty when the epoch is done."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        shard = self.indices()
+        out = shard[self.position : self.position + batch_size]
+        self.position += len(out)
+        return out
+
+    def batches(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
+        """The rest of the epoch cut into batches (consumes the cursor)."""
+        out = []
+        while self.remaining() > 0:
+            if drop_last and self.remaining() < batch_size:
+                self.position = len(self)
+                break
+            out.append(self.next_batch(batch_size))
+        return out
+
+
+class EpochSampler(OrderCursor):
+    """The order of one rank's samples for each epoch, and a cursor into it.
+
+    The epoch's order is a permutation drawn from ``(seed, epoch)``, the same on every rank;
+    rank ``r`` takes every ``world_size``-th sample from position ``r``. Shards are disjoint and of
+    equal length: without ``drop_last`` the permutation is padded by wrapping around (a few
+    samples appear twice in the epoch, as with torch's DistributedSampler); with ``drop_last``
+    the tail is cut instead.
+
+    >>> s = EpochSampler(10, seed=0, rank=1, world_size=2)
+    >>> s.set_epoch(3); first = s.next_batch(4); rest = s.next_batch(100)
+    >>> sorted(first.tolist() + rest.tolist()) == sorted(s.indices().tolist())
+    True
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if n < 0:
+            raise ValueError(f"n={n}: the number of samples must be >= 0")
+        self.n = int(n)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.drop_last = bool(drop_last)
+        if self.drop_last and self.n < self.world_size:
+            raise ValueError(
+                f"{self.n} samples cannot give each of {self.world_size} ranks one with drop_last=True; "
+                "use drop_last=False or fewer ranks"
+            )
+        self.epoch = 0
+        self.position = 0
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        """Samples per epoch on this rank."""
+        return per_rank(self.n, self.world_size, self.drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select ``epoch``'s order and put the cursor at its start."""
+        self.epoch = int(epoch)
+        self.position = 0
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's whole shard for ``epoch`` (default: the current one), as int64."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        else:
+            order = np.arange(self.n)
+        order = np.resize(order, len(self) * self.world_size)  # the tail cut, or padded by wrapping around
+        shard = order[self.rank :: self.world_size].astype(np.int64)
+        self._cache = (epoch, shard)
+        return shard
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "n": self.n,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: the next sample is exactly the one after the last consumed."""
+        for key in ("n", "world_size", "seed", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume: the saved state has {key}={state[key]} but this sampler has "
+                    f"{key}={getattr(self, key)}; resume with the same data set and settings"
+                )
+        position = int(state["position"])
+        if not 0 <= position <= len(self):
+            raise ValueError(f"cannot resume: position {position} is outside this epoch's {len(self)} samples")
+        self.epoch = int(state["epoch"])
+        self.position = position
+
+
+# pragma: no mutate block (the sampler view of a loader: tested through the loaders)
+class LoaderSampler(Sampler[int]):
+    """A loader's order as a `torch.utils.data.Sampler`: iterates this rank's shard of the current epoch;
+    ``set_epoch`` is the loader's (safe to call from a framework)."""
+
+    def __init__(self, loader: Any) -> None:  # a LoaderBase
+        self.loader = loader
+
+    @property
+    def shuffle(self) -> bool:
+        return self.loader.order.shuffle
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.order.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.loader.order.indices().tolist())
+
+    def __len__(self) -> int:
+        return len(self.loader.order)

@@ -1,0 +1,268 @@
+"""`TorchIterator`: the same API and rules as `DALIIterator` in pure PyTorch (the fallback, and the yardstick).
+
+Workers decode, crop, resize, augment and mirror each image into shared-memory batch slots
+(`workers`); the main process makes each normalized batch in one pass, on the GPU after a page-locked
+copy on a side stream where there is one. Each sample's augmentation is drawn from (seed, epoch, index),
+so it does not depend on the number of workers, the batch size or a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from ..data.base import Reader, read_checked
+from ..system import local_device_index
+from ..transforms.batch import finish_batch, one_intra_op_thread
+from .base import BadRecordError, LoaderBase, bad_record_message
+from .dataloader import default_num_workers, make_dataloader, shutdown_workers
+from .workers import BatchMaker, SlotRing, Task, _as_is, image_shape, slot_layout, split, worker_init
+
+log = logging.getLogger(__name__)
+
+
+class _PlanSampler(Sampler):
+    """The current pass's batches as `Task`s: each batch split among the workers (`split`), and given a
+    free slot of the ring when its first part is sent (DataLoader draws from this as it dispatches).
+    Splitting keeps every worker on the batch the main process waits for, and lets the last batch of an
+    epoch end as soon as possible. Re-armed before each pass."""
+
+    def __init__(self) -> None:
+        self.keys: Sequence[list[tuple]] = []
+        self.sizes: list[int] = []
+        self.ring: SlotRing | None = None
+        self.workers = 1
+
+    def __iter__(self) -> Iterator[Task]:
+        ring = self.ring
+        for keys in self.keys:
+            slot = ring.take()  # type: ignore[union-attr]
+            parts = split(len(keys), self.workers)
+            for k, (start, stop) in enumerate(parts):
+                yield Task(slot, keys[start:stop], start, k, len(parts))
+
+    def __len__(self) -> int:
+        return sum(len(split(n, self.workers)) for n in self.sizes)
+
+
+class TorchIterator(LoaderBase):
+    """`DALIIterator`'s API and rules in pure PyTorch: the fallback, and the yardstick.
+
+    Worker processes decode (libjpeg-turbo for plain JPEGs, Pillow for the rest, one rule), crop and
+    resize (Pillow's filter through torch's antialiased uint8 kernels), augment and mirror each image
+    straight into a shared-memory batch slot; the main process makes the normalized batch in one pass
+    (on a GPU, after a page-locked, overlapped copy). See `workers`.
+
+    Extra arguments: ``num_workers`` (decode processes; None: one per cpu of this rank, 0 on one
+    cpu). The sample order is identical to `DALIIterator` for the same (seed, epoch, rank). With
+    ``cache_bytes`` the LRU cache lives in the main process (shared by all workers, exact statistics):
+    it reads encoded bytes through the cache and hands them to the workers with the indices.
+    """
+
+    backend = "torch"
+
+    def __init__(self, dataset: Reader, batch_size: int, *, num_workers: int | None = None, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size, **kwargs)
+        self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers={num_workers}: must be >= 0")
+        self.device = torch.device("cuda", local_device_index()) if self.gpu else torch.device("cpu")
+        self._plan = _PlanSampler()
+        self._layout = slot_layout(self.memory_format)
+        self._ring: SlotRing | None = None
+        self._maker: BatchMaker | None = None
+        self._loader: DataLoader | None = None
+        self._stream: Any = None
+
+    # ------------------------------------------------------------------ workers and slots
+    def _slots_for(self, batch_size: int) -> SlotRing:
+        """The ring, made (or made larger, with a new worker pool) for batches of ``batch_size``."""
+        ring = self._ring
+        if ring is not None and ring.capacity >= batch_size:
+            return ring
+        self.close()
+        # Every task in flight holds a slot (prefetch per worker), plus the batch the main process is
+        # finishing and one whose device copy may still be running.
+        slots = self.prefetch * self.num_workers + 2 if self.num_workers else 1
+        S = self.recipe.image_size
+        ring = SlotRing(slots, batch_size, image_shape(self._layout, S), shared=self.num_workers > 0)
+        if self.gpu:
+            ring.pin()
+        # With a cache, the keys carry the bytes (read through it in this process); workers never
+        # touch the cache, so it needs no copy per worker and is never pickled.
+        self._maker = BatchMaker(self.dataset, self.train, self.recipe, self.seed, ring.buffer, self._layout)
+        self._ring = ring
+        return ring
+
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            self._loader = make_dataloader(
+                self._maker,
+                None,
+                batch_sampler=self._plan,
+                num_workers=self.num_workers,
+                pin_memory=False,  # pixels never travel through the DataLoader; the slots are pinned
+                prefetch_factor=self.prefetch,
+                persistent_workers=True,
+                collate_fn=_as_is,
+                worker_init_fn=worker_init,
+            )
+        return self._loader
+
+    def close(self) -> None:
+        """Shut the decode workers down and free the batch slots now (a later pass starts new ones)."""
+        self._discard_workers()
+        ring, self._ring, self._maker = self._ring, None, None
+        if ring is not None:
+            ring.close()
+
+    def _discard_workers(self) -> None:
+        """Shut the worker pool down; the next pass starts a new one."""
+        loader, self._loader = self._loader, None
+        shutdown_workers(loader)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ------------------------------------------------------------------ a pass
+    def _keys(self, plan: Sequence[np.ndarray]) -> Sequence[list[tuple]]:
+        epoch = self.order.epoch
+        if self.cache is None:
+            return [[(int(i), epoch) for i in batch] for batch in plan]
+        # Shared cache: the main process reads the bytes (lazily, one batch at a time).
+        return _LazyCachedKeys(self.dataset, plan, epoch)  # type: ignore[return-value]
+
+    def _run(self, plan: list[np.ndarray], start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        if not plan:
+            return
+        try:
+            yield from self._run_workers(plan)
+        except (RuntimeError, ConnectionError, EOFError) as e:
+            # A worker killed (OOM killer, SIGKILL) surfaces as DataLoader's RuntimeError, or first as a
+            # broken pipe to it: either way the persistent pool is broken for good. An error a worker
+            # raised (and survived) is DataLoader's re-raise of it, with the worker's traceback: it goes
+            # up as it is, and the pool serves the next pass.
+            if isinstance(e, RuntimeError) and "DataLoader worker (pid" not in str(e):
+                raise
+            why = str(e).split("\n")[0] or type(e).__name__
+            log.warning("a decode worker died (%s); a new worker pool starts with the next pass", why)
+            self._discard_workers()
+            raise RuntimeError(
+                f"a DataLoader worker died during this pass ({why}); the next pass starts a new one"
+            ) from e
+
+    def _run_workers(self, plan: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        ring = self._slots_for(max(len(b) for b in plan))
+        ring.reset()  # DataLoader drains an earlier pass's tasks before it sends this one's
+        self._plan.keys, self._plan.ring = self._keys(plan), ring
+        self._plan.sizes, self._plan.workers = [len(b) for b in plan], max(1, self.num_workers)
+        if self.num_workers:
+            parts: Iterator[dict[str, Any]] = iter(self._dataloader())
+        else:
+            maker = self._maker
+            parts = (maker.make(task) for task in self._plan)  # type: ignore[union-attr]
+        carry = 0  # planned samples of batches that were all bad, accounted with the next batch
+        for b in _whole_batches(parts):
+            event = None
+            try:
+                self._handle_bad(b["bad"])
+                if b["n"] == 0:
+                    carry += b["consumed"]
+                    continue
+                images, labels, event = self._finish(_pixels(ring, b), b)
+            finally:
+                ring.give_back(b["slot"], event)
+            consumed, carry = b["consumed"] + carry, 0
+            yield images, labels, consumed
+
+    def _finish(self, pixels: torch.Tensor, b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The batch's output tensor (a new one: the slot is reused next), labels, and on a GPU the event
+        that marks the end of the copy out of the slot."""
+        recipe = self.recipe
+        labels = torch.from_numpy(b["labels"])
+        boxes = None if b["boxes"] is None else torch.from_numpy(b["boxes"])
+        if self._layout == "HWC":
+            pixels = pixels.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory
+        event = None
+        if self.gpu:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._stream):
+                pixels = pixels.to(self.device, non_blocking=True)  # from page-locked memory: asynchronous
+                labels = labels.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._stream)
+            pixels.record_stream(current)
+            labels.record_stream(current)
+        mean, std = (recipe.mean_255, recipe.std_255) if recipe.normalize else (None, None)
+        if self.gpu:
+            images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
+        else:
+            with one_intra_op_thread():
+                images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
+        return images, labels, event
+
+    def _handle_bad(self, bad: list[tuple[int, str]]) -> None:
+        for index, reason in bad:
+            if self.on_error == "raise":
+                raise BadRecordError(bad_record_message(self.dataset, index, reason))
+            self._skips.add(index, self.dataset.source(index), reason)
+
+
+def _whole_batches(parts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Join the parts of each batch (they arrive in order) into one batch's metadata; ``ranges`` holds
+    each part's (offset, images) in the slot."""
+    pending: list[dict[str, Any]] = []
+    for part in parts:
+        pending.append(part)
+        if part["part"] + 1 < part["parts"]:
+            continue
+        boxes = [p["boxes"] for p in pending if p["boxes"] is not None]
+        yield {
+            "slot": part["slot"],
+            "n": sum(p["n"] for p in pending),
+            "ranges": [(p["offset"], p["n"]) for p in pending],
+            "labels": np.concatenate([p["labels"] for p in pending]),
+            "boxes": np.concatenate(boxes) if boxes else None,
+            "consumed": sum(p["consumed"] for p in pending),
+            "bad": [bad for p in pending for bad in p["bad"]],
+        }
+        pending = []
+
+
+def _pixels(ring: SlotRing, b: dict[str, Any]) -> torch.Tensor:
+    """The batch's images in its slot: a view when its parts lie end to end (no bad record among them),
+    else the good images gathered into one tensor."""
+    at = 0
+    for offset, n in b["ranges"]:
+        if offset != at:
+            return torch.cat([ring.buffer[b["slot"], o : o + k] for o, k in b["ranges"] if k])
+        at += n
+    return ring.view(b["slot"], b["n"])
+
+
+class _LazyCachedKeys:
+    """Batches of keys carrying encoded bytes read through the main process's cache, made on demand."""
+
+    def __init__(self, reader: Reader, plan: Sequence[np.ndarray], epoch: int) -> None:
+        self.reader, self.plan, self.epoch = reader, plan, epoch
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[list[tuple]]:
+        for batch in self.plan:
+            keys = []
+            for i in batch.tolist():
+                data, label, reason = read_checked(self.reader, i)
+                keys.append((i, self.epoch, None if data is None else np.asarray(data), label, reason))
+            yield keys

@@ -1,0 +1,284 @@
+"""`TorchIterator`'s decode workers: uint8 batches written in place into shared memory.
+
+The main process owns a ring of batch slots in one shared-memory uint8 tensor (`SlotRing`). Each
+task sent to a worker names a free slot and the batch's records; the worker decodes, crops, resizes,
+augments and mirrors each image straight into that slot (`BatchMaker`) and sends back only labels,
+erasing boxes and the bad records it met: no per-sample tensors, no pickled pixels, no collate copy.
+The main process then makes the batch's normalized tensor in one pass (`finish_batch`; on a GPU, after
+a copy from the slot, which is page-locked there) and hands the slot back. A slot goes to a worker only
+when the main process holds no claim on it, checked at every hand-out.
+
+The slot layout is CHW when the output is NCHW-contiguous (the worker's transposing copy of each image
+is cheaper than the main process's transpose of a float batch) and HWC for ``channels_last`` output.
+Per sample, the crop, flip, policy and erasing box are drawn from (seed, epoch, index), as in every
+loader here, so the pixels do not depend on the number of workers, the batch size or a resume.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..data.base import Reader, read_checked
+from ..transforms.autoaugment import apply_policy
+from ..transforms.decode import Decoder
+from ..transforms.draws import sample_erasing_box, sample_rng
+from ..transforms.recipe import AUGMENT_SALT, Recipe
+from ..transforms.resize import BadImage, decode_crop
+
+log = logging.getLogger(__name__)
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
+    """Keep a long-lived decode process's heap from growing epoch after epoch (glibc only).
+
+    Varying image sizes make glibc raise its mmap threshold after each large free, so later large
+    buffers come from the heap, which then fragments, and extra arenas multiply it. A fixed threshold
+    (buffers above it are mapped and returned whole) and two arenas keep the resident set flat
+    (benchmarks/worker_rss.py). Returns whether the settings were applied.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_ARENA_MAX, arenas) == 1
+    ok &= mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
+    return bool(ok)
+
+
+def worker_init(_worker_id: int) -> None:
+    """DataLoader ``worker_init_fn`` of the decode workers."""
+    tame_malloc()
+
+
+# ----------------------------------------------------------------------------- the slots
+
+
+class SlotRing:
+    """``slots`` batch buffers of ``capacity`` images of ``image_shape`` uint8, in one tensor that worker
+    processes share (shared memory; with ``pin``, page-locked for fast, asynchronous GPU copies).
+
+    `take` hands out a free slot (waiting first for a GPU copy still reading it); `give_back` returns it,
+    optionally with the event that marks the end of such a copy. Taking from an empty ring is a bug in
+    the caller's accounting and raises, rather than letting a worker overwrite a batch in use.
+    """
+
+    def __init__(self, slots: int, capacity: int, image_shape: tuple[int, ...], *, shared: bool = True) -> None:
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"a ring needs at least one slot of one image (slots={slots}, capacity={capacity})")
+        self.capacity = int(capacity)
+        self.image_shape = tuple(image_shape)
+        self.buffer = torch.empty((slots, capacity, *image_shape), dtype=torch.uint8)
+        if shared:
+            self.buffer.share_memory_()
+        self.free: deque[int] = deque(range(slots))
+        self.events: dict[int, Any] = {}
+        self._pinned = False
+
+    @property
+    def slots(self) -> int:
+        return int(self.buffer.shape[0])
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError(
+                f"no free batch slot (all {self.slots} are in flight or held): more batches were asked for "
+                "than the ring was sized for"
+            )
+        slot = self.free.popleft()
+        event = self.events.pop(slot, None)
+        if event is not None:
+            event.synchronize()  # a device copy still reads this slot
+        return slot
+
+    def give_back(self, slot: int, event: Any = None) -> None:
+        if slot in self.free:
+            raise RuntimeError(f"batch slot {slot} given back twice")
+        if event is not None:
+            self.events[slot] = event
+        self.free.append(slot)
+
+    def reset(self) -> None:
+        """Every slot free (a new pass: no task of an earlier one is in flight any more)."""
+        self.free = deque(range(self.slots))  # a copy still reading one is waited for when it is taken
+
+    def view(self, slot: int, n: int) -> torch.Tensor:
+        """The first ``n`` images of ``slot``."""
+        return self.buffer[slot, :n]
+
+    def pin(self) -> bool:
+        """Page-lock the slots for the GPU copies (cudaHostRegister); False where that is refused."""
+        if self._pinned:
+            return True
+        buf = self.buffer
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+        except (RuntimeError, AttributeError, TypeError) as e:
+            err, why = -1, str(e)
+        else:
+            why = f"CUDA error {err}"
+        if err != 0:
+            log.warning("could not page-lock the batch slots (%s); copies to the GPU wait for the host", why)
+            return False
+        self._pinned = True
+        return True
+
+    def close(self) -> None:
+        """Wait for copies in flight, unpin, and free the slots."""
+        for event in self.events.values():
+            event.synchronize()
+        self.events.clear()
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._pinned = False
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.free.clear()
+
+
+@dataclass
+class Task:
+    """A part of one batch for a worker: the slot to write from ``offset`` on, and the records' keys
+    ((index, epoch) or, with the main process's cache, (index, epoch, bytes, label, reason)). A batch is
+    split into ``parts`` tasks (``part`` = 0, 1, ...) so that every worker works on the same batch."""
+
+    slot: int
+    keys: list[tuple] = field(default_factory=list)
+    offset: int = 0
+    part: int = 0
+    parts: int = 1
+
+
+MIN_PART = 4  # images: a batch is split among the workers in parts of at least this many
+
+
+def split(size: int, workers: int) -> list[tuple[int, int]]:
+    """(start, stop) of the parts of a batch of ``size`` for ``workers`` workers: as equal as can be,
+    one per worker, none under `MIN_PART` images (a batch under 2 x MIN_PART stays whole)."""
+    parts = max(1, min(workers, size // MIN_PART))
+    edges = [size * k // parts for k in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def slot_layout(memory_format: torch.memory_format) -> str:
+    """'HWC' for channels_last output (the NCHW view of NHWC is what it wants), else 'CHW'."""
+    return "HWC" if memory_format == torch.channels_last else "CHW"
+
+
+def image_shape(layout: str, size: int) -> tuple[int, int, int]:
+    return (size, size, 3) if layout == "HWC" else (3, size, size)
+
+
+# ----------------------------------------------------------------------------- the worker's side
+
+
+class BatchMaker(Dataset):
+    """Runs in the workers: a `Task` → its images written into the slot, and the part's metadata.
+
+    Good samples are packed from the task's offset on, in plan order; bad records (unreadable, failing
+    the structural check, undecodable) are listed with their reason, never raised, so the consumer
+    decides (``on_error``) and names them.
+    """
+
+    def __init__(
+        self, reader: Reader, train: bool, recipe: Recipe, seed: int, buffer: torch.Tensor, layout: str
+    ) -> None:
+        self.reader, self.train, self.recipe, self.seed = reader, train, recipe, seed
+        self.buffer, self.layout = buffer, layout
+        self._decoder: Decoder | None = None
+        self._tmp: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_decoder"], state["_tmp"] = None, None  # per process, made on first use
+        return state
+
+    def __getitems__(self, task: Task) -> dict[str, Any]:
+        """DataLoader's batched fetch (its batch sampler yields `Task`s)."""
+        return self.make(task)
+
+    def make(self, task: Task) -> dict[str, Any]:
+        if self._decoder is None:
+            self._decoder = Decoder()
+            S = self.recipe.image_size
+            self._tmp = torch.empty((S, S, 3), dtype=torch.uint8)
+        slot = self.buffer[task.slot]
+        labels: list[int] = []
+        boxes: list[tuple[int, int, int, int]] = []
+        bad: list[tuple[int, str]] = []
+        for key in task.keys:
+            index, epoch = key[0], key[1]
+            if len(key) > 2:
+                data, label, reason = key[2], key[3], key[4]  # read (and checked) in the main process
+            else:
+                data, label, reason = read_checked(self.reader, index)
+            if reason is None:
+                reason, box = self._sample(data, index, epoch, slot[task.offset + len(labels)])
+            if reason is not None:
+                bad.append((index, reason))
+                continue
+            labels.append(int(label))
+            if box is not None:
+                boxes.append(box)
+        return {
+            "slot": task.slot,
+            "offset": task.offset,
+            "part": task.part,
+            "parts": task.parts,
+            "n": len(labels),
+            "labels": np.asarray(labels, dtype=np.int64),
+            "boxes": np.asarray(boxes, dtype=np.int64).reshape(-1, 4) if boxes else None,
+            "consumed": len(task.keys),
+            "bad": bad,
+        }
+
+    def _sample(
+        self, data: Any, index: int, epoch: int, out: torch.Tensor
+    ) -> tuple[str | None, tuple[int, int, int, int] | None]:
+        """Decode, crop, resize, augment and mirror one record into ``out``; (why it is bad, erasing box)."""
+        recipe = self.recipe
+        rng = sample_rng(self.seed, epoch, index)
+        tmp: torch.Tensor = self._tmp  # type: ignore[assignment]
+        try:
+            image = decode_crop(data, train=self.train, recipe=recipe, rng=rng, decoder=self._decoder, out=tmp)
+        except BadImage as e:
+            return str(e), None
+        flip, box = False, None
+        if self.train:
+            flip = bool(rng.random() < recipe.hflip)
+            if recipe.auto_augment is not None:
+                augmented = apply_policy(image.numpy(), recipe, sample_rng(self.seed, epoch, index, AUGMENT_SALT))
+                np.copyto(tmp.numpy(), augmented)
+                image = tmp
+            if recipe.random_erasing > 0:
+                box = sample_erasing_box(recipe, self.seed, epoch, index)
+        if self.layout == "CHW":  # numpy's transposing copy is the cheaper one here, mirrored or not
+            src = image.numpy()
+            np.copyto(out.numpy(), (src[:, ::-1] if flip else src).transpose(2, 0, 1))
+        else:
+            out.copy_(image.flip(1) if flip else image)
+        return None, box
+
+
+def _as_is(batch: Any) -> Any:
+    """DataLoader ``collate_fn``: the worker's batch is already made."""
+    return batch
+
+
+# ----------------------------------------------------------------------------- the main process's side

@@ -1,0 +1,154 @@
+"""What ``bench`` and ``bench --stages`` write and print: markdown tables, bar charts side by side, the
+figures formatted one way, and the machine a result was measured on."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..system import available_cpus
+
+
+def machine_info() -> dict[str, Any]:
+    """Python, the platform, the CPUs this process may use, torch and its CUDA, the GPU and DALI's version."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": available_cpus(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import nvidia.dali
+
+        info["dali"] = nvidia.dali.__version__
+    except ImportError:
+        info["dali"] = None
+    return info
+
+
+def where(machine: dict[str, Any]) -> str:
+    """What the result ran on, in words: the GPU, else the CPU cores and DALI's CPU-only mode."""
+    return machine["gpu"] or f"{machine['cpu_count']} CPU cores, no GPU (DALI CPU-only mode)"
+
+
+def bench_summary(result: dict[str, Any], out: Path) -> str:
+    """What ``dali-fast bench`` prints: the settings and the machine, the table, the controller's
+    decisions, and where the results went."""
+    s = result["settings"]
+    lines = [
+        f"\n{s['images']} images, {s['epochs']} timed epochs after a warm-up, batch {s['batch_size']}, "
+        f"{s['image_size']}px, model={s['model']} on {where(result['machine'])}\n",
+        result["table"],
+    ]
+    for row in result["rows"]:
+        for d in row.get("batch_decisions", []):
+            lines.append(
+                f"  {row['loader']} epoch {d['epoch']}: {d['reason']} → batch {d['batch_size']} → {d['next_batch_size']}"
+            )
+    lines.append(f"\nwrote {out / 'results.json'} and {out / 'bench.png'}")
+    return "\n".join(lines)
+
+
+def stages_summary(result: dict[str, Any], out: Path) -> str:
+    """What ``dali-fast bench --stages`` prints: the data, the cache and the settings, the table, and where
+    the results went."""
+    s = result["settings"]
+    head = (
+        f"\n{s['images']} images ({s['data_bytes'] / 2**20:.0f} MiB), cache {s['cache_bytes'] / 2**20:.0f} MiB, "
+        f"{s['epochs']} timed epochs after a warm-up ({s['controller_epochs']} for the controller), batch "
+        f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where(result['machine'])}\n"
+    )
+    return "\n".join([head, result["table"], f"\nwrote {out / 'stages.json'} and {out / 'stages.png'}"])
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """A markdown table: the first ``left`` columns aligned left, the others (figures) right; an empty cell
+    stays narrow (``| |``)."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "|" + "".join(f" {c} |" if c else " |" for c in cells)
+
+    align = "|" + "".join("---|" if k < left else "---:|" for k in range(len(header)))
+    return "\n".join([line(header), align, *(line(r) for r in rows)])
+
+
+def percent(value: Any) -> str:
+    """A utilization (0-100) as a whole number, or "n/a" when none was read."""
+    return f"{value:.0f}" if isinstance(value, float) else "n/a"
+
+
+def gib(value: Any) -> str:
+    """Bytes in GiB, or "n/a"."""
+    return f"{value / 2**30:.2f} GiB" if isinstance(value, int | float) else "n/a"
+
+
+def ratio(value: float | None) -> str:
+    """A ratio to the baseline ("1.23x"), or "-" without one."""
+    return f"{value:.2f}x" if value else "-"
+
+
+def share(value: float | None) -> str:
+    """A fraction as a whole percentage ("85%"), or "-"."""
+    return f"{value:.0%}" if value is not None else "-"
+
+
+@dataclass
+class Panel:
+    """One bar chart of a figure: a value per bar, its colours, the labels on the bars (``labels``, else
+    ``fmt`` of the values), the axis, and optionally a dashed line at ``line`` with its caption."""
+
+    values: Sequence[float]
+    title: str
+    ylabel: str = ""
+    colors: Sequence[str] | str = "#76b900"
+    labels: Sequence[str] | None = None
+    fmt: str = "%.0f"
+    ylim: tuple[float, float] | None = None
+    line: tuple[float, str] | None = None
+
+
+def utilization_panel(rows: Sequence[dict[str, Any]], colors: Sequence[str] | str) -> Panel:
+    """The mean utilization of each row (GPU, or this process tree's CPU over all cores)."""
+    kind = rows[0]["util_kind"] if rows else "cpu"
+    util = [r["util_mean"] if isinstance(r["util_mean"], float) else 0.0 for r in rows]
+    title = f"{'GPU' if kind == 'gpu' else 'CPU (all cores)'} utilization"
+    return Panel(util, title, f"{'GPU' if kind == 'gpu' else 'CPU'} utilization %", colors, fmt="%.0f%%", ylim=(0, 110))
+
+
+def bar_charts(
+    path: Path, names: Sequence[str], panels: Sequence[Panel], title: str, *, width: float, rotate: int = 0
+) -> None:
+    """``panels`` side by side over the same bars (``names``), written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4))
+    for ax, panel in zip(axes, panels, strict=True):
+        bars = ax.bar(names, panel.values, color=panel.colors)
+        if panel.labels is not None:
+            ax.bar_label(bars, labels=list(panel.labels))
+        else:
+            ax.bar_label(bars, fmt=panel.fmt)
+        if panel.line is not None:
+            ax.axhline(panel.line[0], color="#555555", linestyle="--", linewidth=1)
+            ax.annotate(panel.line[1], (0, panel.line[0]), va="bottom", fontsize=8)
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
+        if panel.ylabel:
+            ax.set_ylabel(panel.ylabel)
+        ax.set_title(panel.title)
+        if rotate:
+            ax.tick_params(axis="x", labelrotation=rotate)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,342 @@
+"""`dali-fast bench --stages`: what each optimization buys, measured cumulatively, one stage per row.
+
+Each row adds one thing to the row above, on the same data, in one run:
+
+1. baseline        the plain DataLoader of `baseline.py` (per-sample Pillow decode and transforms)
+2. + cache         the same, its data set read through an `LRUCache` (one per worker process: that is what
+                   a DataLoader's workers get; each sample reports whether it was a hit)
+3. + factory       `make_dataloader`: pinned memory, deeper prefetch, persistent workers
+4. + device ops    `TorchIterator`: normalize and flip as one batched op on the device, the cache shared
+                   by all workers in the main process, JPEG draft-mode decode
+5. + DALI          `DALIIterator` (GPU `mixed` decoding on a GPU, DALI's CPU-only mode otherwise)
+6. + controller    `BatchSizeController` sets the batch size between epochs (more epochs, so it settles)
+
+Per row: img/s, epoch time, the projected time of a whole training run (``total_images x total_epochs /
+img/s``), utilization, peak memory as a fraction of the device's (GPU) or of RAM (CPU), cache hit rate,
+batch size and the ratio to row 1. A stage that cannot run here is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.base import Reader
+from ..data.cache import CachedReader, LRUCache
+from ..data.open import open_dataset
+from ..data.synthetic import default_dataset
+from ..loaders.baseline import BaselineDataset, make_baseline_loader
+from ..loaders.dataloader import make_dataloader
+from ..loaders.factory import dali_status
+from ..system import atomic_write, available_cpus, read_proc_kib
+from . import report
+
+log = logging.getLogger(__name__)
+
+IMAGENET_IMAGES = 1_281_167
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    adds: str  # what this row adds to the one above
+
+
+STAGES = (
+    Stage("baseline", "plain DataLoader (baseline.py)"),
+    Stage("+ cache", "LRU cache in front of the reader"),
+    Stage("+ factory", "optimized DataLoader factory: pinned memory, prefetch, persistent workers"),
+    Stage("+ device ops", "normalize/flip on the device (TorchIterator), one shared cache"),
+    Stage("+ DALI", "DALI decoding (DALIIterator)"),
+    Stage("+ controller", "memory-aware batch size (BatchSizeController)"),
+)
+
+
+class _CacheReportingDataset(BaselineDataset):
+    """The baseline's per-sample transforms over a reader with an LRU cache; each sample says if it hit."""
+
+    def __init__(self, reader: Reader, cache_bytes: int, image_size: int) -> None:
+        super().__init__(CachedReader(reader, LRUCache(cache_bytes)), train=True, image_size=image_size)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:  # type: ignore[override]
+        cache = self.reader.cache  # type: ignore[attr-defined]
+        before = cache.hits
+        x, label = super().__getitem__(i)  # type: ignore[misc]
+        return x, label, int(cache.hits > before)
+
+
+def _collate_with_hits(samples: list[tuple[torch.Tensor, int, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    images = torch.stack([s[0] for s in samples])
+    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    return images, labels, sum(s[2] for s in samples)
+
+
+def memory_capacity(kind: str) -> int | None:
+    """Bytes of the memory a peak is a fraction of: the GPU's (``kind`` "gpu") or the machine's RAM."""
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    total_kib = read_proc_kib("/proc/meminfo", "MemTotal")
+    return (total_kib or 0) * 1024 or None
+
+
+def stage_peak_memory(monitor: Any, phases: list[str]) -> int | None:
+    """A stage's peak memory as ``bench`` reads it: the monitor's per-process reading over the stage's
+    phases (on a GPU, NVML's figure for this process: DALI's pool and outputs included, which torch's
+    allocator statistics leave out; on a CPU, this process's resident memory)."""
+    peaks = [monitor.summary(p)["peak_mem"] for p in phases]
+    peaks = [int(p) for p in peaks if isinstance(p, int | float)]
+    return max(peaks) if peaks else None
+
+
+def fmt_duration(seconds: float) -> str:
+    """Hours under two days, days from there (the article's unit for a whole run)."""
+    hours = seconds / 3600
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} days"
+
+
+@dataclass
+class _Bench:
+    """What every stage runs on: the same data (the folder the DataLoader rows read, the packed set the
+    iterators read), batch, image size, cache budget and processes."""
+
+    folder: Reader
+    packed: Reader
+    batch_size: int
+    image_size: int
+    cache_bytes: int
+    workers: int
+    gpu: bool
+
+
+def run_stages(
+    dataset: str | Path | None = None,
+    *,
+    images: int = 2000,
+    epochs: int = 2,
+    batch_size: int = 64,
+    image_size: int = 224,
+    model: str = "none",
+    cache_bytes: int | None = None,
+    total_epochs: int = 90,
+    total_images: int = IMAGENET_IMAGES,
+    controller_epochs: int | None = None,
+    out: str | Path = "bench-results",
+    progress: bool = True,
+    emit: Callable[[str], None] = log.info,
+) -> dict[str, Any]:
+    """Measure the six stages cumulatively; writes stages.json and stages.png into ``out``."""
+    from ..train.monitor import UtilizationMonitor
+    from ..train.trainer import Trainer
+
+    for name, value in (("total_epochs", total_epochs), ("total_images", total_images), ("epochs", epochs)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be a whole number of 1 or more")
+    if batch_size < 1 or image_size < 1:
+        raise ValueError("--batch-size and --image-size must be 1 or more")
+    folder, packed = default_dataset(images, progress=progress) if dataset is None else (Path(dataset), Path(dataset))
+    bench = _Bench(open_dataset(folder), open_dataset(packed), batch_size, image_size, 0, available_cpus(), False)
+    n = len(bench.packed)
+    data_bytes = sum(len(bench.packed[i][0]) for i in range(n))
+    # Smaller than the data, as in real use, unless given: the hit rate is honest.
+    bench.cache_bytes = data_bytes // 2 if cache_bytes is None else cache_bytes
+    bench.gpu = torch.cuda.is_available()
+    controller_epochs = controller_epochs or max(epochs, 3)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dali_ok, dali_why = dali_status()
+    rows: list[dict[str, Any]] = []
+    with UtilizationMonitor() as mon:
+        for stage in STAGES:
+            row: dict[str, Any] = {
+                "stage": stage.name,
+                "adds": stage.adds,
+                "settings": [s.adds for s in STAGES][: len(rows) + 1],
+            }
+            rows.append(row)
+            if stage.name in ("+ DALI", "+ controller") and not dali_ok:
+                row["skipped"] = f"DALI cannot run here: {dali_why}"
+                emit(f"stage {stage.name}: skipped ({row['skipped']})")
+                continue
+            emit(f"stage {stage.name}: {stage.adds} ...")
+            loader, ctrl = _stage_loader(stage.name, bench)
+            trainer = Trainer(model, len(bench.packed.classes)) if model != "none" else None
+            measured = _measure(stage.name, loader, ctrl, trainer, mon, controller_epochs if ctrl else epochs, bench)
+            row.update(_figures(stage.name, loader, ctrl, mon, measured, total_images * total_epochs))
+    settings = {
+        "dataset": str(dataset or packed),
+        "images": n,
+        "data_bytes": data_bytes,
+        "cache_bytes": bench.cache_bytes,
+        "epochs": epochs,
+        "controller_epochs": controller_epochs,
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "model": model,
+        "total_epochs": total_epochs,
+        "total_images": total_images,
+    }
+    return _write(rows, settings, out)
+
+
+def _write(rows: list[dict[str, Any]], settings: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Each row's ratio to row 1, and the result (rows, table, machine) written to stages.json and stages.png."""
+    base = rows[0].get("img_per_s")
+    for r in rows:
+        if "img_per_s" in r and base:
+            r["x_baseline"] = r["img_per_s"] / base
+    table = stages_table(rows, settings["total_images"], settings["total_epochs"])
+    result = {"settings": settings, "machine": report.machine_info(), "rows": rows, "table": table}
+    atomic_write(out / "stages.json", lambda f: f.write(json.dumps(result, indent=1, default=str).encode()))
+    title = f"model={settings['model']}, {settings['image_size']}px, batch {settings['batch_size']}"
+    plot_stages(rows, out / "stages.png", title)
+    return result
+
+
+def _stage_loader(stage: str, bench: _Bench) -> tuple[Any, Any]:
+    """(the loader of ``stage``, its BatchSizeController or None)."""
+    from ..loaders.controller import BatchSizeController
+    from ..loaders.torch_iterator import TorchIterator
+
+    batch_size, workers = bench.batch_size, bench.workers
+    if stage == "baseline":
+        return make_baseline_loader(bench.folder, batch_size, image_size=bench.image_size, num_workers=workers), None
+    if stage == "+ cache":
+        ds = _CacheReportingDataset(bench.folder, bench.cache_bytes, bench.image_size)
+        loader = torch.utils.data.DataLoader(
+            ds,
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            collate_fn=_collate_with_hits,
+        )
+        return loader, None
+    if stage == "+ factory":
+        ds = _CacheReportingDataset(bench.folder, bench.cache_bytes, bench.image_size)
+        loader = make_dataloader(
+            ds, batch_size, shuffle=True, num_workers=workers, prefetch_factor=4, collate_fn=_collate_with_hits
+        )
+        return loader, None
+    common = {"image_size": bench.image_size, "cache_bytes": bench.cache_bytes, "seed": 0}
+    if stage == "+ device ops":
+        return TorchIterator(bench.packed, batch_size, num_workers=workers, **common), None
+    from ..loaders.dali_iterator import DALIIterator
+
+    if stage == "+ DALI":
+        return DALIIterator(bench.packed, batch_size, **common), None
+    ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4)
+    return DALIIterator(bench.packed, batch_size, controller=ctrl, **common), ctrl
+
+
+def _measure(stage: str, loader: Any, ctrl: Any, trainer: Any, mon: Any, epochs: int, bench: _Bench) -> dict[str, Any]:
+    """A warm-up epoch (which also fills the cache), then ``epochs`` timed ones, each a monitor phase:
+    their times, images, cache hits (for the DataLoader rows, as their samples report them) and batch sizes."""
+    times, counts, hits, batch_sizes = [], [], 0, []
+    for epoch in range(epochs + 1):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        batch_sizes.append(getattr(loader, "batch_size", bench.batch_size))
+        t0, seen = time.perf_counter(), 0
+        with mon.phase(f"{stage}#{epoch}"):
+            for batch in loader:
+                images, labels = batch[0], batch[1]
+                if len(batch) > 2 and epoch > 0:
+                    hits += int(batch[2])
+                if trainer is not None:
+                    trainer.step(images, labels, ctrl)
+                elif bench.gpu:
+                    images = images.to("cuda", non_blocking=True)
+                seen += len(labels)
+            if bench.gpu:
+                torch.cuda.synchronize()
+        if epoch > 0:  # epoch 0 warms up (and fills the cache)
+            times.append(time.perf_counter() - t0)
+            counts.append(seen)
+        elif getattr(loader, "cache", None) is not None:
+            loader.cache.reset_stats()  # the hit rate of the timed epochs only
+    if hasattr(loader, "close"):
+        loader.close()
+    return {"times": times, "counts": counts, "hits": hits, "batch_sizes": batch_sizes, "epochs": epochs}
+
+
+def _figures(stage: str, loader: Any, ctrl: Any, mon: Any, measured: dict[str, Any], run_images: int) -> dict[str, Any]:
+    """A stage's row: speed, the projected run (``run_images`` at its speed), utilization, peak memory,
+    cache hit rate, batch size (a controller's settled one: its last epoch, and that epoch's speed)."""
+    times, counts = measured["times"], measured["counts"]
+    timed = [f"{stage}#{e}" for e in range(1, measured["epochs"] + 1)]
+    util = [u for u in (mon.summary(p)["mean"] for p in timed) if isinstance(u, float)]
+    if ctrl is not None:
+        times, counts = times[-1:], counts[-1:]
+    stats = loader.cache_stats() if hasattr(loader, "cache_stats") else None
+    hit_rate = (
+        stats["hit_rate"] if stats else (measured["hits"] / sum(counts) if stage in ("+ cache", "+ factory") else None)
+    )
+    peak = stage_peak_memory(mon, timed)
+    capacity = memory_capacity(mon.kind)
+    img_s = sum(counts) / sum(times)
+    figures = {
+        "img_per_s": img_s,
+        "epoch_s": sum(times) / len(times),
+        "projected_s": run_images / img_s,
+        "util_kind": mon.kind,
+        "util_mean": sum(util) / len(util) if util else None,
+        "peak_mem_bytes": peak,
+        "peak_mem_fraction": (peak / capacity) if peak and capacity else None,
+        "cache_hit_rate": hit_rate,
+        "batch_size": measured["batch_sizes"][-1] if ctrl is None else ctrl.batch_size,
+        "batch_sizes": measured["batch_sizes"],
+        "epochs_timed": len(times),
+    }
+    if ctrl is not None:
+        figures["batch_decisions"] = ctrl.history
+    return figures
+
+
+def stages_table(rows: list[dict[str, Any]], total_images: int, total_epochs: int) -> str:
+    kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
+    mem = "GPU mem" if kind == "gpu" else "RAM"
+    header = ["stage", "img/s", "epoch s", f"projected run ({total_epochs} epochs x {total_images:,} images)"]
+    header += [f"{'GPU' if kind == 'gpu' else 'CPU'} util %", f"peak {mem}", "cache hit", "batch", "x row 1"]
+    cells = []
+    for r in rows:
+        if "skipped" in r:
+            cells.append([r["stage"], f"skipped: {r['skipped']}", *[""] * (len(header) - 2)])
+            continue
+        peak = report.share(r["peak_mem_fraction"]) if r["peak_mem_fraction"] is not None else "n/a"
+        cells.append(
+            [
+                r["stage"],
+                f"{r['img_per_s']:.0f}",
+                f"{r['epoch_s']:.2f}",
+                fmt_duration(r["projected_s"]),
+                report.percent(r["util_mean"]),
+                peak,
+                report.share(r["cache_hit_rate"]),
+                str(r["batch_size"]),
+                report.ratio(r.get("x_baseline")),
+            ]
+        )
+    return report.table(header, cells)
+
+
+def plot_stages(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """The projected time of the whole run, and the utilization, of each stage that ran."""
+    ok = [r for r in rows if "img_per_s" in r]
+    hours = report.Panel(
+        [r["projected_s"] / 3600 for r in ok],
+        "time of the whole run",
+        "projected training time (hours)",
+        labels=[fmt_duration(r["projected_s"]) for r in ok],
+    )
+    panels = [hours, report.utilization_panel(ok, "#999999")]
+    report.bar_charts(path, [r["stage"] for r in ok], panels, title, width=11, rotate=25)

@@ -1,0 +1,132 @@
+"""Checkpoint files and the training audit trail.
+
+`save_checkpoint` writes atomically (temp file, fsync, rename), so a kill at any point leaves the
+previous checkpoint whole; `load_checkpoint` refuses other versions and unreadable files in one
+line; `check_resume_config` refuses a resume whose settings differ from the saved run's;
+`IndexRecorder` writes one JSON line per batch (what training saw), flushed as it goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+import torch
+
+from ..system import atomic_write
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_VERSION = 2  # 2: a checksummed payload, and the data set's fingerprint in the saved settings
+CHECKPOINT_MAGIC = b"DFCKPT\x00\x02"  # then the payload's sha256, then the torch.save payload
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` so that ``path`` always holds a whole, checksummed checkpoint: temp file, fsync, rename.
+
+    The file is ``CHECKPOINT_MAGIC``, the sha256 of the payload, then the payload (``torch.save``).
+    """
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getbuffer()
+
+    def write(f: BinaryIO) -> None:
+        f.write(CHECKPOINT_MAGIC)
+        f.write(hashlib.sha256(payload).digest())
+        f.write(payload)
+
+    atomic_write(path, write, durable=True)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint written by `save_checkpoint`: checksum verified, tensors and plain Python only."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint there; train once with --checkpoint to write one")
+    blob = path.read_bytes()
+    head = len(CHECKPOINT_MAGIC)
+    if blob[:head] != CHECKPOINT_MAGIC:
+        raise ValueError(
+            f"{path}: not a dali-fast checkpoint of this version (no {CHECKPOINT_MAGIC[:6].decode()} header); "
+            "resume with the version that wrote it, or delete it to start over"
+        )
+    digest, payload = blob[head : head + 32], memoryview(blob)[head + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError(f"{path}: checksum mismatch, the checkpoint is damaged; delete it to start over")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise ValueError(
+            f"{path}: not a readable dali-fast checkpoint ({type(e).__name__}); delete it to start over"
+        ) from e
+    version = state.get("version") if isinstance(state, dict) else None
+    if version != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint version {version}, this dali-fast reads version {CHECKPOINT_VERSION}; "
+            "resume with the version that wrote it or start a new --checkpoint folder"
+        )
+    return state
+
+
+def check_resume_config(path: str | Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Refuse, in one line naming the first setting that differs, to resume a run saved with other settings
+    (a setting only one of them has differs too)."""
+    for key in [*current, *(k for k in saved if k not in current)]:
+        value = current.get(key)
+        if saved.get(key) != value:
+            raise ValueError(
+                f"{path}: saved with {key}={saved.get(key)!r}, this run has {key}={value!r}; "
+                "resume with the same settings or use a new --checkpoint folder"
+            )
+
+
+def plain(obj: Any) -> Any:
+    """Rows and states as plain Python (numpy scalars become numbers), loadable with weights_only."""
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+class IndexRecorder:
+    """Appends one JSON line per batch (epoch, step, rank, data set indices): what training saw.
+
+    ``path`` may contain ``{rank}``; with several ranks and no placeholder, ``.rank<N>`` is appended.
+    Each line is flushed when written, so a killed run leaves every batch it trained on.
+    """
+
+    def __init__(self, path: str | Path, rank: int = 0, world_size: int = 1) -> None:
+        text = str(path)
+        if "{rank}" in text:
+            text = text.format(rank=rank)
+        elif world_size > 1:
+            text = f"{text}.rank{rank}"
+        self.path = Path(text)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._f: TextIO = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, epoch: int, step: int, indices: Sequence[int]) -> None:
+        line = {"epoch": epoch, "step": step, "rank": self.rank, "indices": [int(i) for i in indices]}
+        self._f.write(json.dumps(line) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> IndexRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_index_records(path: str | Path) -> list[dict[str, Any]]:
+    """The lines an `IndexRecorder` wrote; a last line cut short by a kill is left out."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

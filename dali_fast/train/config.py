@@ -1,0 +1,85 @@
+"""`TrainConfig`: the settings of a training run (the flags of ``dali-fast train``), checked in one place
+before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..data.base import check_on_error
+from ..loaders.factory import BACKENDS
+from ..system import check_writable_folder
+from ..transforms.mix import MixupCutmix
+from ..transforms.recipe import Recipe, resolve_recipe
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The settings of a run (the flags of ``dali-fast train``).
+
+    ``drop_last`` (the default, as is usual for training) leaves out each epoch's incomplete last batch, so
+    BatchNorm never meets a one-sample batch. ``recipe`` is the per-image transform (its ``image_size`` must
+    agree with ``image_size``); ``mixup``/``cutmix`` (Beta alphas, 0: off) mix each batch and train on soft
+    targets, smoothed by ``label_smoothing``. ``checkpoint`` (a folder) is written every
+    ``checkpoint_every`` steps and at each epoch's end; ``record_indices`` (a file) gets each batch's
+    sample indices; ``out`` (a folder) gets train.json.
+    """
+
+    loader: str = "dali"
+    epochs: int = 5
+    model: str = "resnet18"
+    batch_size: int = 64
+    image_size: int = 224
+    lr: float = 0.05
+    amp: bool = True
+    controller: bool = False
+    holdout: float = 0.2
+    seed: int = 0
+    num_workers: int | None = None
+    drop_last: bool = True
+    checkpoint: str | Path | None = None
+    checkpoint_every: int = 500
+    resume: bool = False
+    record_indices: str | Path | None = None
+    out: str | Path | None = None
+    on_error: str = "raise"
+    recipe: Recipe | None = None
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    label_smoothing: float = 0.0
+
+    @property
+    def mix(self) -> dict[str, float]:
+        """The batch-mixing settings, as `MixupCutmix` takes them."""
+        return {"alpha_mixup": self.mixup, "alpha_cutmix": self.cutmix, "label_smoothing": self.label_smoothing}
+
+    def checked(self) -> TrainConfig:
+        """These settings with the recipe resolved and the paths as paths, or a one-line error naming what
+        is wrong; where results go is checked writable before any work, not found unwritable at the end."""
+        recipe = resolve_recipe(self.recipe, image_size=self.image_size)
+        MixupCutmix(**self.mix)
+        if self.mixup > 0 and not recipe.normalize:
+            raise ValueError("mixup blends images: it needs normalized float images, not a recipe with mean=None")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every}: must be >= 1 step")
+        if self.resume and self.checkpoint is None:
+            raise ValueError("resume needs a checkpoint folder: pass --checkpoint DIR with --resume")
+        if self.loader not in BACKENDS:
+            raise ValueError(f"loader {self.loader!r}: choose one of {', '.join(BACKENDS)}")
+        check_on_error(self.on_error)
+        if self.controller and self.loader == "baseline":
+            raise ValueError("--controller needs --loader dali or torch (the plain DataLoader's batch size is fixed)")
+        if self.record_indices is not None and self.loader == "baseline":
+            raise ValueError(
+                "--record-indices needs --loader dali or torch (the plain DataLoader does not expose indices)"
+            )
+        paths = {k: None if v is None else Path(v) for k, v in self._paths().items()}
+        for name, what in (("out", "--out"), ("checkpoint", "--checkpoint")):
+            if paths[name] is not None:
+                check_writable_folder(paths[name], what)
+        if paths["record_indices"] is not None:
+            check_writable_folder(paths["record_indices"].parent, "--record-indices")
+        return replace(self, recipe=recipe, **paths)
+
+    def _paths(self) -> dict[str, str | Path | None]:
+        return {"checkpoint": self.checkpoint, "out": self.out, "record_indices": self.record_indices}

@@ -1,0 +1,338 @@
+"""`dali-fast train`: a real training loop where the loader is swapped with one line.
+
+Runs as one process, or as one process per GPU under ``torchrun`` with DDP (nccl on GPUs, gloo on CPUs).
+With a checkpoint folder it saves model, optimizer, scaler, controller and loader state every K steps
+(atomically); ``resume`` continues at the exact sample where the checkpoint was taken, mid-epoch included.
+
+`run_train` is a few named phases over one small state object (`_Run`): the settings checked
+(`config.TrainConfig.checked`), the run set up (`_start`), a checkpoint resumed (`_resume`), each epoch trained
+and evaluated (`_epoch`), the result written (`_finish`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.base import Reader, SubsetReader, check_labels, fingerprint, split
+from ..loaders.base import LoaderBase
+from ..loaders.controller import BatchSizeController
+from ..loaders.factory import make_loader
+from ..system import atomic_write
+from ..transforms.mix import MixupCutmix
+from ..transforms.recipe import Recipe
+from .checkpoint import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_VERSION,
+    IndexRecorder,
+    check_resume_config,
+    load_checkpoint,
+    plain,
+    save_checkpoint,
+)
+from .config import TrainConfig
+from .distributed import DistContext, broadcast, distributed_context, gather
+from .monitor import UtilizationMonitor
+from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Run:
+    """A run between its phases: what they read (settings, process, data, model, loaders) and the progress
+    they make (epoch, step, rows, and the part of an epoch a mid-epoch checkpoint cut)."""
+
+    config: TrainConfig
+    ctx: DistContext
+    emit: Callable[[str], None]
+    train_set: SubsetReader
+    val_set: SubsetReader
+    trainer: Trainer
+    ctrl: BatchSizeController | None
+    recipe: Recipe  # as the loaders apply it (channels_last on a GPU)
+    train_loader: Any = None
+    val_loader: Any = None
+    settings: dict[str, Any] = field(default_factory=dict)  # what a resume must match (kept in the checkpoint)
+    start_epoch: int = 0
+    step: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    partial: dict[str, float] = field(default_factory=lambda: {"samples": 0, "loss_sum": 0.0})
+    recorder: IndexRecorder | None = None
+
+    @property
+    def resumable(self) -> bool:
+        """The training loader resumes mid-epoch (ours do; a plain DataLoader does not)."""
+        return isinstance(self.train_loader, LoaderBase)
+
+    @property
+    def ckpt_path(self) -> Path | None:
+        folder = self.config.checkpoint
+        return Path(folder) / CHECKPOINT_FILE if folder is not None else None
+
+
+def run_train(
+    reader: Reader,
+    config: TrainConfig | None = None,
+    *,
+    emit: Callable[[str], None] = log.info,
+    **settings: Any,
+) -> list[dict[str, Any]]:
+    """Train on ``reader`` as ``config`` (default `TrainConfig()`, with ``settings`` — its fields by name —
+    changed) says; returns one row per epoch. Under torchrun every rank runs this; only rank 0 emits lines
+    and writes the checkpoint and ``out``."""
+    config = replace(config or TrainConfig(), **settings).checked()
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(distributed_context())
+        run = _start(reader, config, ctx, emit if ctx.is_main else _silent)
+        if config.resume:
+            _resume(run)
+        if config.record_indices is not None:
+            run.recorder = stack.enter_context(IndexRecorder(config.record_indices, ctx.rank, ctx.world_size))
+        run.emit(_intro(run))
+        monitor = stack.enter_context(UtilizationMonitor(device_index=ctx.device_index))
+        for epoch in range(run.start_epoch, config.epochs):
+            row = _epoch(run, epoch, monitor)
+            run.rows.append(row)
+            run.emit(_epoch_line(row))
+            if run.ckpt_path is not None:
+                _save(run, epoch, True, 0, 0.0)
+        _finish(run)
+        return run.rows
+
+
+def _silent(_line: str) -> None:
+    """What ranks other than 0 emit: nothing (only rank 0 talks)."""
+
+
+def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable[[str], None]) -> _Run:
+    """The data split and checked, the model, the controller and the loaders: a run ready for epoch 0."""
+    torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    train_set, val_set = split(reader, config.holdout, config.seed)
+    per_rank = len(train_set) // ctx.world_size
+    if config.drop_last and config.batch_size > per_rank:
+        raise ValueError(
+            f"--batch-size {config.batch_size} is larger than the {per_rank} training images of each of "
+            f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {config.holdout:.0%}): every batch would "
+            f"be dropped; use --batch-size {max(1, per_rank)} or less, or more images"
+        )
+    check_labels(reader, len(reader.classes))  # once, on the CPU: never per step on the device
+    mix = None
+    if config.mixup > 0 or config.cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
+        mix = MixupCutmix(**config.mix, num_classes=len(reader.classes), seed=config.seed * 1000 + ctx.rank)
+    trainer = Trainer(
+        config.model,
+        len(reader.classes),
+        lr=config.lr,
+        amp=config.amp,
+        dist_ctx=ctx,
+        mix=mix,
+        label_smoothing=config.label_smoothing if mix is None else 0.0,
+    )
+    recipe = config.recipe
+    assert recipe is not None  # resolved by TrainConfig.checked
+    if trainer.device.type == "cuda":
+        recipe = recipe.with_(memory_format=torch.channels_last)  # what the model wants, straight from the loader
+    run = _Run(config, ctx, emit, train_set, val_set, trainer, _controller(config, trainer), recipe)
+    kw = {
+        "backend": config.loader,
+        "image_size": config.image_size,
+        "seed": config.seed,
+        "num_workers": config.num_workers,
+        "on_error": config.on_error,
+        "recipe": recipe,
+    }
+    run.train_loader = make_loader(
+        train_set, config.batch_size, train=True, controller=run.ctrl, drop_last=config.drop_last, **kw
+    )
+    run.val_loader = make_loader(val_set, config.batch_size, train=False, **kw)
+    run.settings = _settings(reader, run, mixing=mix is not None or bool(config.label_smoothing))
+    if run.ckpt_path is not None and not run.resumable:
+        emit(f"note: --loader {config.loader} cannot resume mid-epoch; checkpoints are written at epoch ends only")
+    return run
+
+
+def _controller(config: TrainConfig, trainer: Trainer) -> BatchSizeController | None:
+    """With ``controller``: a `BatchSizeController` around the batch size that keeps the learning rate
+    linear in the batch size (Goyal et al., 2017)."""
+    if not config.controller:
+        return None
+
+    def rescale_lr(old: int, new: int) -> None:
+        for g in trainer.opt.param_groups:
+            g["lr"] *= new / old
+
+    return BatchSizeController(max(8, config.batch_size // 8), config.batch_size * 8, on_change=rescale_lr)
+
+
+def _settings(reader: Reader, run: _Run, *, mixing: bool) -> dict[str, Any]:
+    """What a resume must match: the run's settings that change what it trains on or how."""
+    config = run.config
+    settings = {
+        "model": config.model,
+        "loader": config.loader,
+        "image_size": config.image_size,
+        "seed": config.seed,
+        "holdout": config.holdout,
+        "records": len(reader),
+        "world_size": run.ctx.world_size,
+        "controller": config.controller,
+        "drop_last": config.drop_last,
+        "fingerprint": fingerprint(reader),
+    }
+    # Other augmentation than the default is part of the run (kept out otherwise, so checkpoints
+    # of default runs written before recipes existed still resume).
+    recipe = run.recipe.with_(memory_format=torch.contiguous_format)
+    if recipe != Recipe(image_size=config.image_size):
+        settings["recipe"] = recipe.describe()
+    if mixing:
+        settings["mix"] = config.mix
+    return settings
+
+
+def _resume(run: _Run) -> None:
+    """Continue from the checkpoint, when there is one: model, optimizer, loader and progress as saved."""
+    ctx, ckpt_path = run.ctx, run.ckpt_path
+    assert ckpt_path is not None  # resume needs a checkpoint folder (TrainConfig.checked)
+    found = ctx.is_main and ckpt_path.is_file()
+    state = broadcast(load_checkpoint(ckpt_path) if found else None, ctx)
+    if state is None:
+        run.emit(f"no checkpoint in {run.config.checkpoint} yet: starting from the beginning")
+        return
+    check_resume_config(ckpt_path, state["config"], run.settings)
+    run.trainer.load_state_dict(state["trainer"])
+    mine = state["ranks"][ctx.rank]
+    if mine["loader"] is not None:
+        run.train_loader.load_state_dict(mine["loader"])
+    run.step, run.rows = int(state["step"]), list(state["rows"])
+    run.start_epoch = int(state["epoch"]) + (1 if state["epoch_done"] else 0)
+    run.partial = dict(mine["partial"])
+    torch.set_rng_state(state["torch_rng"])
+    run.emit(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {run.step}")
+    batch_size = run.config.batch_size
+    if run.resumable and run.ctrl is None and run.train_loader.batch_size != batch_size:
+        # Positions count samples, so a new batch size resumes exactly too (e.g. after an OOM).
+        run.emit(f"batch size {run.train_loader.batch_size} → {batch_size} as given")
+        run.train_loader.batch_size = batch_size
+
+
+def _save(run: _Run, epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
+    """A checkpoint of every rank's loader and progress, written by rank 0 (atomically)."""
+    mine = {
+        "loader": plain(run.train_loader.state_dict()) if run.resumable else None,
+        "partial": {"samples": samples, "loss_sum": loss_sum},
+    }
+    ranks = gather(mine, run.ctx)
+    if not run.ctx.is_main:
+        return
+    state = {
+        "version": CHECKPOINT_VERSION,
+        "config": run.settings,
+        "step": run.step,
+        "epoch": epoch,
+        "epoch_done": epoch_done,
+        "ranks": ranks,
+        "trainer": run.trainer.state_dict(),
+        "rows": plain(run.rows),
+        "torch_rng": torch.get_rng_state(),
+    }
+    save_checkpoint(run.ckpt_path, state)  # type: ignore[arg-type]
+    log.debug("checkpoint at epoch %d step %d → %s", epoch, run.step, run.ckpt_path)
+
+
+def _intro(run: _Run) -> str:
+    """The line that says what is trained, on what, where, and with which augmentation."""
+    config, ctx = run.config, run.ctx
+    extras = [f"{k}={v}" for k, v in config.mix.items() if v]
+    if run.recipe.auto_augment:
+        extras.insert(0, f"augment={run.recipe.auto_augment}")
+    if run.recipe.random_erasing:
+        extras.append(f"random_erasing={run.recipe.random_erasing}")
+    return (
+        f"training {config.model} on {len(run.train_set)} images ({len(run.val_set)} held out), "
+        f"loader={config.loader}, device={run.trainer.device}"
+        + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
+        + (f", {', '.join(extras)}" if extras else "")
+    )
+
+
+def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]:
+    """One epoch trained (checkpoints every ``checkpoint_every`` steps), then evaluated: its row."""
+    config, trainer, loader = run.config, run.trainer, run.train_loader
+    _set_epoch(loader, epoch)
+    batch_size = getattr(loader, "batch_size", config.batch_size)
+    t0, n = time.perf_counter(), 0
+    loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step
+    with monitor.phase(f"epoch{epoch}"):
+        for images, labels in loader:
+            loss_sum += trainer.step(images, labels, run.ctrl) * len(labels)
+            n += len(labels)
+            run.step += 1
+            if run.recorder is not None:
+                run.recorder.write(epoch, run.step, run.train_set.indices[loader.last_indices])
+            if run.ckpt_path is not None and run.resumable and run.step % config.checkpoint_every == 0:
+                _save(run, epoch, False, run.partial["samples"] + n, run.partial["loss_sum"] + float(loss_sum))
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_all, loss_all = trainer.all_sum(n, float(loss_sum))
+    done, done_loss = trainer.all_sum(run.partial["samples"], run.partial["loss_sum"])
+    run.partial = {"samples": 0, "loss_sum": 0.0}
+    val_loss, val_acc = trainer.evaluate(run.val_loader)
+    util = monitor.summary(f"epoch{epoch}")
+    return {
+        "epoch": epoch,
+        "batch_size": batch_size,
+        "train_loss": (loss_all + done_loss) / max(n_all + done, 1),
+        "val_loss": val_loss,
+        "val_acc": val_acc,
+        "img_per_s": n_all / dt,
+        "ranks": run.ctx.world_size,
+        "resumed": done > 0,
+        "util_kind": util["kind"],
+        "util_mean": util["mean"],
+        "decision": run.ctrl.history[-1] if run.ctrl is not None and run.ctrl.history else None,
+    }
+
+
+def _finish(run: _Run) -> None:
+    """Whether the ranks ended with the same weights, and train.json (rank 0, with ``out``)."""
+    in_sync = run.trainer.replicas_in_sync()
+    if run.ctx.distributed:
+        run.emit(f"replicas in sync after training: {'yes' if in_sync else 'NO'}")
+    out = run.config.out
+    if out is not None and run.ctx.is_main:
+        result = {"config": run.settings, "rows": run.rows, "replicas_in_sync": in_sync, "steps": run.step}
+        atomic_write(Path(out) / "train.json", lambda f: f.write(json.dumps(plain(result), indent=2).encode()))
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+        loader.sampler.set_epoch(epoch)  # a plain DataLoader with a DistributedSampler
+
+
+def _epoch_line(row: dict[str, Any]) -> str:
+    util_s = f"{row['util_mean']:.0f}%" if isinstance(row["util_mean"], float) else "n/a"
+    line = (
+        f"epoch {row['epoch']}: loss {row['train_loss']:.3f}, held-out loss {row['val_loss']:.3f} "
+        f"acc {row['val_acc']:.1%}, {row['img_per_s']:.0f} img/s, {row['util_kind']} util {util_s}, "
+        f"batch {row['batch_size']}"
+    )
+    if row["ranks"] > 1:
+        line += f" x {row['ranks']} ranks"
+    if row["resumed"]:
+        line += " (resumed mid-epoch)"
+    if row["decision"] is not None:
+        d = row["decision"]
+        line += f" | controller: {d['reason']} → {d['decision']} to {d['next_batch_size']}"
+    return line

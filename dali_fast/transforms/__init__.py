@@ -1,0 +1,1 @@
+"""Per-image transforms: the recipe every loader applies, and its pieces for Pillow, torch and DALI."""

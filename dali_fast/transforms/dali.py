@@ -1,0 +1,160 @@
+"""The DALI side of the recipe: the operators after the external source (`augment`: decode, crop, resize,
+automatic augmentation, flip, normalize, erase), and how a pipeline's decoding is sized (threads, and
+the `mixed` decoder's memory paddings within fixed budgets). DALI is imported inside the functions, so
+importing this module needs no DALI.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ..system import cpus_per_local_rank
+from .recipe import Recipe
+
+# nvJPEG preallocates, for the `mixed` decoder, one device buffer and two pinned host buffers per
+# thread (DALI's decoders.image* docstring). Per-thread sizes are what DALI's ImageNet examples use,
+# but the totals are bounded: with every core of a 224-core node as a thread they would reach tens
+# of GB of GPU memory. So each pipeline spends at most these budgets, split between its threads.
+DEVICE_PADDING_PER_THREAD = 211_025_920
+HOST_PADDING_PER_THREAD = 140_544_512
+DECODER_DEVICE_BUDGET = 512 * 2**20  # all threads' device paddings together, per pipeline
+DECODER_PINNED_BUDGET = 1024 * 2**20  # all threads' pinned host paddings together (2 per thread)
+MIXED_MAX_THREADS = 8  # default threads for GPU decoding (DALI's ResNet-50 example uses 4 per GPU)
+
+
+def default_num_threads(gpu: bool = False) -> int:
+    """CPU threads for one pipeline: this process's cores, split between local ranks; at most
+    ``MIXED_MAX_THREADS`` when decoding on the GPU, where the threads only feed nvJPEG."""
+    cpus = cpus_per_local_rank()
+    return min(cpus, MIXED_MAX_THREADS) if gpu else cpus
+
+
+def decoder_preallocation(num_threads: int, gpu: bool = True) -> dict[str, int]:
+    """What one pipeline's decoder preallocates with ``num_threads`` threads: the per-thread paddings
+    passed to DALI, and the device and pinned-host totals, both within their budgets."""
+    if not gpu:
+        return {"threads": num_threads, "device_padding": 0, "host_padding": 0, "device_total": 0, "pinned_total": 0}
+    device = min(DEVICE_PADDING_PER_THREAD, DECODER_DEVICE_BUDGET // num_threads)
+    host = min(HOST_PADDING_PER_THREAD, DECODER_PINNED_BUDGET // (2 * num_threads))
+    return {
+        "threads": num_threads,
+        "device_padding": device,
+        "host_padding": host,
+        "device_total": device * num_threads,
+        "pinned_total": 2 * host * num_threads,
+    }
+
+
+def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, num_threads: int, layout: str = "CHW", erase=None):
+    """The operators after the source, inside a pipeline definition, as ``recipe`` says.
+
+    Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, automatic
+    augmentation, random horizontal flip, normalize, random erasing (``erase``: per-sample
+    (top, left, h, w) boxes from the source). Eval: resize the shorter side, centre crop, normalize.
+    ``num_threads`` is the pipeline's: the `mixed` decoder's memory paddings are sized per thread.
+    """
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    S = recipe.image_size
+    decode_device = "mixed" if gpu else "cpu"
+    extra = gpu_decoder_arguments(num_threads) if gpu else {}
+    interp = {"interp_type": getattr(types, DALI_INTERP[recipe.interpolation])}
+    if train:
+        images = fn.decoders.image_random_crop(
+            jpegs,
+            device=decode_device,
+            output_type=types.RGB,
+            random_area=list(recipe.scale),
+            random_aspect_ratio=list(recipe.ratio),
+            num_attempts=10,
+            **extra,
+        )
+        images = fn.resize(images, resize_x=S, resize_y=S, **interp)
+        if recipe.auto_augment is not None:
+            images = auto_augment(images, recipe)
+        mirror = fn.random.coin_flip(probability=recipe.hflip) if recipe.hflip > 0 else 0
+    else:
+        images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
+        images = fn.resize(images, resize_shorter=recipe.resize_shorter, **interp)
+        mirror = 0
+    norm = {"mean": list(recipe.mean_255), "std": list(recipe.std_255)} if recipe.normalize else {}
+    out_dtype = recipe.out_dtype
+    # DALI 2.4's GPU `erase` has no float16 kernel (its CPU one has): erase in float32, then cast.
+    cast_after = erase is not None and gpu and out_dtype == torch.float16
+    images = fn.crop_mirror_normalize(
+        images,
+        dtype=getattr(types, DALI_DTYPES[torch.float32 if cast_after else out_dtype]),
+        output_layout=layout,
+        crop=(S, S),
+        mirror=mirror,
+        **norm,
+    )
+    if erase is not None:  # the boxes stay on the CPU: DALI takes argument inputs from CPU memory only
+        images = fn.erase(images, anchor=erase[0:2], shape=erase[2:4], axis_names="HW", fill_value=0)
+        if cast_after:
+            images = fn.cast(images, dtype=types.FLOAT16)
+    return images
+
+
+def gpu_decoder_arguments(num_threads: int) -> dict[str, Any]:
+    """The `mixed` decoder's arguments: bounded memory paddings for ``num_threads`` threads, and chroma
+    upsampled the "fancy" way, as DALI's CPU decoder, Pillow and `TorchIterator` do (DALI's default for
+    `mixed` is another filter: the same JPEG would train on other pixels on a GPU)."""
+    pre = decoder_preallocation(num_threads, gpu=True)
+    return {
+        "device_memory_padding": pre["device_padding"],
+        "host_memory_padding": pre["host_padding"],
+        "jpeg_fancy_upsampling": True,
+    }
+
+
+DALI_INTERP = {
+    "bilinear": "INTERP_LINEAR",
+    "bicubic": "INTERP_CUBIC",
+    "nearest": "INTERP_NN",
+    "lanczos": "INTERP_LANCZOS3",
+}
+DALI_DTYPES = {torch.float32: "FLOAT", torch.float16: "FLOAT16", torch.uint8: "UINT8"}
+
+
+def auto_augment(images, recipe: Recipe):
+    """``recipe.auto_augment`` through `nvidia.dali.auto_aug` (the pipeline needs ``enable_conditionals``).
+
+    Translations span torchvision's ranges (150/331 of the side; 32 px for TrivialAugmentWide), geometric
+    ops use nearest-neighbour sampling and fill with ``recipe.fill``, as the Pillow twin does.
+    """
+    # auto_aug builds a few operators by their old `fn.experimental` names, and DALI forces their
+    # DeprecationWarning on ("default" filter) at every build: that is DALI's affair, not the user's.
+    with warnings.catch_warnings(record=True) as caught:
+        out = _auto_augment(images, recipe)
+    for w in caught:
+        if not str(w.message).startswith("WARNING: `nvidia.dali.fn.experimental."):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out
+
+
+def _auto_augment(images, recipe: Recipe):
+    import nvidia.dali.types as types
+    from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
+
+    S = recipe.image_size
+    common = {"fill_value": recipe.fill, "interp_type": types.INTERP_NN}
+    if recipe.auto_augment == "randaugment":
+        return rand_augment.rand_augment(
+            images,
+            n=recipe.num_ops,
+            m=recipe.magnitude,
+            num_magnitude_bins=recipe.num_magnitude_bins,
+            shape=(S, S),
+            max_translate_rel=150 / 331,
+            **common,
+        )
+    if recipe.auto_augment == "trivialaugment":
+        return trivial_augment.trivial_augment_wide(
+            images, num_magnitude_bins=recipe.num_magnitude_bins, max_translate_abs=32, **common
+        )
+    return auto_augment.auto_augment_image_net(images, shape=(S, S), max_translate_rel=150 / 331, **common)

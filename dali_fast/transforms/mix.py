@@ -1,0 +1,96 @@
+"""Batch-level mixup and cutmix with label smoothing (`MixupCutmix`), and the loss for their soft targets.
+
+`MixupCutmix` works on any ``(images, labels)`` batch, from our loaders or a plain DataLoader, on the
+batch's own device, and is reproducible from a seed (one generator, on the CPU, draws every choice)::
+
+    mix = MixupCutmix(alpha_mixup=0.8, alpha_cutmix=1.0, label_smoothing=0.1, num_classes=1000, seed=0)
+    for images, labels in loader:
+        images, targets = mix(images, labels)      # targets: (N, num_classes), rows sum to 1
+        loss = soft_target_cross_entropy(model(images), targets)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+class MixupCutmix:
+    """Batch-level mixup (Zhang et al., 2018) and cutmix (Yun et al., 2019) with label smoothing.
+
+    With probability ``prob`` a batch is mixed with its own reversal (sample i with sample N-1-i): by
+    cutmix with probability ``switch_prob`` when both are on, else by mixup. Mixup blends the images with
+    weight lam ~ Beta(alpha_mixup, alpha_mixup); cutmix pastes a box of area (1 - lam) x H x W, lam ~
+    Beta(alpha_cutmix, alpha_cutmix), clipped to the image, and then sets lam to the area actually kept.
+    Targets are ``lam * onehot(y) + (1 - lam) * onehot(y_reversed)``, smoothed by ``label_smoothing``.
+    ``last`` records the last batch's choice: ``{"mode": "mixup"|"cutmix"|"none", "lam": ..., "box": ...}``.
+    """
+
+    def __init__(
+        self,
+        alpha_mixup: float = 0.8,
+        alpha_cutmix: float = 1.0,
+        prob: float = 1.0,
+        switch_prob: float = 0.5,
+        label_smoothing: float = 0.1,
+        num_classes: int = 1000,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("alpha_mixup", alpha_mixup), ("alpha_cutmix", alpha_cutmix)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value}: must be >= 0 (0 turns it off)")
+        for name, value in (("prob", prob), ("switch_prob", switch_prob), ("label_smoothing", label_smoothing)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name}={value}: must be in [0, 1]")
+        if not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"num_classes={num_classes!r}: must be a positive integer")
+        self.alpha_mixup, self.alpha_cutmix = float(alpha_mixup), float(alpha_cutmix)
+        self.prob, self.switch_prob = float(prob), float(switch_prob)
+        self.label_smoothing, self.num_classes = float(label_smoothing), num_classes
+        self.rng = np.random.default_rng(seed)
+        self.last: dict = {}
+
+    def targets(self, labels: torch.Tensor, lam: float) -> torch.Tensor:
+        """Soft targets for a batch mixed with its reversal at weight ``lam``, smoothed."""
+        off = self.label_smoothing / self.num_classes
+        on = 1.0 - self.label_smoothing + off
+        onehot = torch.full((len(labels), self.num_classes), off, device=labels.device)
+        onehot.scatter_(1, labels.view(-1, 1).long(), on)
+        return lam * onehot + (1.0 - lam) * onehot.flip(0)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mix a batch; returns (images, soft targets). Labels on the CPU are checked against
+        ``num_classes`` here; labels on a GPU are not (reading them would stop the GPU every step):
+        check them once where they come from (``dali-fast train`` checks the data set's labels)."""
+        if labels.device.type == "cpu" and len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+            raise ValueError(f"labels outside 0..{self.num_classes - 1}: set num_classes to the data set's classes")
+        use_mixup, use_cutmix = self.alpha_mixup > 0, self.alpha_cutmix > 0
+        if not (use_mixup or use_cutmix) or self.rng.random() >= self.prob:
+            self.last = {"mode": "none", "lam": 1.0, "box": None}
+            return images, self.targets(labels, 1.0)
+        cutmix = use_cutmix and (not use_mixup or self.rng.random() < self.switch_prob)
+        if not cutmix:
+            if not images.is_floating_point():
+                raise ValueError("mixup blends images: pass float images (normalize first)")
+            lam = float(self.rng.beta(self.alpha_mixup, self.alpha_mixup))
+            mixed = images.mul(lam).add_(images.flip(0), alpha=1.0 - lam)
+            self.last = {"mode": "mixup", "lam": lam, "box": None}
+            return mixed, self.targets(labels, lam)
+        h, w = images.shape[-2], images.shape[-1]
+        lam = float(self.rng.beta(self.alpha_cutmix, self.alpha_cutmix))
+        cut_h, cut_w = int(h * math.sqrt(1 - lam)), int(w * math.sqrt(1 - lam))
+        cy, cx = int(self.rng.integers(h)), int(self.rng.integers(w))
+        y0, y1 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, h)
+        x0, x1 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, w)
+        mixed = images.clone()
+        mixed[..., y0:y1, x0:x1] = images.flip(0)[..., y0:y1, x0:x1]
+        lam = 1.0 - (y1 - y0) * (x1 - x0) / (h * w)  # the area actually kept
+        self.last = {"mode": "cutmix", "lam": lam, "box": (y0, y1, x0, x1)}
+        return mixed, self.targets(labels, lam)
+
+
+def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against soft targets (rows summing to 1), averaged over the batch."""
+    return torch.sum(-targets * torch.log_softmax(logits.float(), dim=-1), dim=-1).mean()

@@ -1,0 +1,209 @@
+"""Training recipes: the per-image transform every loader applies (`Recipe`), and its constants.
+
+`Recipe` is one frozen object that `DALIIterator`, `TorchIterator`, the baseline `DataLoader`,
+`make_loader`, ``bench`` and ``train`` all read, so every backend crops, augments and normalizes the
+same way. The default ``Recipe()`` is the classic ResNet recipe (random-resized-crop 0.08–1, flip,
+ImageNet mean/std; eval: resize to 1/0.875 of the size, centre crop)::
+
+    deit = Recipe(interpolation="bicubic", auto_augment="randaugment", magnitude=9, random_erasing=0.25)
+    loader = DALIIterator(open_dataset("train"), 256, recipe=deit)
+
+Per image, in order: crop and resize to ``image_size`` → automatic augmentation (train) → flip →
+normalize (or stay uint8) → random erasing (train, on the normalized image, filled with 0).
+
+Batch-level mixup and cutmix are `mix.MixupCutmix`; the per-sample random draws are `draws`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+AUTO_AUGMENTS = ("randaugment", "trivialaugment", "autoaugment")
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "lanczos")
+IMAGENET_MEAN_01 = (0.485, 0.456, 0.406)
+IMAGENET_STD_01 = (0.229, 0.224, 0.225)
+OUT_DTYPES = (torch.float32, torch.float16, torch.uint8)
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
+# Salts of the per-sample generators: the crop and flip use (seed, epoch, index); these draw apart from
+# them, so turning an augmentation on leaves the crops and flips of the default recipe as they were.
+AUGMENT_SALT, ERASING_SALT = 1, 2
+
+
+def _pair(name: str, value: Any, low: float, high: float | None = None) -> tuple[float, float]:
+    """A (min, max) pair with low <(=) min <= max (<= high), else a one-line ValueError."""
+    try:
+        a, b = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: give two numbers (min, max)") from None
+    top = "" if high is None else f" <= {high:g}"
+    if not (math.isfinite(a) and math.isfinite(b) and low < a <= b and (high is None or b <= high)):
+        raise ValueError(f"{name}={value!r}: need {low:g} < min <= max{top}")
+    return a, b
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The per-image transform of a loader, shared by every backend.
+
+    Train: random-resized-crop of ``scale`` (share of the area) and ``ratio`` (width/height), resized to
+    ``image_size`` with ``interpolation``; ``auto_augment`` (``None``, ``"randaugment"`` with ``num_ops``
+    and ``magnitude`` out of ``num_magnitude_bins``, ``"trivialaugment"`` (TrivialAugmentWide) or
+    ``"autoaugment"`` (the ImageNet policy)), geometric ops filling with ``fill``; horizontal flip with
+    probability ``hflip``; normalization by ``mean``/``std`` (0–1 scale, per RGB channel); random erasing
+    with probability ``random_erasing`` of a box of ``erasing_scale`` of the area and ``erasing_ratio``
+    aspect (torchvision's `RandomErasing` rule), filled with 0.
+    Eval: resize the shorter side to ``eval_resize_size`` (default ``round(image_size /
+    eval_crop_fraction)``), centre crop ``image_size``; no augmentation.
+    ``mean=None, std=None`` gives uint8 output that the model normalizes itself. ``dtype`` defaults
+    to float32 (uint8 without mean/std); ``memory_format=torch.channels_last`` gives NCHW views of NHWC.
+    """
+
+    image_size: int = 224
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    eval_crop_fraction: float = 0.875
+    eval_resize_size: int | None = None
+    interpolation: str = "bilinear"
+    hflip: float = 0.5
+    auto_augment: str | None = None
+    num_ops: int = 2
+    magnitude: int = 9
+    num_magnitude_bins: int = 31
+    fill: int = 128
+    random_erasing: float = 0.0
+    erasing_scale: tuple[float, float] = (0.02, 1 / 3)
+    erasing_ratio: tuple[float, float] = (0.3, 3.3)
+    mean: tuple[float, ...] | None = IMAGENET_MEAN_01
+    std: tuple[float, ...] | None = IMAGENET_STD_01
+    dtype: torch.dtype | None = None
+    memory_format: torch.memory_format = field(default=torch.contiguous_format)
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+        def probability(name: str, value: Any) -> None:
+            if not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise ValueError(f"{name}={value!r}: must be a probability in [0, 1]")
+
+        positive_int("image_size", self.image_size)
+        object.__setattr__(self, "scale", _pair("scale", self.scale, 0, 1))
+        object.__setattr__(self, "ratio", _pair("ratio", self.ratio, 0))
+        if not isinstance(self.eval_crop_fraction, int | float) or not 0 < self.eval_crop_fraction <= 1:
+            raise ValueError(f"eval_crop_fraction={self.eval_crop_fraction!r}: must be in (0, 1]")
+        if self.eval_resize_size is not None:
+            positive_int("eval_resize_size", self.eval_resize_size)
+            if self.eval_resize_size < self.image_size:
+                raise ValueError(
+                    f"eval_resize_size={self.eval_resize_size} is smaller than image_size={self.image_size}: "
+                    "the centre crop would not fit"
+                )
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation={self.interpolation!r}: use one of {', '.join(INTERPOLATIONS)}")
+        probability("hflip", self.hflip)
+        if self.auto_augment is not None and self.auto_augment not in AUTO_AUGMENTS:
+            raise ValueError(f"auto_augment={self.auto_augment!r}: use None, {', '.join(map(repr, AUTO_AUGMENTS))}")
+        positive_int("num_ops", self.num_ops)
+        positive_int("num_magnitude_bins", self.num_magnitude_bins)
+        if (
+            isinstance(self.magnitude, bool)
+            or not isinstance(self.magnitude, int | np.integer)
+            or not (0 <= self.magnitude < self.num_magnitude_bins)
+        ):
+            raise ValueError(f"magnitude={self.magnitude!r}: must be an integer in [0, num_magnitude_bins - 1]")
+        if isinstance(self.fill, bool) or not isinstance(self.fill, int | np.integer) or not 0 <= self.fill <= 255:
+            raise ValueError(f"fill={self.fill!r}: must be an integer in [0, 255]")
+        probability("random_erasing", self.random_erasing)
+        object.__setattr__(self, "erasing_scale", _pair("erasing_scale", self.erasing_scale, 0, 1))
+        object.__setattr__(self, "erasing_ratio", _pair("erasing_ratio", self.erasing_ratio, 0))
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("mean and std: give both (0-1 scale, one per channel) or neither (uint8 output)")
+        if self.mean is not None:
+            mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
+            if len(mean) != len(std) or len(mean) != 3:
+                raise ValueError(f"mean has {len(mean)} values and std {len(std)}: give one per RGB channel (3 each)")
+            if not all(math.isfinite(m) for m in mean) or not all(math.isfinite(s) and s > 0 for s in std):
+                raise ValueError(f"mean={self.mean!r}, std={self.std!r}: need finite means and std > 0")
+            object.__setattr__(self, "mean", mean)
+            object.__setattr__(self, "std", std)
+        if self.dtype is not None and self.dtype not in OUT_DTYPES:
+            raise ValueError(f"dtype={self.dtype}: use torch.float32, torch.float16 or torch.uint8")
+        if self.dtype == torch.uint8 and self.mean is not None:
+            raise ValueError("dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it")
+        if self.memory_format not in MEMORY_FORMATS:
+            raise ValueError(f"memory_format={self.memory_format}: use torch.contiguous_format or torch.channels_last")
+
+    # ------------------------------------------------------------------ what the backends read
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The output dtype: ``dtype``, else float32 when normalizing and uint8 when not."""
+        if self.dtype is not None:
+            return self.dtype
+        return torch.float32 if self.mean is not None else torch.uint8
+
+    @property
+    def normalize(self) -> bool:
+        return self.mean is not None
+
+    @property
+    def mean_255(self) -> tuple[float, ...]:
+        """The mean on the 0–255 scale of decoded pixels (0 when not normalizing)."""
+        return tuple(m * 255 for m in self.mean) if self.mean is not None else (0.0, 0.0, 0.0)
+
+    @property
+    def std_255(self) -> tuple[float, ...]:
+        return tuple(s * 255 for s in self.std) if self.std is not None else (1.0, 1.0, 1.0)
+
+    @property
+    def resize_shorter(self) -> int:
+        """Eval: the shorter side before the centre crop."""
+        if self.eval_resize_size is not None:
+            return int(self.eval_resize_size)
+        return round(self.image_size / self.eval_crop_fraction)
+
+    def with_(self, **changes: Any) -> Recipe:
+        """A copy with ``changes`` (checked like a new recipe)."""
+        return replace(self, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        """The recipe as plain JSON-able values (for results, logs and checkpoint configs)."""
+        out = asdict(self)
+        out["dtype"] = str(self.out_dtype).replace("torch.", "")
+        out["memory_format"] = "channels_last" if self.memory_format == torch.channels_last else "contiguous"
+        for k in ("scale", "ratio", "erasing_scale", "erasing_ratio", "mean", "std"):
+            if out[k] is not None:
+                out[k] = list(out[k])
+        return out
+
+
+def resolve_recipe(
+    recipe: Recipe | None,
+    *,
+    image_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    memory_format: torch.memory_format | None = None,
+) -> Recipe:
+    """The loader's recipe: ``recipe`` (or the default), with the loader's own ``image_size``/``dtype``/
+    ``memory_format`` arguments; giving one both ways with different values is a one-line ValueError."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe={recipe!r}: pass a dali_fast.Recipe (or None for the default)")
+    base = recipe if recipe is not None else Recipe()
+    changes: dict[str, Any] = {}
+    for name, value in (("image_size", image_size), ("dtype", dtype), ("memory_format", memory_format)):
+        if value is None:
+            continue
+        current = base.out_dtype if name == "dtype" else getattr(base, name)
+        if recipe is not None and value != current:
+            raise ValueError(f"{name}={value} disagrees with the recipe's {name}={current}; set it in the recipe only")
+        changes[name] = value
+    return replace(base, **changes) if changes else base
+
+
+IMAGENET_MEAN = Recipe().mean_255  # the default recipe's normalization, on the 0-255 scale of decoded pixels
+IMAGENET_STD = Recipe().std_255

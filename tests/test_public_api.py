@@ -1,0 +1,96 @@
+"""The public surface: every name in ``dali_fast.__all__`` resolves, the documented import paths import,
+and ``import dali_fast`` stays cheap."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dali_fast
+
+# Import paths the documentation shows (module, name).
+DOCUMENTED = [
+    ("dali_fast.lightning", "DaliFastDataModule"),
+    ("dali_fast.transforms.recipe", "Recipe"),
+    ("dali_fast.transforms.mix", "MixupCutmix"),
+    ("dali_fast.transforms.mix", "soft_target_cross_entropy"),
+    ("dali_fast.data.open", "open_dataset"),
+    ("dali_fast.data.writer", "pack"),
+    ("dali_fast.loaders.factory", "make_loader"),
+]
+
+
+def test_all_is_sorted_and_every_name_resolves():
+    assert dali_fast.__all__ == sorted(dali_fast.__all__)
+    assert len(set(dali_fast.__all__)) == len(dali_fast.__all__)
+    for name in dali_fast.__all__:
+        value = getattr(dali_fast, name)
+        assert getattr(value, "__name__", name) == name, f"dali_fast.{name} is {value!r}"
+
+
+def test_star_import_gives_exactly_all():
+    namespace: dict = {}
+    exec("from dali_fast import *", namespace)
+    assert sorted(k for k in namespace if not k.startswith("__")) == dali_fast.__all__
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        dali_fast.nothing_here  # noqa: B018
+
+
+@pytest.mark.parametrize(("module", "name"), DOCUMENTED, ids=[f"{m}.{n}" for m, n in DOCUMENTED])
+def test_documented_import_paths(module, name):
+    if module == "dali_fast.lightning":
+        pytest.importorskip("pytorch_lightning")
+    value = getattr(importlib.import_module(module), name)
+    if name in dali_fast.__all__:
+        assert value is getattr(dali_fast, name)
+
+
+# Old paths the documentation once showed: still the same objects, with a DeprecationWarning naming the new home.
+MOVED = [
+    ("dali_fast.records", "pack", "dali_fast.data.writer"),
+    ("dali_fast.records", "open_dataset", "dali_fast.data.open"),
+    ("dali_fast.records", "MemmapReader", "dali_fast.data.packed"),
+    ("dali_fast.records", "ImageFolderReader", "dali_fast.data.folder"),
+    ("dali_fast.records", "PackReport", "dali_fast.data.writer"),
+    ("dali_fast.recipe", "Recipe", "dali_fast.transforms.recipe"),
+    ("dali_fast.recipe", "MixupCutmix", "dali_fast.transforms.mix"),
+    ("dali_fast.recipe", "soft_target_cross_entropy", "dali_fast.transforms.mix"),
+    ("dali_fast.fallback", "TorchIterator", "dali_fast.loaders.torch_iterator"),
+    ("dali_fast.fallback", "make_loader", "dali_fast.loaders.factory"),
+    ("dali_fast.pipeline", "augment", "dali_fast.transforms.dali"),
+    ("dali_fast.pipeline", "default_num_threads", "dali_fast.transforms.dali"),
+    ("dali_fast.iterator", "DALIIterator", "dali_fast.loaders.dali_iterator"),
+]
+
+
+@pytest.mark.parametrize(("old", "name", "home"), MOVED, ids=[f"{m}.{n}" for m, n, _ in MOVED])
+def test_moved_paths_warn_and_give_the_same_object(old, name, home):
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=rf"^{old}\.{name} moved: import it from {home} "):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(home), name)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from {old} import {name}", {})  # the usual spelling warns too
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        module.nothing_here  # noqa: B018
+
+
+def test_import_is_cheap():
+    code = "import sys, dali_fast; print(sorted(m for m in ('torch', 'nvidia.dali', 'PIL') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_data_wing_imports_no_torch():
+    """Formats and readers are numpy only: a data tool or a DataLoader worker reading records pays for no torch."""
+    modules = sorted(p.stem for p in Path(dali_fast.__file__).parent.joinpath("data").glob("*.py"))
+    code = f"import sys\nfor m in {modules!r}: __import__('dali_fast.data.' + m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

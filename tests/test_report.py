@@ -1,0 +1,33 @@
+"""The tables and charts `bench` and `bench --stages` write, and the figures formatted one way."""
+
+from __future__ import annotations
+
+from dali_fast.tools.report import Panel, bar_charts, gib, percent, ratio, share, table, where
+
+
+def test_a_markdown_table_aligns_figures_right_and_keeps_empty_cells_narrow():
+    t = table(["name", "img/s", "x"], [["dali", "120", "1.50x"], ["baseline", "failed: OSError: gone", ""]])
+    assert t.splitlines() == [
+        "| name | img/s | x |",
+        "|---|---:|---:|",
+        "| dali | 120 | 1.50x |",
+        "| baseline | failed: OSError: gone | |",
+    ]
+
+
+def test_figures_read_one_way_everywhere():
+    assert (percent(55.4), percent("n/a"), percent(None)) == ("55", "n/a", "n/a")
+    assert (gib(2**30), gib("n/a")) == ("1.00 GiB", "n/a")
+    assert (ratio(1.234), ratio(None)) == ("1.23x", "-")
+    assert (share(0.853), share(None)) == ("85%", "-")
+    assert where({"gpu": None, "cpu_count": 2}) == "2 CPU cores, no GPU (DALI CPU-only mode)"
+    assert where({"gpu": "NVIDIA H200", "cpu_count": 16}) == "NVIDIA H200"
+
+
+def test_bar_charts_write_one_png_of_the_panels(tmp_path):
+    panels = [
+        Panel([3.0, 5.0], "throughput", "images / s", line=(6.0, "limit")),
+        Panel([40.0, 90.0], "util", fmt="%.0f%%"),
+    ]
+    bar_charts(tmp_path / "c.png", ["a", "b"], panels, "title", width=8, rotate=25)
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
