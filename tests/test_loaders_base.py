@@ -530,6 +530,7 @@ def test_defaults_are_the_documented_ones(index_reader):
 
     loader = TorchIterator(index_reader, 8, num_workers=0)  # everything else default
     assert (loader.image_size, loader.seed, loader.train, loader.drop_last) == (224, 0, True, False)
+    assert (loader.prefetch, loader.on_error) == (2, "raise")  # docs/loaders.md's signature
     assert loader.gpu is (auto_device() == "cuda") and loader.cache_stats() is None  # the GPU when usable; no cache
     images, labels = next(iter(loader))
     assert images.shape == (8, 3, 224, 224) and images.device.type == auto_device() and images.dtype == torch.float32
