@@ -51,6 +51,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this worker process end when ``parent`` (the process that started it) dies, even by SIGKILL.
+
+    A forked pool worker holds copies of its task pipe's write end, so it never sees end-of-file and
+    would wait for tasks forever once its parent is gone. On Linux the kernel sends SIGKILL at the
+    parent's death (PR_SET_PDEATHSIG); elsewhere this does nothing. Pass ``os.getpid()`` of the parent:
+    a parent that died before the call already left the worker to another, so it exits at once.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def default_cache_dir() -> Path:
     """Where dali_fast keeps what it makes once and reuses (the default synthetic set, shard indexes,
     remote shards): ``$DALI_FAST_CACHE``, or ``~/.cache/dali_fast``."""

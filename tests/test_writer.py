@@ -256,6 +256,22 @@ def test_parallel_pack_is_byte_identical_for_any_worker_count(photo_folder, tmp_
         pack(photo_folder, tmp_path / "w0", workers=0, progress=False)
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that are still its children."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan reaped by init is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 3])
 def test_a_killed_parallel_pack_leaves_no_destination(photo_folder, tmp_path, workers):
@@ -265,9 +281,15 @@ def test_a_killed_parallel_pack_leaves_no_destination(photo_folder, tmp_path, wo
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.stat().st_size for p in tmp_path.glob(".packed.*.tmp/data.bin")):
         time.sleep(0.005)
+    workers_of_pack = children(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not dst.exists()
+    assert len(workers_of_pack) == (workers if workers > 1 else 0)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(alive(pid) for pid in workers_of_pack):
+        time.sleep(0.05)
+    assert [pid for pid in workers_of_pack if alive(pid)] == []  # none left waiting for tasks forever
     assert pack(photo_folder, dst, workers=workers, progress=False).records == 59  # and the next pack completes
     assert list(tmp_path.glob(".packed.*.tmp")) == []
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, available_cpus
+from ..system import atomic_dir, available_cpus, die_with_parent
 from .checks import check_encoded, pillow_reason
 from .folder import scan_image_folder
 from .format import (
@@ -148,7 +148,8 @@ def _prepared(
     # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
     # every worker unless it guards itself with `if __name__ == "__main__"`.
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+    # workers die with this process, even when it is killed: no worker is left waiting for tasks forever
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
 
         def submit() -> None:
