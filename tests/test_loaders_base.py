@@ -11,7 +11,7 @@ import odd_images
 import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes, png_bytes
-from contract import each_once, run_save_load_state
+from contract import each_once, run_close_mid_pass, run_save_load_state
 from PIL import Image
 
 from dali_fast.loaders.base import LoaderBase
@@ -126,6 +126,38 @@ def test_save_load_state_contract(make, index_reader):
     TorchIterator's case through worker processes, which work ahead of what was delivered)."""
     extra = {"num_workers": 2} if make.backend == "torch" else {"prefetch": 3}
     run_save_load_state(lambda: make(index_reader, 5, seed=9, **extra), midpoint=3)
+
+
+def test_close_mid_pass_contract(make, index_reader):
+    """close() between two batches: one rule for every backend (the pass raises that it was closed, nothing
+    more is yielded), checked by the shared contract, with worker processes working ahead (TorchIterator)
+    and a deep DALI prefetch."""
+    extra = {"num_workers": 2} if make.backend == "torch" else {"prefetch": 3}
+    run_close_mid_pass(lambda: make(index_reader, 5, seed=9, **extra), midpoint=3)
+
+
+def test_close_mid_pass_releases_what_the_pass_holds_at_once(make, index_reader, monkeypatch):
+    """close() mid-pass releases the pass's own pipeline or worker processes now, not when the pass is
+    dropped: DALI's pipeline is shut down, TorchIterator's workers have exited."""
+    import multiprocessing
+
+    shut = []
+    if make.backend == "dali":
+        import dali_fast.loaders.dali_iterator as di
+
+        real = di.shutdown_pipeline
+        monkeypatch.setattr(di, "shutdown_pipeline", lambda pipe: (shut.append(pipe), real(pipe)))
+    loader = make(index_reader, 4, **({"num_workers": 2} if make.backend == "torch" else {}))
+    it = iter(loader)
+    next(it)
+    before = set(multiprocessing.active_children())
+    loader.close()
+    if make.backend == "dali":
+        assert len(shut) == 1  # the pipeline the pass was running
+    else:
+        assert len(before) == 2 and not set(multiprocessing.active_children()) & before
+    with pytest.raises(RuntimeError, match=r"^this pass over the loader ended when the loader was closed"):
+        next(it)
 
 
 def test_batch_size_changes_between_epochs(make, index_reader):
