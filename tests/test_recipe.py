@@ -203,6 +203,26 @@ def test_bad_recipe_is_one_line(kw, message):
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize(
+    "mean, std",
+    [
+        ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)),  # DALI's (and OpenCV's) 0-255 convention
+        ((0.485, 0.456, 0.406), (58.395, 57.12, 57.375)),  # one of the two on the wrong scale
+        ((123.675, 116.28, 103.53), (0.229, 0.224, 0.225)),
+        ((-0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),  # no pixel has a negative mean
+    ],
+)
+def test_mean_std_off_the_0_1_scale_are_refused_in_one_line(mean, std):
+    """mean/std on the 0-255 scale would give a nearly constant output: refused, naming the scale Recipe takes."""
+    with pytest.raises(ValueError) as e:
+        Recipe(mean=mean, std=std)
+    assert str(e.value) == (
+        f"mean={mean!r}, std={std!r}: Recipe takes them on the 0-1 scale (0 <= mean <= 1, 0 < std <= 1; "
+        "ImageNet's: mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)); divide values on the 0-255 scale by 255"
+    )
+    assert Recipe(mean=(0.0, 0.5, 1.0), std=(1.0, 0.5, 0.25)).std_255 == (255.0, 127.5, 63.75)  # the edges are fine
+
+
 def test_a_loader_argument_that_disagrees_with_the_recipe_is_refused(photos):
     with pytest.raises(ValueError) as e:
         loader("torch", photos, recipe=Recipe(image_size=64), image_size=32)

@@ -54,7 +54,8 @@ class Recipe:
     ``image_size`` with ``interpolation``; ``auto_augment`` (``None``, ``"randaugment"`` with ``num_ops``
     and ``magnitude`` out of ``num_magnitude_bins``, ``"trivialaugment"`` (TrivialAugmentWide) or
     ``"autoaugment"`` (the ImageNet policy)), geometric ops filling with ``fill``; horizontal flip with
-    probability ``hflip``; normalization by ``mean``/``std`` (0–1 scale, per RGB channel); random erasing
+    probability ``hflip``; normalization by ``mean``/``std`` (0–1 scale, per RGB channel; values on the
+    0–255 scale are refused); random erasing
     with probability ``random_erasing`` of a box of ``erasing_scale`` of the area and ``erasing_ratio``
     aspect (torchvision's `RandomErasing` rule), filled with 0.
     Eval: resize the shorter side to ``eval_resize_size`` (default ``round(image_size /
@@ -130,6 +131,13 @@ class Recipe:
                 raise ValueError(f"mean has {len(mean)} values and std {len(std)}: give one per RGB channel (3 each)")
             if not all(math.isfinite(m) for m in mean) or not all(math.isfinite(s) and s > 0 for s in std):
                 raise ValueError(f"mean={self.mean!r}, std={self.std!r}: need finite means and std > 0")
+            if not all(0 <= m <= 1 for m in mean) or not all(s <= 1 for s in std):
+                # DALI's and OpenCV's convention (123.675, ...) would give a nearly constant output here.
+                raise ValueError(
+                    f"mean={self.mean!r}, std={self.std!r}: Recipe takes them on the 0-1 scale (0 <= mean <= 1, "
+                    f"0 < std <= 1; ImageNet's: mean={IMAGENET_MEAN_01}, std={IMAGENET_STD_01}); "
+                    "divide values on the 0-255 scale by 255"
+                )
             object.__setattr__(self, "mean", mean)
             object.__setattr__(self, "std", std)
         if self.dtype is not None and self.dtype not in OUT_DTYPES:
