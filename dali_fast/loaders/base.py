@@ -22,7 +22,7 @@ from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provi
 from ..data.cache import CachedReader, LRUCache
 from ..system import cuda_usable
 from ..transforms.recipe import Recipe, resolve_recipe
-from .sampler import EpochSampler, LoaderSampler, dist_rank_world
+from .sampler import EpochSampler, LoaderSampler, dist_rank_world, sharding_note
 from .shard_order import StreamingOrder, make_order
 
 __all__ = ["ON_ERROR", "BadRecordError", "LoaderBase", "SkipLog", "bad_record_message"]
@@ -189,6 +189,7 @@ class LoaderBase:
         self._resumed = False  # load_state_dict() was called since the last iter()
         self._active: weakref.ref | None = None  # the pass in progress, if any
         self._current_pass: _Pass | None = None  # the token of the pass allowed to deliver batches
+        self._said: set[str] = set()  # disagreements about the ranks, logged once per loader
         self._ready = True  # the base's __init__ ran (see `_check_ready`)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -280,14 +281,17 @@ class LoaderBase:
     def cache_stats(self) -> dict[str, float] | None:
         return self.cache.stats() if self.cache is not None else None
 
-    def _follow_process_group(self) -> None:
+    def _follow_process_group(self, starting: bool = False) -> None:
         """Take rank and world size from a process group started after this loader was made (Lightning
-        and Accelerate start it after the user built the loader); explicit rank/world_size stay."""
+        and Accelerate start it after the user built the loader); explicit rank/world_size stay. A pass
+        ``starting`` now restarts its epoch unless a state was loaded, so only a loaded mid-epoch position
+        stands in the way then."""
         self._check_ready()
         rank, world = dist_rank_world(self._rank_arg, self._world_arg)
         if (rank, world) == (self.rank, self.world_size):
             return
-        if self.order.position not in (0, len(self.order)) or self._pass_running():
+        mid_epoch = self.order.position not in (0, len(self.order))
+        if (mid_epoch and (self._resumed or not starting)) or (not starting and self._pass_running()):
             raise RuntimeError(
                 f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
                 f"{self.rank} of {self.world_size}; make the loader after the process group starts"
@@ -387,7 +391,11 @@ class LoaderBase:
 
     def _plan_pass(self) -> tuple[list[np.ndarray], int, int]:
         """(index batches, batch size, start position) of the pass that starts now."""
-        self._follow_process_group()
+        self._follow_process_group(starting=True)
+        note = sharding_note(self._rank_arg, self._world_arg)
+        if note is not None and note not in self._said:  # the launcher and the process group disagree
+            self._said.add(note)
+            log.warning("loader: %s", note)
         if self._finished:
             # Looping again without set_epoch: move on to the next epoch's order.
             self.order.set_epoch(self.order.epoch + 1)
