@@ -13,16 +13,23 @@ each epoch (that is the loader's own ``set_epoch``, which keeps a resumed positi
 ``loader.state_dict()`` in its checkpoints and restores it with ``fit(ckpt_path=...)`` (the loader
 then continues at the exact next sample), and under DDP the loader shards from the process group
 Lightning started. Validation, test and predict loaders keep the data set's order.
+
+Paths are checked when the module is made (not at their stage, maybe hours later), and a stage whose
+data set was not given (``trainer.test()`` without ``test=``) raises in one line instead of running nothing.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from .data.base import Reader
+from .data.format import INDEX_FILE
 from .data.open import open_dataset
+from .data.remote_store import is_remote
+from .data.shards import expand_shards, is_webdataset
 from .loaders.base import LoaderBase
 from .loaders.controller import BatchSizeController
 from .loaders.factory import make_loader
@@ -79,6 +86,8 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
         self.paths = {"train": train, "val": val, "test": test, "predict": predict}
+        for split, source in self.paths.items():
+            _check_source(split, source)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.backend = backend
@@ -110,21 +119,64 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         self._made.append(loader)
         return loader
 
+    def setup(self, stage: str) -> None:
+        """Refuse, in one line, a stage with no data set (``trainer.test()`` without ``test=``) rather than
+        run it over nothing. Fitting without ``val=`` is fine: Lightning then skips validation."""
+        stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum ("test", ...)
+        split = _STAGE_SPLIT.get(stage)
+        if split is not None and self.paths[split] is None:
+            raise ValueError(
+                f"DaliFastDataModule has no {split} data set, so trainer.{stage}() has nothing to run; "
+                f"pass {split}=PATH to DaliFastDataModule"
+            )
+
     def teardown(self, stage: str) -> None:
         """Shut down the loaders this module made (their worker processes or DALI pipelines)."""
         made, self._made = self._made, []
         for loader in made:
             loader.close()
 
-    # A split without a data set gives no loaders ([]): Lightning then skips that stage's loop.
-    def train_dataloader(self) -> LoaderBase | list:
-        return self._loader("train") if self.paths["train"] is not None else []
+    # Without val= there is no validation loader ([]): Lightning then skips validation while fitting.
+    # The other splits are what their stage runs on: asked for without a data set, they raise (see setup).
+    def train_dataloader(self) -> LoaderBase:
+        return self._loader("train")
 
     def val_dataloader(self) -> LoaderBase | list:
         return self._loader("val") if self.paths["val"] is not None else []
 
-    def test_dataloader(self) -> LoaderBase | list:
-        return self._loader("test") if self.paths["test"] is not None else []
+    def test_dataloader(self) -> LoaderBase:
+        return self._loader("test")
 
-    def predict_dataloader(self) -> LoaderBase | list:
-        return self._loader("predict") if self.paths["predict"] is not None else []
+    def predict_dataloader(self) -> LoaderBase:
+        return self._loader("predict")
+
+
+_STAGE_SPLIT = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+
+
+def _check_source(split: str, source: Any) -> None:
+    """A data set path that cannot be one, refused when the module is made (not at its stage, maybe hours
+    later): a missing path, a brace pattern with a missing shard, a folder with no data set in it. Opening
+    (indexes, folder scans) waits for the stage; remote URLs are checked when opened."""
+    if source is None or isinstance(source, Reader) or is_remote(source):
+        return
+    if not isinstance(source, str | os.PathLike):
+        raise ValueError(f"DaliFastDataModule: {split}={source!r}: pass a data set path (str or Path) or a Reader")
+    text = os.fspath(source)
+    where = f"DaliFastDataModule: {split}={text!r}"
+    if is_webdataset(text):
+        try:
+            expand_shards(text)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{where}: {e}") from None
+        return
+    path = Path(text)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{where}: no such file or folder; pass a packed data set, WebDataset shards or an ImageFolder root"
+        )
+    if not path.is_dir() or not ((path / INDEX_FILE).exists() or any(d.is_dir() for d in path.iterdir())):
+        raise ValueError(
+            f"{where}: not a data set; expected a packed folder (index.bin, from `dali-fast pack`), "
+            "WebDataset shards (.tar) or an ImageFolder root (ROOT/<class>/<image>)"
+        )

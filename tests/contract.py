@@ -1,7 +1,8 @@
 """The loader contract as one checker that every backend's and framework's tests call (torchdata's
 ``run_test_save_load_state`` is the model): each epoch gives each sample exactly once; a state taken
 mid-epoch resumes at exactly the next sample, in the same order, and the epochs after it are the ones an
-uninterrupted run would have given; a state from the start, or from the end of an epoch, resumes there."""
+uninterrupted run would have given; a state from the start, or from the end of an epoch, resumes there;
+``close()`` in the middle of a pass ends that pass the same way for every loader."""
 
 from __future__ import annotations
 
@@ -83,3 +84,51 @@ def run_save_load_state(
     assert resumed(mid1)[0] == epoch1[midpoint:], "resumed mid-epoch 1: not exactly the rest of it"
     assert resumed(initial) == (epoch0, epoch1), "the initial state: not the uninterrupted run"
     assert resumed(end0)[0] == epoch1, "the end of epoch 0: the next pass is not epoch 1"
+
+
+def run_close_mid_pass(
+    make: Callable[[], Any],
+    midpoint: int,
+    *,
+    ids: Callable[[Any, Any], list[int]] = last_indices,
+    universe: Iterable[int] | None = None,
+) -> None:
+    """``close()`` between two batches of a pass, the one rule for every loader: the pass yields nothing
+    more, and asking it for its next batch raises one `RuntimeError` (one line, naming ``close()``); the
+    state taken after the close resumes at exactly the next sample; the next ``iter()`` runs the whole
+    epoch again, each sample once (as after a ``break``); a pass made before ``close()`` but not started
+    ends the same way; and ``close()`` twice, or with no pass, is harmless."""
+    x = make()
+    universe = set(range(len(x.dataset))) if universe is None else set(universe)
+    head, it = _take(x, ids, midpoint)
+    assert len(head) == midpoint, "the epoch is too short for the midpoint"
+    x.close()
+    state = x.state_dict()
+    _refuses_after_close(it, "a pass closed after its first batches")
+    x.close()  # twice: harmless
+    whole, _ = _take(x, ids)
+    each_once((i for batch in whole for i in batch), universe, what="the pass after close()")
+    assert whole[:midpoint] == head, "the pass after close(): not the same epoch from its start"
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest, _ = _take(resumed, ids)
+    assert head + rest == whole, "the state taken after close(): does not resume at exactly the next sample"
+    unstarted = iter(x)
+    x.close()
+    _refuses_after_close(unstarted, "a pass made before close() and not started")
+    again, _ = _take(x, ids)
+    assert len(again) == len(whole), "close() left the loader unable to run another pass"
+    x.close()
+    resumed.close()
+
+
+def _refuses_after_close(it: Any, what: str) -> None:
+    try:
+        next(it)
+    except RuntimeError as e:
+        text = str(e)
+        assert "close()" in text and "\n" not in text, f"{what}: the error is not one line naming close(): {text!r}"
+    except StopIteration:
+        raise AssertionError(f"{what}: ended in silence instead of raising that the loader was closed") from None
+    else:
+        raise AssertionError(f"{what}: yielded a batch after close()")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -92,6 +93,46 @@ def test_prepare_in_one_process(backend):
                 labels += y.tolist()
             epochs.append(labels)
         assert all(sorted(e) == list(range(N)) for e in epochs) and epochs[0] != epochs[1]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # noqa: SLF001 - one Accelerator per test
+
+
+@pytest.mark.parametrize("backend", ["dali", "torch"])
+def test_accelerate_without_a_process_group_is_not_sharded_by_rank(backend, monkeypatch, caplog):
+    """The CPU case: the launcher says rank 1 of 2 (RANK/WORLD_SIZE), but `Accelerator()` without cpu=True
+    starts no process group and runs each process alone. The loaders shard by what Accelerate really runs
+    (one process: every sample), made before or after the Accelerator, and say so in one line."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from test_lightning import loader, reader
+
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    early = loader(backend, reader(), batch_size=8)  # made before the Accelerator: the launcher's word
+    assert (early.rank, early.world_size) == (1, 2)
+    acc = Accelerator()
+    try:
+        assert acc.num_processes == 1 and not torch.distributed.is_initialized()
+        late = loader(backend, reader(), batch_size=8)
+        for ld in (early, late):
+            with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.base"):
+                caplog.clear()
+                labels = []
+                for _, y in ld:
+                    labels += y.tolist()
+                for _batch in ld:  # a second epoch: the line is not repeated
+                    pass
+            assert sorted(labels) == list(range(N)), f"{len(labels)} of {N} samples: sharded by RANK/WORLD_SIZE"
+            assert (ld.rank, ld.world_size) == (0, 1)
+            assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+                "loader: RANK/WORLD_SIZE say rank 1 of 2, but Accelerate runs this process as rank 0 of 1 (no "
+                "torch.distributed process group, so nothing synchronises the processes): sharding as rank 0 of 1, "
+                "so each process reads all the data; on CPUs, make the Accelerator with cpu=True for distributed "
+                "training"
+            ]
+            ld.close()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # noqa: SLF001 - one Accelerator per test
 

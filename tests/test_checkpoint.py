@@ -86,6 +86,36 @@ def test_resume_accepted_with_the_same_settings():
     assert str(e.value).startswith("ck/checkpoint.pt: saved with recipe={'auto_augment': 'randaugment'}, this run has recipe=None;")
 
 
+def test_a_refused_recipe_or_mix_names_the_field_and_both_values_on_one_line():
+    """A recipe is some twenty fields: the refusal names the one that differs (recipe.random_erasing), not two
+    whole dicts; a recipe or mix one side leaves out is compared with what leaving it out means."""
+    from dali_fast.train.config import TrainConfig
+    from dali_fast.transforms.recipe import Recipe
+
+    plain, erasing = Recipe(image_size=32).describe(), Recipe(image_size=32, random_erasing=0.25).describe()
+    tail = "; resume with the same settings or use a new --checkpoint folder"
+    cases = [
+        ({**CONFIG, "recipe": plain}, {**CONFIG, "recipe": erasing}, {}, "recipe.random_erasing=0.0", "0.25"),
+        (CONFIG, {**CONFIG, "recipe": erasing}, {"recipe": plain}, "recipe.random_erasing=0.0", "0.25"),
+        ({**CONFIG, "recipe": erasing}, CONFIG, {"recipe": plain}, "recipe.random_erasing=0.25", "0.0"),
+        (
+            {**CONFIG, "recipe": plain},
+            {**CONFIG, "recipe": Recipe(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)).describe()},
+            {},
+            "recipe.mean=[0.485, 0.456, 0.406]",
+            "[0.5, 0.5, 0.5]",
+        ),
+        (CONFIG, {**CONFIG, "mix": TrainConfig(mixup=0.2).mix}, {"mix": TrainConfig().mix}, "mix.alpha_mixup=0.0", "0.2"),
+    ]
+    for saved, current, defaults, was, now in cases:
+        with pytest.raises(ValueError) as e:
+            check_resume_config("ck/checkpoint.pt", saved, current, defaults)
+        key = was.split("=")[0]
+        assert str(e.value) == f"ck/checkpoint.pt: saved with {was}, this run has {key}={now}{tail}"
+        assert "\n" not in str(e.value) and len(str(e.value)) < 200
+    check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, "recipe": plain}, {"recipe": plain})  # the default
+
+
 def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):
     rec = IndexRecorder(tmp_path / "idx.jsonl", rank=1, world_size=2)
     rec.write(0, 1, [5, 3])

@@ -249,6 +249,45 @@ def test_datamodule_one_line(backend, tmp_path):
     dm.teardown("fit")
 
 
+def test_datamodule_checks_paths_when_made_and_refuses_a_stage_without_data(tmp_path):
+    """A wrong path is refused by the constructor (not at its stage, later), in one line naming the split;
+    trainer.test()/validate()/predict()/fit() without that stage's data set raise instead of running 0 batches."""
+    from dali_fast.data.synthetic import make_synthetic
+    from dali_fast.lightning import DaliFastDataModule
+
+    make_synthetic(tmp_path / "img", images=12, classes=3, progress=False)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "note.txt").write_text("x")
+    refused = [
+        ({"train": tmp_path / "img", "val": tmp_path / "nope"}, FileNotFoundError, f"val={str(tmp_path / 'nope')!r}"),
+        ({"test": str(tmp_path / "shards-{000..001}.tar")}, FileNotFoundError, "shards-000.tar and 1 more: no such shard"),
+        ({"train": tmp_path / "empty"}, ValueError, "not a data set"),
+        ({"predict": tmp_path / "note.txt"}, ValueError, "not a data set"),
+        ({"train": 3}, ValueError, "pass a data set path"),
+    ]
+    for kw, error, text in refused:
+        with pytest.raises(error) as e:
+            DaliFastDataModule(**kw, backend="torch")
+        assert str(e.value).startswith("DaliFastDataModule: ") and text in str(e.value) and "\n" not in str(e.value)
+    dm = DaliFastDataModule(train=tmp_path / "img", batch_size=4, backend="torch", image_size=16, device="cpu")
+    model = Model()
+    model.lin = torch.nn.Linear(3 * 16 * 16, 3)
+    for stage, split in (("test", "test"), ("validate", "val"), ("predict", "predict")):
+        with pytest.raises(ValueError) as e:
+            getattr(trainer(Recorder()), stage)(model, datamodule=dm)
+        assert str(e.value) == (
+            f"DaliFastDataModule has no {split} data set, so trainer.{stage}() has nothing to run; "
+            f"pass {split}=PATH to DaliFastDataModule"
+        )
+    only_val = DaliFastDataModule(val=tmp_path / "img", backend="torch", image_size=16, device="cpu")
+    with pytest.raises(ValueError, match=r"^DaliFastDataModule has no train data set, so trainer.fit\(\)"):
+        trainer(Recorder(), max_epochs=1).fit(model, datamodule=only_val)
+    rec = Recorder()  # fitting without val= is fine: no validation
+    trainer(rec, max_epochs=1, num_sanity_val_steps=0).fit(model, datamodule=dm)
+    assert len(rec.epoch(0)) == 12 and rec.val == []
+    dm.teardown("fit")
+
+
 DDP_SCRIPT = """
 import json, os, sys
 sys.path.insert(0, {tests!r})

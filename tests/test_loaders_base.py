@@ -11,7 +11,7 @@ import odd_images
 import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes, png_bytes
-from contract import each_once, run_save_load_state
+from contract import each_once, run_close_mid_pass, run_save_load_state
 from PIL import Image
 
 from dali_fast.loaders.base import LoaderBase
@@ -126,6 +126,38 @@ def test_save_load_state_contract(make, index_reader):
     TorchIterator's case through worker processes, which work ahead of what was delivered)."""
     extra = {"num_workers": 2} if make.backend == "torch" else {"prefetch": 3}
     run_save_load_state(lambda: make(index_reader, 5, seed=9, **extra), midpoint=3)
+
+
+def test_close_mid_pass_contract(make, index_reader):
+    """close() between two batches: one rule for every backend (the pass raises that it was closed, nothing
+    more is yielded), checked by the shared contract, with worker processes working ahead (TorchIterator)
+    and a deep DALI prefetch."""
+    extra = {"num_workers": 2} if make.backend == "torch" else {"prefetch": 3}
+    run_close_mid_pass(lambda: make(index_reader, 5, seed=9, **extra), midpoint=3)
+
+
+def test_close_mid_pass_releases_what_the_pass_holds_at_once(make, index_reader, monkeypatch):
+    """close() mid-pass releases the pass's own pipeline or worker processes now, not when the pass is
+    dropped: DALI's pipeline is shut down, TorchIterator's workers have exited."""
+    import multiprocessing
+
+    shut = []
+    if make.backend == "dali":
+        import dali_fast.loaders.dali_iterator as di
+
+        real = di.shutdown_pipeline
+        monkeypatch.setattr(di, "shutdown_pipeline", lambda pipe: (shut.append(pipe), real(pipe)))
+    loader = make(index_reader, 4, **({"num_workers": 2} if make.backend == "torch" else {}))
+    it = iter(loader)
+    next(it)
+    before = set(multiprocessing.active_children())
+    loader.close()
+    if make.backend == "dali":
+        assert len(shut) == 1  # the pipeline the pass was running
+    else:
+        assert len(before) == 2 and not set(multiprocessing.active_children()) & before
+    with pytest.raises(RuntimeError, match=r"^this pass over the loader ended when the loader was closed"):
+        next(it)
 
 
 def test_batch_size_changes_between_epochs(make, index_reader):
@@ -876,6 +908,37 @@ def test_a_process_group_started_after_the_loader_is_followed_between_epochs(ind
     same.set_epoch(2)
     assert listed(loader) == listed(same)
     assert len(listed(loader)) == 16  # drop_last: whole batches of this rank's 18
+
+
+def test_rank_and_world_size_without_a_process_group_shard_and_say_so_once(index_reader, monkeypatch, caplog):
+    """torchrun's RANK/WORLD_SIZE with no process group at the first pass: the loader shards by them (a
+    script may start the group later), and says once, in one line, that nothing synchronises the ranks."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader = ListBackend(index_reader, 4, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.base"):
+        first, second = listed(loader), listed(loader)
+    assert len(first) == len(second) == 19  # rank 1's half of 37, padded
+    assert [r.getMessage() for r in caplog.records] == [
+        "loader: RANK/WORLD_SIZE say rank 1 of 2, but no torch.distributed process group is initialised: "
+        "sharding by them, so this process reads 1/2 of the data and nothing synchronises the processes; start "
+        "the process group before the first pass, or pass rank=0, world_size=1 to read all of it"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.base"):
+        assert len(listed(ListBackend(index_reader, 4, device="cpu", rank=0, world_size=1))) == 37
+    assert caplog.records == []  # explicit rank and world size: nothing to say
+
+
+def test_a_loader_made_before_the_group_follows_it_when_iterated_first(index_reader, monkeypatch):
+    """Iterated without a len() first (a plain loop), a loader made before the process group still follows it."""
+    import dali_fast.loaders.base as base
+
+    group = {"rank": 1, "world": 2}
+    monkeypatch.setattr(base, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
+    loader = ListBackend(index_reader, 4, device="cpu")
+    group.update(rank=0, world=1)
+    assert len(listed(loader)) == 37 and (loader.rank, loader.world_size) == (0, 1)
 
 
 def test_a_process_group_that_changes_the_rank_mid_epoch_is_refused_in_one_line(index_reader, monkeypatch):

@@ -49,6 +49,52 @@ def square(side: int, left=(250, 20, 20), right=(20, 20, 250)) -> bytes:
     return buf.getvalue()
 
 
+def solid_png(width: int, height: int, colour=(200, 30, 60)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("normalized", [False, True], ids=["uint8", "float"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "baseline"])
+def test_erased_boxes_hold_the_mean_pixel_in_every_loader(backend, normalized):
+    """One rule for random erasing: the box holds the mean pixel. Normalized float: 0 (the mean normalizes
+    to 0). uint8: ImageNet's mean pixel (124, 116, 104), not 0 (black), so that the model's own
+    normalization maps it to about 0 too. The same in DALIIterator, TorchIterator and the baseline."""
+    from dali_fast.loaders.baseline import BaselineDataset
+    from dali_fast.transforms.draws import erasing_boxes
+    from dali_fast.transforms.recipe import ERASING_FILL_255
+
+    assert ERASING_FILL_255 == (124.0, 116.0, 104.0)
+    norm = {} if normalized else {"mean": None, "std": None}
+    recipe = Recipe(image_size=32, random_erasing=1.0, hflip=0.0, **norm)
+    reader = ListReader([(solid_png(40 + 3 * i, 36 + 2 * i), i % 3) for i in range(12)])
+    if backend == "baseline":
+        ds = BaselineDataset(reader, train=True, recipe=recipe)
+        x, boxes = torch.stack([ds[i][0] for i in range(len(reader))]), None
+    else:
+        it = loader(backend, reader, batch_size=12, recipe=recipe, seed=4)
+        x, _ = epoch(it)
+        boxes = erasing_boxes(recipe, 4, 0, it.last_indices)
+    fill = torch.tensor(recipe.erasing_fill, dtype=x.dtype).view(3, 1, 1)
+    assert recipe.erasing_fill == ((0.0, 0.0, 0.0) if normalized else ERASING_FILL_255)
+    erased = 0
+    for k, img in enumerate(x):
+        mask = (img == fill).all(0)
+        if boxes is not None:  # the drawn box exactly
+            top, left, h, w = boxes[k].tolist()
+            expected = torch.zeros_like(mask)
+            expected[top : top + h, left : left + w] = True
+            assert torch.equal(mask, expected), f"sample {k}: the erased pixels are not the drawn box"
+        rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+        if len(rows):  # a whole rectangle of the fill, and nothing else
+            erased += 1
+            assert int(mask.sum()) == (rows[-1] - rows[0] + 1) * (cols[-1] - cols[0] + 1)
+        if not normalized:
+            assert not (img == 0).all(0).any(), f"sample {k}: a black (0) pixel: uint8 erasing filled 0"
+    assert erased >= 8  # random_erasing=1.0: nearly every sample has a box that fits
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_recipe_output_is_bit_identical_to_before(backend):
     """The default recipe's bytes must not change unnoticed. DALI's fingerprints were taken before recipes
@@ -201,6 +247,26 @@ def test_bad_recipe_is_one_line(kw, message):
     with pytest.raises(ValueError) as e:
         Recipe(**kw)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    "mean, std",
+    [
+        ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)),  # DALI's (and OpenCV's) 0-255 convention
+        ((0.485, 0.456, 0.406), (58.395, 57.12, 57.375)),  # one of the two on the wrong scale
+        ((123.675, 116.28, 103.53), (0.229, 0.224, 0.225)),
+        ((-0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),  # no pixel has a negative mean
+    ],
+)
+def test_mean_std_off_the_0_1_scale_are_refused_in_one_line(mean, std):
+    """mean/std on the 0-255 scale would give a nearly constant output: refused, naming the scale Recipe takes."""
+    with pytest.raises(ValueError) as e:
+        Recipe(mean=mean, std=std)
+    assert str(e.value) == (
+        f"mean={mean!r}, std={std!r}: Recipe takes them on the 0-1 scale (0 <= mean <= 1, 0 < std <= 1; "
+        "ImageNet's: mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)); divide values on the 0-255 scale by 255"
+    )
+    assert Recipe(mean=(0.0, 0.5, 1.0), std=(1.0, 0.5, 0.25)).std_255 == (255.0, 127.5, 63.75)  # the edges are fine
 
 
 def test_a_loader_argument_that_disagrees_with_the_recipe_is_refused(photos):

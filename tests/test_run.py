@@ -122,12 +122,20 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
             f"{tmp_path / 'checkpoint.pt'}: saved with {key}={kw.get(key, 0)!r}, this run has {key}={other!r}; "
             "resume with the same settings or use a new --checkpoint folder"
         )
-    # another recipe or batch mixing is another run; the defaults stay out of the config (older checkpoints resume)
+    # another recipe or batch mixing is another run; the defaults stay out of the config (older checkpoints
+    # resume); the refusal names the field that differs and both values, not two whole dicts
     aug = Recipe(image_size=32, auto_augment="randaugment")
-    for extra, key in (({"recipe": aug}, "recipe"), ({"mixup": 0.2}, "mix"), ({"label_smoothing": 0.1}, "mix")):
+    for extra, key, was, now in (
+        ({"recipe": aug}, "recipe.auto_augment", None, "randaugment"),
+        ({"mixup": 0.2}, "mix.alpha_mixup", 0.0, 0.2),
+        ({"label_smoothing": 0.1}, "mix.label_smoothing", 0.0, 0.1),
+    ):
         with pytest.raises(ValueError) as e:
             run_train(learnable, **kw, **extra, resume=True)
-        assert str(e.value).startswith(f"{tmp_path / 'checkpoint.pt'}: saved with {key}=None, this run has {key}={{")
+        assert str(e.value) == (
+            f"{tmp_path / 'checkpoint.pt'}: saved with {key}={was!r}, this run has {key}={now!r}; "
+            "resume with the same settings or use a new --checkpoint folder"
+        )
     other_root = tmp_path / "other"
     make_synthetic(other_root / "images", images=120, classes=3, seed=7, progress=False)
     pack(other_root / "images", other_root / "packed", progress=False)
@@ -338,3 +346,23 @@ def test_the_settings_are_one_config_checked_before_any_work(tmp_path):
     assert TrainConfig(out=str(tmp_path)).checked().out == tmp_path  # paths as paths, recipe resolved
     assert TrainConfig(image_size=32).checked().recipe.image_size == 32
 
+
+
+def test_the_docs_name_every_setting_a_resume_must_match(learnable):
+    """docs/distributed.md lists every setting a checkpoint must match: each key of the saved settings,
+    each field of the recipe and of the batch mixing."""
+    from types import SimpleNamespace
+
+    from dali_fast.train.config import TrainConfig
+    from dali_fast.train.run import _settings
+
+    config = TrainConfig(image_size=32, mixup=0.2)
+    recipe = Recipe(image_size=32, random_erasing=0.25)
+    run = SimpleNamespace(config=config, ctx=SimpleNamespace(world_size=1), recipe=recipe)
+    settings = _settings(learnable, run, mixing=True)
+    docs = (ROOT / "docs" / "distributed.md").read_text()
+    section = docs[docs.index("A resume must match") :]
+    section = section[: section.index("\n\n")]
+    names = [*settings, *(f"recipe.{k}" for k in settings["recipe"]), *(f"mix.{k}" for k in settings["mix"])]
+    missing = [n for n in names if f"`{n.split('.')[-1]}`" not in section]
+    assert not missing, f"docs/distributed.md does not name {missing}"

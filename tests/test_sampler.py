@@ -3,7 +3,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dali_fast.loaders.sampler import EpochSampler, dist_rank_world
+from dali_fast.loaders.sampler import EpochSampler, dist_rank_world, sharding_note
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -212,3 +212,45 @@ def test_default_seed_is_zero_and_position_zero_resumes():
     s = EpochSampler(20, seed=1, rank=0, world_size=1)
     s.load_state_dict({"epoch": 4, "position": 0})  # the start of an epoch is a valid position
     assert (s.epoch, s.position) == (4, 0)
+
+
+def test_a_real_gloo_group_wins_over_rank_and_world_size_and_the_disagreement_is_named(monkeypatch, tmp_path):
+    """A real (gloo) process group of one rank, while RANK/WORLD_SIZE say rank 1 of 2: the group the
+    framework really uses decides, and the disagreement is one line naming both."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert dist_rank_world() == (1, 2)  # no group yet: the launcher's word
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert dist_rank_world() == (0, 1)
+        assert EpochSampler(9).world_size == 1
+        assert sharding_note() == (
+            "RANK/WORLD_SIZE say rank 1 of 2, but torch.distributed runs this process as rank 0 of 1: "
+            "sharding by the process group"
+        )
+        assert sharding_note(0, 1) is None  # explicit rank and world size: nothing to disagree with
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert sharding_note() is None  # they agree
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_and_world_size_without_a_process_group_are_used_and_said(monkeypatch):
+    """RANK/WORLD_SIZE with no process group (torchrun, but nothing started one): they shard, and the line
+    says that nothing synchronises the processes and how to read all the data."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert sharding_note() is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert sharding_note() is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert dist_rank_world() == (1, 2)
+    assert sharding_note() == (
+        "RANK/WORLD_SIZE say rank 1 of 2, but no torch.distributed process group is initialised: sharding by "
+        "them, so this process reads 1/2 of the data and nothing synchronises the processes; start the process "
+        "group before the first pass, or pass rank=0, world_size=1 to read all of it"
+    )

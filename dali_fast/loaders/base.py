@@ -6,6 +6,7 @@ Also here: what both backends raise and count for a bad record (`BadRecordError`
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -21,7 +22,7 @@ from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provi
 from ..data.cache import CachedReader, LRUCache
 from ..system import cuda_usable
 from ..transforms.recipe import Recipe, resolve_recipe
-from .sampler import EpochSampler, LoaderSampler, dist_rank_world
+from .sampler import EpochSampler, LoaderSampler, dist_rank_world, sharding_note
 from .shard_order import StreamingOrder, make_order
 
 __all__ = ["ON_ERROR", "BadRecordError", "LoaderBase", "SkipLog", "bad_record_message"]
@@ -60,6 +61,21 @@ _ABANDONED = (
     "this pass over the loader was abandoned when another started (iter(), set_epoch() or load_state_dict()); "
     "iterate one pass at a time"
 )
+_CLOSED = (
+    "this pass over the loader ended when the loader was closed (close()); start a new pass with iter(loader) "
+    "(the epoch from its start, or from a state loaded with load_state_dict())"
+)
+
+
+class _Pass:
+    """The token of one pass (one ``iter()``): whether ``close()`` ended it, and its backend run (a weak
+    reference, so that a pass the caller drops still releases what its run holds at once)."""
+
+    __slots__ = ("closed", "run")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.run: weakref.ref | None = None
 
 
 class LoaderBase:
@@ -88,6 +104,12 @@ class LoaderBase:
     Optional: ``_release_stale(batch_size)``, to free before the controller measures what the coming
     pass will not use. A subclass that lacks one of the two, or whose ``__init__`` does not reach the
     base's, is told so in one line.
+
+    ``close()`` between two batches of a pass ends that pass, for every backend alike: the base closes the
+    pass's ``_run`` first (its ``finally`` blocks release what it holds), then the backend's ``close()``
+    runs; the pass then raises one `RuntimeError` saying so if asked for another batch (nothing more is
+    yielded). ``state_dict()`` still holds the position, and a new ``iter()`` works as after a ``break``.
+    A backend's own ``close()`` called from inside its ``_run`` (to rebuild) does not end the pass.
     """
 
     backend = "base"
@@ -166,8 +188,43 @@ class LoaderBase:
         self.last_indices: np.ndarray = np.empty(0, dtype=np.int64)
         self._resumed = False  # load_state_dict() was called since the last iter()
         self._active: weakref.ref | None = None  # the pass in progress, if any
-        self._current_pass: object | None = None  # the token of the pass allowed to deliver batches
+        self._current_pass: _Pass | None = None  # the token of the pass allowed to deliver batches
+        self._said: set[str] = set()  # disagreements about the ranks, logged once per loader
         self._ready = True  # the base's __init__ ran (see `_check_ready`)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A backend's ``close()`` also ends the pass in progress (see the class docstring), so no backend
+        has to write that rule itself."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("close")
+        if own is None or getattr(own, "_ends_the_pass", False):
+            return
+
+        @functools.wraps(own)
+        def close(self: LoaderBase, *args: Any, **kw: Any) -> Any:
+            self._end_pass_on_close()
+            return own(self, *args, **kw)
+
+        close._ends_the_pass = True  # type: ignore[attr-defined]
+        cls.close = close  # type: ignore[method-assign]
+
+    def _end_pass_on_close(self) -> None:
+        """``close()`` from outside a pass's run: the pass ends, its run is closed now (what it holds is
+        released), and asking it for another batch raises `_CLOSED`. Called from inside the run (a backend
+        rebuilding), it does nothing."""
+        token = self.__dict__.get("_current_pass")
+        if token is None:
+            return
+        gen = self._active() if self._active is not None else None
+        if gen is not None and inspect.getgeneratorstate(gen) == inspect.GEN_RUNNING:
+            return
+        token.closed = True
+        self._current_pass = None
+        self._epoch_bs = None
+        run = token.run() if token.run is not None else None
+        if run is not None:
+            run.close()  # GeneratorExit at its yield: its finally blocks release pipelines and worker iterators
+        log.debug("close() ended the pass in progress")
 
     def _check_ready(self) -> None:
         """A subclass whose ``__init__`` did not run the base's is named in one line, not an AttributeError."""
@@ -224,14 +281,17 @@ class LoaderBase:
     def cache_stats(self) -> dict[str, float] | None:
         return self.cache.stats() if self.cache is not None else None
 
-    def _follow_process_group(self) -> None:
+    def _follow_process_group(self, starting: bool = False) -> None:
         """Take rank and world size from a process group started after this loader was made (Lightning
-        and Accelerate start it after the user built the loader); explicit rank/world_size stay."""
+        and Accelerate start it after the user built the loader); explicit rank/world_size stay. A pass
+        ``starting`` now restarts its epoch unless a state was loaded, so only a loaded mid-epoch position
+        stands in the way then."""
         self._check_ready()
         rank, world = dist_rank_world(self._rank_arg, self._world_arg)
         if (rank, world) == (self.rank, self.world_size):
             return
-        if self.order.position not in (0, len(self.order)) or self._pass_running():
+        mid_epoch = self.order.position not in (0, len(self.order))
+        if (mid_epoch and (self._resumed or not starting)) or (not starting and self._pass_running()):
             raise RuntimeError(
                 f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
                 f"{self.rank} of {self.world_size}; make the loader after the process group starts"
@@ -259,6 +319,8 @@ class LoaderBase:
 
     def _pass_running(self) -> bool:
         """A pass has started (its first batch was asked for) and has not ended or been closed."""
+        if self._current_pass is None:
+            return False
         gen = self._active() if self._active is not None else None
         return gen is not None and inspect.getgeneratorstate(gen) in (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
 
@@ -321,7 +383,7 @@ class LoaderBase:
         ``iter()`` and the first ``next()`` (as Lightning calls them) still applies.
         """
         self._supersede_pass("iter()")
-        token = object()
+        token = _Pass()
         gen = self._epoch(token)
         self._current_pass = token
         self._active = weakref.ref(gen)
@@ -329,7 +391,11 @@ class LoaderBase:
 
     def _plan_pass(self) -> tuple[list[np.ndarray], int, int]:
         """(index batches, batch size, start position) of the pass that starts now."""
-        self._follow_process_group()
+        self._follow_process_group(starting=True)
+        note = sharding_note(self._rank_arg, self._world_arg)
+        if note is not None and note not in self._said:  # the launcher and the process group disagree
+            self._said.add(note)
+            log.warning("loader: %s", note)
         if self._finished:
             # Looping again without set_epoch: move on to the next epoch's order.
             self.order.set_epoch(self.order.epoch + 1)
@@ -346,9 +412,9 @@ class LoaderBase:
         return [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)], bs, start
 
     # ------------------------------------------------------------------ epoch driver
-    def _epoch(self, token: object) -> Iterator[Batch]:
+    def _epoch(self, token: _Pass) -> Iterator[Batch]:
         if self._current_pass is not token:
-            raise RuntimeError(_ABANDONED)
+            raise RuntimeError(_CLOSED if token.closed else _ABANDONED)
         plan, bs, start = self._plan_pass()
         self._epoch_bs = bs
         self._release_stale(bs)  # before the controller releases caches and starts measuring
@@ -360,8 +426,10 @@ class LoaderBase:
         if self._streaming is not None:  # what this pass reads, then the next epoch: downloaded ahead
             upcoming = np.concatenate(plan) if plan else shard[:0]
             self._streaming.schedule(upcoming, then=self.order.indices(self.order.epoch + 1))
+        run = self._run(plan, start)
+        token.run = weakref.ref(run) if inspect.isgenerator(run) else None
         try:
-            for images, labels, consumed in self._run(plan, start):
+            for images, labels, consumed in run:
                 at = self.order.position
                 self.last_indices = shard[at : at + consumed]
                 self.order.position += consumed
@@ -369,7 +437,7 @@ class LoaderBase:
                     self._streaming.advance(consumed)  # the batch is decoded: its shards' use may be over
                 yield images, labels
                 if self._current_pass is not token:
-                    raise RuntimeError(_ABANDONED)
+                    raise RuntimeError(_CLOSED if token.closed else _ABANDONED)
             self.order.position = len(self.order)
             self._finished = True
             if self.controller is not None:

@@ -71,16 +71,40 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def check_resume_config(path: str | Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse, in one line naming the first setting that differs, to resume a run saved with other settings
-    (a setting only one of them has differs too)."""
+def check_resume_config(
+    path: str | Path,
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Refuse, in one line naming the first setting that differs and both its values, to resume a run saved
+    with other settings. A setting made of fields (the recipe, the batch mixing) is compared field by
+    field and the field is named (``recipe.random_erasing``), not the whole setting. A setting only one
+    side has stands for ``defaults[key]`` on the other (what leaving it out means), else for None."""
+    found = _first_difference(saved, current, defaults or {})
+    if found is not None:
+        key, was, now = found
+        raise ValueError(
+            f"{path}: saved with {key}={was!r}, this run has {key}={now!r}; "
+            "resume with the same settings or use a new --checkpoint folder"
+        )
+
+
+def _first_difference(
+    saved: Mapping[str, Any], current: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = ""
+) -> tuple[str, Any, Any] | None:
+    """(dotted name, saved value, current value) of the first setting that differs, or None."""
     for key in [*current, *(k for k in saved if k not in current)]:
-        value = current.get(key)
-        if saved.get(key) != value:
-            raise ValueError(
-                f"{path}: saved with {key}={saved.get(key)!r}, this run has {key}={value!r}; "
-                "resume with the same settings or use a new --checkpoint folder"
-            )
+        was = saved[key] if key in saved else defaults.get(key)
+        now = current[key] if key in current else defaults.get(key)
+        if was == now:
+            continue
+        if isinstance(was, Mapping) and isinstance(now, Mapping):
+            inner = _first_difference(was, now, {}, f"{prefix}{key}.")
+            if inner is not None:
+                return inner
+        return f"{prefix}{key}", was, now
+    return None
 
 
 def plain(obj: Any) -> Any:

@@ -198,6 +198,11 @@ def _settings(reader: Reader, run: _Run, *, mixing: bool) -> dict[str, Any]:
     return settings
 
 
+def _left_out(config: TrainConfig) -> dict[str, Any]:
+    """What a setting `_settings` leaves out stands for: the default recipe, no batch mixing."""
+    return {"recipe": Recipe(image_size=config.image_size).describe(), "mix": TrainConfig().mix}
+
+
 def _resume(run: _Run) -> None:
     """Continue from the checkpoint, when there is one: model, optimizer, loader and progress as saved."""
     ctx, ckpt_path = run.ctx, run.ckpt_path
@@ -207,7 +212,7 @@ def _resume(run: _Run) -> None:
     if state is None:
         run.emit(f"no checkpoint in {run.config.checkpoint} yet: starting from the beginning")
         return
-    check_resume_config(ckpt_path, state["config"], run.settings)
+    check_resume_config(ckpt_path, state["config"], run.settings, defaults=_left_out(run.config))
     run.trainer.load_state_dict(state["trainer"])
     mine = state["ranks"][ctx.rank]
     if mine["loader"] is not None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .recipe import IMAGENET_MEAN, IMAGENET_STD
+from .recipe import ERASING_FILL_255, IMAGENET_MEAN, IMAGENET_STD
 
 
 @functools.lru_cache(maxsize=16)
@@ -22,14 +22,21 @@ def _normalization(
     return mean_t, inv_std
 
 
-def erase_boxes(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """Fill each sample's (top, left, h, w) box of NCHW ``x`` with 0, in place, without a host sync."""
+def erase_boxes(
+    x: torch.Tensor, boxes: torch.Tensor, fill: tuple[float, ...] = (0.0, 0.0, 0.0)
+) -> torch.Tensor:
+    """Fill each sample's (top, left, h, w) box of NCHW ``x`` with ``fill`` (per channel), in place,
+    without a host sync."""
     boxes = boxes.to(x.device, non_blocking=True)
     rows = torch.arange(x.shape[-2], device=x.device).view(1, -1, 1)
     cols = torch.arange(x.shape[-1], device=x.device).view(1, 1, -1)
     top, left, h, w = (boxes[:, k].view(-1, 1, 1) for k in range(4))
     inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
-    return x.masked_fill_(inside.unsqueeze(1), 0)
+    if not any(fill):
+        return x.masked_fill_(inside.unsqueeze(1), 0)
+    for c, value in enumerate(fill):
+        x[:, c].masked_fill_(inside, value)
+    return x
 
 
 def finish_batch(
@@ -41,7 +48,8 @@ def finish_batch(
     boxes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 NCHW ``images`` (any strides: an NHWC slot's permuted view too) → a new ``dtype`` tensor in
-    ``memory_format``, normalized by ``mean``/``std`` (0–255 scale; None: left as is), erased in ``boxes``.
+    ``memory_format``, normalized by ``mean``/``std`` (0–255 scale; None: left as is), erased in ``boxes``
+    with the mean pixel (0 when normalized, `ERASING_FILL_255` when not: `Recipe.erasing_fill`'s rule).
 
     Batched ops on the tensor's device, with no host synchronization. On the CPU the conversion and the
     two normalizing passes run a few images at a time, so the second and third passes read what the
@@ -50,7 +58,7 @@ def finish_batch(
     """
     if mean is None or std is None:
         x = images.to(dtype, memory_format=memory_format, copy=True)
-        return x if boxes is None else erase_boxes(x, boxes)
+        return x if boxes is None else erase_boxes(x, boxes, ERASING_FILL_255)
     mean_t, inv_std = _normalization(images.device, tuple(mean), tuple(std))
     if images.is_cuda:
         x = images.to(torch.float32, memory_format=memory_format, copy=True)

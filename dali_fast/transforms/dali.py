@@ -94,7 +94,8 @@ def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, num_threads: int, 
         **norm,
     )
     if erase is not None:  # the boxes stay on the CPU: DALI takes argument inputs from CPU memory only
-        images = fn.erase(images, anchor=erase[0:2], shape=erase[2:4], axis_names="HW", fill_value=0)
+        fill = list(recipe.erasing_fill)  # the mean pixel (per channel: the layout has a C)
+        images = fn.erase(images, anchor=erase[0:2], shape=erase[2:4], axis_names="HW", fill_value=fill)
         if cast_after:
             images = fn.cast(images, dtype=types.FLOAT16)
     return images

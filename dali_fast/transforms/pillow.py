@@ -44,5 +44,6 @@ class PillowTransform:
             x = x.to(recipe.out_dtype)
         if self.train and recipe.random_erasing > 0:
             top, left, h, w = erasing_box(rng, S, S, recipe)
-            x[:, top : top + h, left : left + w] = 0
+            fill = torch.tensor(recipe.erasing_fill, dtype=x.dtype).view(3, 1, 1)
+            x[:, top : top + h, left : left + w] = fill  # the mean pixel (Recipe.erasing_fill)
         return x

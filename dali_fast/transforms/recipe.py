@@ -9,7 +9,7 @@ ImageNet mean/std; eval: resize to 1/0.875 of the size, centre crop)::
     loader = DALIIterator(open_dataset("train"), 256, recipe=deit)
 
 Per image, in order: crop and resize to ``image_size`` → automatic augmentation (train) → flip →
-normalize (or stay uint8) → random erasing (train, on the normalized image, filled with 0).
+normalize (or stay uint8) → random erasing (train; the box holds the mean pixel, see `Recipe.erasing_fill`).
 
 Batch-level mixup and cutmix are `mix.MixupCutmix`; the per-sample random draws are `draws`.
 """
@@ -29,6 +29,8 @@ IMAGENET_MEAN_01 = (0.485, 0.456, 0.406)
 IMAGENET_STD_01 = (0.229, 0.224, 0.225)
 OUT_DTYPES = (torch.float32, torch.float16, torch.uint8)
 MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
+# The erased box of unnormalized output: ImageNet's mean pixel, 0-255 scale, rounded (124, 116, 104).
+ERASING_FILL_255 = tuple(float(round(m * 255)) for m in IMAGENET_MEAN_01)
 # Salts of the per-sample generators: the crop and flip use (seed, epoch, index); these draw apart from
 # them, so turning an augmentation on leaves the crops and flips of the default recipe as they were.
 AUGMENT_SALT, ERASING_SALT = 1, 2
@@ -54,9 +56,10 @@ class Recipe:
     ``image_size`` with ``interpolation``; ``auto_augment`` (``None``, ``"randaugment"`` with ``num_ops``
     and ``magnitude`` out of ``num_magnitude_bins``, ``"trivialaugment"`` (TrivialAugmentWide) or
     ``"autoaugment"`` (the ImageNet policy)), geometric ops filling with ``fill``; horizontal flip with
-    probability ``hflip``; normalization by ``mean``/``std`` (0–1 scale, per RGB channel); random erasing
+    probability ``hflip``; normalization by ``mean``/``std`` (0–1 scale, per RGB channel; values on the
+    0–255 scale are refused); random erasing
     with probability ``random_erasing`` of a box of ``erasing_scale`` of the area and ``erasing_ratio``
-    aspect (torchvision's `RandomErasing` rule), filled with 0.
+    aspect (torchvision's `RandomErasing` rule), filled with the mean pixel (`erasing_fill`).
     Eval: resize the shorter side to ``eval_resize_size`` (default ``round(image_size /
     eval_crop_fraction)``), centre crop ``image_size``; no augmentation.
     ``mean=None, std=None`` gives uint8 output that the model normalizes itself. ``dtype`` defaults
@@ -130,6 +133,13 @@ class Recipe:
                 raise ValueError(f"mean has {len(mean)} values and std {len(std)}: give one per RGB channel (3 each)")
             if not all(math.isfinite(m) for m in mean) or not all(math.isfinite(s) and s > 0 for s in std):
                 raise ValueError(f"mean={self.mean!r}, std={self.std!r}: need finite means and std > 0")
+            if not all(0 <= m <= 1 for m in mean) or not all(s <= 1 for s in std):
+                # DALI's and OpenCV's convention (123.675, ...) would give a nearly constant output here.
+                raise ValueError(
+                    f"mean={self.mean!r}, std={self.std!r}: Recipe takes them on the 0-1 scale (0 <= mean <= 1, "
+                    f"0 < std <= 1; ImageNet's: mean={IMAGENET_MEAN_01}, std={IMAGENET_STD_01}); "
+                    "divide values on the 0-255 scale by 255"
+                )
             object.__setattr__(self, "mean", mean)
             object.__setattr__(self, "std", std)
         if self.dtype is not None and self.dtype not in OUT_DTYPES:
@@ -159,6 +169,14 @@ class Recipe:
     @property
     def std_255(self) -> tuple[float, ...]:
         return tuple(s * 255 for s in self.std) if self.std is not None else (1.0, 1.0, 1.0)
+
+    @property
+    def erasing_fill(self) -> tuple[float, float, float]:
+        """What an erased box holds, per channel, in the output: the mean pixel in every backend and dtype.
+        Normalized output: 0 (the recipe's mean normalizes to 0). Unnormalized output (uint8, or float with
+        ``mean=None``): ImageNet's mean pixel on the 0–255 scale, rounded, `ERASING_FILL_255`, which the
+        usual model-side normalization maps to about 0, where 0 (black) would be a dark box."""
+        return (0.0, 0.0, 0.0) if self.normalize else ERASING_FILL_255
 
     @property
     def resize_shorter(self) -> int:
