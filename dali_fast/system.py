@@ -51,10 +51,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun that agrees with it: "1 sample", "2 samples" (``many`` for irregular plurals)."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def default_cache_dir() -> Path:
     """Where dali_fast keeps what it makes once and reuses (the default synthetic set, shard indexes,
     remote shards): ``$DALI_FAST_CACHE``, or ``~/.cache/dali_fast``."""
     return Path(os.environ.get("DALI_FAST_CACHE", Path.home() / ".cache" / "dali_fast"))
+
+
+def cache_folder(name: str) -> Path:
+    """The folder ``name`` under `default_cache_dir`, made if needed; one line naming ``DALI_FAST_CACHE``
+    and the path when it cannot be made or written (a read-only home, a variable naming a file)."""
+    base = default_cache_dir()
+    path = base / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        why = None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why is not None:
+        where = f"DALI_FAST_CACHE={base}" if "DALI_FAST_CACHE" in os.environ else f"the cache folder {base}"
+        raise ValueError(f"{where}: cannot write {path} ({why}); set DALI_FAST_CACHE to a writable folder")
+    return path
 
 
 def _temporary(path: Path, token: str = "") -> Path:

@@ -138,3 +138,14 @@ def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
         assert main(["inspect", str(tmp_path / path)]) == 0
         out = capsys.readouterr().out
         assert f"({kind})" in out and f"records:  {n}" in out
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_an_unwritable_cache_folder_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys, command):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "afile" / "cache"))
+    assert main([command, "--images", "8", "--epochs", "1", "--out", str(tmp_path / "out")]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"dali-fast {command}: error: DALI_FAST_CACHE={tmp_path / 'afile' / 'cache'}: cannot write ")
+    assert err[0].endswith("; set DALI_FAST_CACHE to a writable folder")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, default_cache_dir
+from ..system import atomic_dir, cache_folder, default_cache_dir
 from .writer import pack
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tu
     folder, packed = root / "images", root / "packed"
     if packed.exists():
         return folder, packed
-    root.mkdir(parents=True, exist_ok=True)
+    root = cache_folder(root.name)
     # Under torchrun every rank arrives here at once: the first makes the set, the others wait for it.
     with open(root / ".lock", "w") as lock:
         try:

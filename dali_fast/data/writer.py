@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, available_cpus
+from ..system import atomic_dir, available_cpus, plural
 from .checks import check_encoded, pillow_reason
 from .folder import scan_image_folder
 from .format import (
@@ -256,6 +256,7 @@ def pack(
     classes, items, report = _sources(src, dst, shards)
     if workers is None:  # every CPU, where starting the worker processes pays off
         workers = available_cpus() if len(items) >= PACK_SMALL else 1
+    workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
     with atomic_dir(dst, doing="packing", what="pack") as tmp:
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
         prepared = _prepared(items, verify, max_side, workers)
@@ -287,10 +288,19 @@ def _check_pack_arguments(
         raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
+    if src.is_dir() and dst.resolve().is_relative_to(src.resolve()):  # the next pack would read it as a class
+        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers}: must be 1 or more")
+    if workers is not None and workers > available_cpus():
+        log.warning(
+            "workers=%d: more than the %s this process may use; packing with %d",
+            workers,
+            plural(available_cpus(), "CPU"),
+            available_cpus(),
+        )
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
     return shards
