@@ -142,14 +142,40 @@ def _cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
+# The flags of the loader rows that `bench --stages` has no use for (its stages are fixed).
+STAGES_IGNORE = (
+    "loaders",
+    "controller",
+    "on_error",
+    "no_limit",
+    "alternate",
+    "augment",
+    "random_erasing",
+    "mixup",
+    "cutmix",
+    "label_smoothing",
+    "eval_crop_fraction",
+)
+
+
+def _changed(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The flags among ``names`` (argparse dests) given a value other than their default, as --flags."""
+    defaults = build_parser().parse_args([args.command])
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != getattr(defaults, n)]
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import run_bench
     from .tools.report import bench_summary
 
     if args.stages:
-        if args.no_limit or args.alternate:
-            flag = "--no-limit" if args.no_limit else "--alternate"
-            raise UserError(f"{flag} belongs to the loader rows; --stages runs its stages one after another")
+        ignored = _changed(args, STAGES_IGNORE)
+        if ignored:
+            raise UserError(
+                f"{ignored[0]} belongs to the loader rows; --stages runs its own fixed stages (it takes "
+                "--images, --epochs, --batch-size, --image-size, --model, --cache-bytes, --out, --total-epochs "
+                "and --total-images)"
+            )
         return _cmd_stages(args)
     if args.total_epochs != 90 or args.total_images != 1_281_167:
         raise UserError("--total-epochs and --total-images project a whole run: use them with --stages")
@@ -160,6 +186,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     twice = sorted({x for x in loaders if loaders.count(x) > 1})
     if twice:
         raise UserError(f"--loaders lists {', '.join(twice)} more than once; name each loader once")
+    if set(loaders) == {"baseline"}:  # the plain DataLoader has neither: a flag never accepted and then ignored
+        unused = _changed(args, ("cache_bytes", "controller"))
+        if unused:
+            raise UserError(
+                f"{unused[0]} does nothing to the baseline (a plain DataLoader); add torch or dali to --loaders"
+            )
     augments = _augments(args.augment)
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}

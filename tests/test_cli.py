@@ -105,6 +105,19 @@ def test_bad_input_exit_2_one_line(tmp_path):
         (["bench", "{data}", "--augment", "foo"], "--augment 'foo': use one or more of none,randaugment,trivialaugment"),
         (["bench", "{data}", "--augment", "none,none"], "--augment 'none,none' names one more than once"),
         (["train", "{data}", "--augment", "none,randaugment"], "train takes one (bench compares several)"),
+        (["bench", "{data}", "--stages", "--augment", "randaugment"], "--augment belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--loaders", "dali"], "--loaders belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--mixup", "0.2"], "--mixup belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--on-error", "skip"], "--on-error belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--random-erasing", "0.5"], "--random-erasing belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--alternate"], "--alternate belongs to the loader rows"),
+        (["bench", "{data}", "--loaders", "baseline", "--cache-bytes", "1M"], "--cache-bytes does nothing to the baseline"),
+        (["bench", "{data}", "--loaders", "baseline", "--controller"], "--controller does nothing to the baseline"),
+        (["bench", "{data}", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
+        (["bench", "{data}", "--stages", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
+        (["bench", "{data}", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of {data}"),
+        (["bench", "{data}", "--stages", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of"),
+        (["train", "{data}", "--checkpoint-every", "3"], "--checkpoint-every needs a checkpoint folder"),
     ],
 )
 def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):
@@ -117,8 +130,9 @@ def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv,
     names = {"file": str(tmp_path / "afile"), "full": str(tmp_path / "full"), "data": str(tmp_path / "data")}
     assert main([a.format(**names) for a in argv]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
-    assert len(err) == 1 and says in err[0], err
+    assert len(err) == 1 and says.format(**names) in err[0], err
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["old.jpg"]  # nothing mixed in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "data", "full"]  # nothing half-written
 
 
 def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):

@@ -338,3 +338,15 @@ def test_the_settings_are_one_config_checked_before_any_work(tmp_path):
     assert TrainConfig(out=str(tmp_path)).checked().out == tmp_path  # paths as paths, recipe resolved
     assert TrainConfig(image_size=32).checked().recipe.image_size == 32
 
+
+
+def test_a_setting_the_loader_has_no_use_for_is_refused_or_said(caplog):
+    from dali_fast.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--checkpoint-every needs a checkpoint folder"):
+        TrainConfig(checkpoint_every=3).checked()
+    with caplog.at_level("WARNING"):
+        TrainConfig(loader="dali", num_workers=2).checked()
+        TrainConfig(loader="torch", num_workers=2).checked()
+    said = [m for m in caplog.messages if m.startswith("--num-workers 2:")]
+    assert len(said) == 1 and "--loader dali decodes in its own threads" in said[0]
