@@ -163,3 +163,56 @@ def test_an_unwritable_cache_folder_is_one_line_naming_the_variable(tmp_path, mo
     assert len(err) == 1, err
     assert err[0].startswith(f"dali-fast {command}: error: DALI_FAST_CACHE={tmp_path / 'afile' / 'cache'}: cannot write ")
     assert err[0].endswith("; set DALI_FAST_CACHE to a writable folder")
+
+
+def _option_help(command: str, capsys) -> dict[str, str]:
+    """Each option of ``command --help``: its help entry, on one line."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n  (?=-)", "\n" + text)
+    return {e.split()[0].rstrip(","): " ".join(e.split()) for e in entries if e.strip()}
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_shows_every_default(cmd, capsys):
+    import argparse
+
+    parser = next(a for a in build_parser()._actions if a.dest == "command").choices[cmd]  # noqa: SLF001
+    entries = _option_help(cmd, capsys)
+    missing = []
+    for action in parser._actions:  # noqa: SLF001
+        if not action.option_strings or action.option_strings[0] == "-h" or action.default in (None, False):
+            continue
+        shown = ("on" if action.default else "off") if isinstance(action.default, bool) else str(action.default)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            shown = "on" if action.default else "off"
+        if f"default:{shown}".replace(" ", "") not in entries[action.option_strings[0]].replace(" ", ""):
+            missing.append(f"{action.option_strings[0]}: {entries[action.option_strings[0]]}")
+    assert not missing, missing
+
+
+def test_pack_and_inspect_help_name_every_input_they_take(capsys):
+    for cmd, inputs in (
+        ("pack", ["ImageFolder", "WebDataset shards", ".tar", "folder of .tar files", "brace pattern"]),
+        ("inspect", ["packed set", "ImageFolder", "WebDataset shards", "brace pattern", "URL of shards", "s3://"]),
+        ("train", ["packed set", "ImageFolder", "WebDataset shards", "URL of shards"]),
+        ("bench", ["packed set", "ImageFolder", "WebDataset shards", "URL of shards"]),
+    ):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert all(x in out for x in inputs), (cmd, [x for x in inputs if x not in out])
+
+
+def test_the_top_level_help_has_a_complete_synopsis(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    synopsis = capsys.readouterr().out.split("synopsis:", 1)[1]
+    for cmd, parser in next(a for a in build_parser()._actions if a.dest == "command").choices.items():  # noqa: SLF001
+        assert f"dali-fast {cmd} " in synopsis
+        for action in parser._actions:  # noqa: SLF001
+            for option in action.option_strings:
+                assert option in synopsis, (cmd, option)
