@@ -184,7 +184,9 @@ def test_help_shows_every_default(cmd, capsys):
     entries = _option_help(cmd, capsys)
     missing = []
     for action in parser._actions:  # noqa: SLF001
-        if not action.option_strings or action.option_strings[0] == "-h" or action.default in (None, False):
+        if not action.option_strings or action.option_strings[0] == "-h":
+            continue
+        if action.default is None or action.default is False:  # unset, or a switch that is off: nothing to show
             continue
         shown = ("on" if action.default else "off") if isinstance(action.default, bool) else str(action.default)
         if isinstance(action, argparse.BooleanOptionalAction):
