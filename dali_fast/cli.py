@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -471,13 +472,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return int(args.func(args) or 0)
+        with _log_above_bars():
+            return int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"dali-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dali-fast {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _log_above_bars() -> Any:
+    """On a terminal, log lines are written above the progress bars, not into them (without a terminal
+    there are no bars: each stage logs a line instead)."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 if __name__ == "__main__":

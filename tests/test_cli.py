@@ -218,3 +218,49 @@ def test_the_top_level_help_has_a_complete_synopsis(capsys):
         for action in parser._actions:  # noqa: SLF001
             for option in action.option_strings:
                 assert option in synopsis, (cmd, option)
+
+
+def test_no_bars_without_a_terminal_but_a_line_per_stage(tmp_path):
+    r = run("make-synthetic", str(tmp_path / "s"), "--images", "12", "--classes", "3")
+    assert r.returncode == 0, r.stderr
+    r2 = run("pack", str(tmp_path / "s"), str(tmp_path / "p"), "--workers", "1")
+    assert r2.returncode == 0, r2.stderr
+    r3 = run("inspect", str(tmp_path / "p"), "--verify")
+    for done, stage in ((r, "make-synthetic: 12 images ..."), (r2, "pack s: 12 images ..."), (r3, "verify: 12 records")):
+        assert "\r" not in done.stderr and "|" not in done.stderr, done.stderr  # no bar drawn into a log
+        assert stage in done.stderr, done.stderr
+
+
+def test_on_a_terminal_the_bar_is_closed_before_the_error_line(tmp_path):
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from dali_fast.data.synthetic import make_synthetic
+
+    make_synthetic(tmp_path / "s", images=9, classes=3, progress=False)
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dali_fast", "pack", str(tmp_path / "s"), str(tmp_path / "p"), "--shard-size", "100"],
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+    )
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait() == 2
+    text = out.decode()
+    assert "pack s:" in text and "|" in text  # a bar was drawn: this is a terminal
+    at = text.index("dali-fast pack: error:")
+    assert at == 0 or text[at - 1] == "\n", repr(text[max(0, at - 120) : at + 60])
+    assert not (tmp_path / "p").exists()

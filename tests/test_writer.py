@@ -412,10 +412,17 @@ def test_pack_summary_line_exactly(tmp_path):
     )
 
 
-def test_verify_and_pack_show_progress_only_when_asked(small_folder, tmp_path, capsys):
+def test_verify_and_pack_show_progress_only_when_asked(small_folder, tmp_path, capsys, caplog, monkeypatch):
     pack(small_folder, tmp_path / "quiet", progress=False)
     assert MemmapReader(tmp_path / "quiet").verify() == []
     assert capsys.readouterr().err == ""  # verify() is quiet by default
+    with caplog.at_level("INFO"):
+        pack(small_folder, tmp_path / "logged", progress=True)
+    assert capsys.readouterr().err == ""  # stderr is no terminal here: no bar drawn into a log ...
+    assert f"pack {small_folder.name}: 7 images ..." in caplog.messages  # ... but a line for the stage
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal
     pack(small_folder, tmp_path / "shown", progress=True)
     err = capsys.readouterr().err
     assert f"pack {small_folder.name}" in err and "7/7" in err  # the folder's name, and the images counted

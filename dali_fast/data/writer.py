@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, available_cpus, plural
+from ..system import atomic_dir, available_cpus, plural, progress_bar
 from .checks import check_encoded, pillow_reason
 from .folder import scan_image_folder
 from .format import (
@@ -201,25 +201,19 @@ class _PackProgress:
     """tqdm with images/s and MB/s written."""
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
-        self.bar = None
         self.bytes = 0
         self.t0 = time.perf_counter()
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="img")
+        self.bar = progress_bar(total, desc, "img", enabled=enabled)
 
     def update(self, nbytes: int) -> None:
         self.bytes += nbytes
-        if self.bar is not None:
-            self.bar.update(1)
-            if self.bar.n % 64 == 0:
-                mb_s = self.bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
-                self.bar.set_postfix_str(f"{mb_s:.1f} MB/s", refresh=False)
+        self.bar.update(1)
+        if not self.bar.disable and self.bar.n % 64 == 0:
+            mb_s = self.bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{mb_s:.1f} MB/s", refresh=False)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 # pragma: no mutate end
@@ -259,8 +253,11 @@ def pack(
     workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
     with atomic_dir(dst, doing="packing", what="pack") as tmp:
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
-        prepared = _prepared(items, verify, max_side, workers)
-        rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
+        try:  # the bar is closed before any error is written under it
+            prepared = _prepared(items, verify, max_side, workers)
+            rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
+        finally:
+            bar.close()
         _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -359,7 +356,6 @@ def _write_records(
             offset += len(payload)
             path_offset += len(pbytes)
             n += 1
-        bar.close()
         data_out.close()
         paths_f.flush()
         os.fsync(paths_f.fileno())

@@ -17,7 +17,7 @@ from ..data.open import open_dataset
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
 from ..loaders.workers import _as_is, worker_init
-from ..system import available_cpus
+from ..system import available_cpus, progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix
@@ -29,9 +29,7 @@ LIMIT = "limit"  # the row of the machine's decode-only ceiling
 
 
 def _progress(desc: str, total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="img", leave=False, disable=not enabled)
+    return progress_bar(total, desc, "img", enabled=enabled, leave=False)
 
 
 class Row:
@@ -66,14 +64,13 @@ class Row:
         phase = self.name if epoch > 0 else f"{self.name}-warmup"
         bar = _progress(f"{self.name} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", self.images, self.progress)
         t0, n = time.perf_counter(), 0
-        with self.monitor.phase(phase):
+        with bar, self.monitor.phase(phase):  # the bar is cleared before an error is written
             for batch in loader:
                 done = self.consume(batch)
                 n += done
                 bar.update(done)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        bar.close()
         if epoch > 0:
             self.times.append(time.perf_counter() - t0)
             self.counts.append(n)
