@@ -209,6 +209,7 @@ def test_pack_of_a_negative_label_is_one_line_exit_2_and_a_label_jump_is_named(t
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and err[0].startswith("dali-fast pack: error:") and not (tmp_path / "p").exists()
     assert any("neg.tar:a: label -1 in its .cls" in m for m in caplog.messages)
+    assert any(m.startswith("1 sample left out of 1 shard (first: ") for m in caplog.messages)  # not "1 samples"
     shard = _tar(
         tmp_path / "one.tar", [("a.jpg", jpeg_bytes()), ("a.cls", b"-1"), ("b.jpg", jpeg_bytes()), ("b.cls", b"0")]
     )
