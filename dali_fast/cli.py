@@ -212,6 +212,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UserError(
                 f"{unused[0]} does nothing to the baseline (a plain DataLoader); add torch or dali to --loaders"
             )
+    if _changed(args, ("eval_crop_fraction",)):  # every row times a training loader
+        raise UserError("--eval-crop-fraction shapes evaluation batches, and bench times training; use it with train")
+    if args.label_smoothing and not (args.mixup or args.cutmix):
+        raise UserError("--label-smoothing alone changes only the loss, not the loading bench times; use it with train")
     augments = _augments(args.augment)
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}

@@ -118,6 +118,8 @@ def test_bad_input_exit_2_one_line(tmp_path):
         (["bench", "{data}", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of {data}"),
         (["bench", "{data}", "--stages", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of"),
         (["train", "{data}", "--checkpoint-every", "3"], "--checkpoint-every needs a checkpoint folder"),
+        (["bench", "{data}", "--eval-crop-fraction", "0.9"], "--eval-crop-fraction shapes evaluation batches"),
+        (["bench", "{data}", "--label-smoothing", "0.1"], "--label-smoothing alone changes only the loss"),
     ],
 )
 def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):
