@@ -195,6 +195,8 @@ def test_a_label_that_is_not_a_class_index_is_named_with_its_shard_key_and_value
 
 
 def test_json_labels_must_be_whole_numbers(tmp_path, cache):
+    shard = _tar(tmp_path / "ok.tar", [("a.jpg", jpeg_bytes()), ("a.json", b'{"label": "3"}')])
+    assert WebDatasetReader(shard, on_error="raise").labels.tolist() == [3]  # a number written as text is one
     shard = _tar(tmp_path / "s.tar", [("a.jpg", jpeg_bytes()), ("a.json", b'{"label": 1.5}')])
     with pytest.raises(ValueError, match=r"s.tar:a: label 1.5 in its .json 'label'"):
         WebDatasetReader(shard, on_error="raise")

@@ -203,8 +203,7 @@ def _label(
     try:
         if "cls" in parts:
             f.seek(parts["cls"][0])
-            text = f.read(parts["cls"][1]).decode().strip()
-            value: object = int(text) if re.fullmatch(r"[+-]?\d+", text) else text
+            value: object = f.read(parts["cls"][1]).decode().strip()
             what = ".cls"
         else:
             f.seek(parts["json"][0])
@@ -218,6 +217,8 @@ def _label(
     if value is _MISSING:
         bad(where, f"its .json has no {label_key!r}; pass label_key= the field with the label")
         return None
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):  # "3" in a .cls or a .json
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LABEL:
         bad(where, f"label {value!r} in its {what}: a label is a whole number from 0 to {MAX_LABEL}")
         return None

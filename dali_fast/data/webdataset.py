@@ -31,7 +31,7 @@ from .shards import expand_shards, index_shard, refuse_compressed, shard_classes
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: WebDataset's grouping by consecutive key, labels checked (shards.index_shard)
 
 
 class WebDatasetReader:
