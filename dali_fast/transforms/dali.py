@@ -147,7 +147,9 @@ def _no_origin_traces() -> Iterator[None]:
     benchmarks/randaugment_build.py): they are switched off while auto_aug builds, and back on after."""
     try:
         from nvidia.dali._utils import dali_trace
-    except ImportError:  # another DALI release: its traces stay on, the build is only slower
+    except ImportError:
+        dali_trace = None
+    if not hasattr(dali_trace, "set_tracing"):  # another DALI release: its traces stay on, the build is slower
         yield
         return
     enabled = dali_trace.is_tracing_enabled()
