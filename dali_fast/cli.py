@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -20,8 +21,27 @@ class UserError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, unless the help already says it or there is none to say
+    (a switch that is off, an option that is unset); descriptions and the synopsis keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS  # 0 is a default to show
+        if "(default" in text or unset or not action.option_strings:
+            return text
+        shown = ("on" if default else "off") if isinstance(default, bool) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (what is wrong and where the help is), exit code 2."""
+    """argparse, but a usage error is one line (what is wrong and where the help is), exit code 2, and
+    every option's help shows its default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -142,14 +162,40 @@ def _cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
+# The flags of the loader rows that `bench --stages` has no use for (its stages are fixed).
+STAGES_IGNORE = (
+    "loaders",
+    "controller",
+    "on_error",
+    "no_limit",
+    "alternate",
+    "augment",
+    "random_erasing",
+    "mixup",
+    "cutmix",
+    "label_smoothing",
+    "eval_crop_fraction",
+)
+
+
+def _changed(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The flags among ``names`` (argparse dests) given a value other than their default, as --flags."""
+    defaults = build_parser().parse_args([args.command])
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != getattr(defaults, n)]
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import run_bench
     from .tools.report import bench_summary
 
     if args.stages:
-        if args.no_limit or args.alternate:
-            flag = "--no-limit" if args.no_limit else "--alternate"
-            raise UserError(f"{flag} belongs to the loader rows; --stages runs its stages one after another")
+        ignored = _changed(args, STAGES_IGNORE)
+        if ignored:
+            raise UserError(
+                f"{ignored[0]} belongs to the loader rows; --stages runs its own fixed stages (it takes "
+                "--images, --epochs, --batch-size, --image-size, --model, --cache-bytes, --out, --total-epochs "
+                "and --total-images)"
+            )
         return _cmd_stages(args)
     if args.total_epochs != 90 or args.total_images != 1_281_167:
         raise UserError("--total-epochs and --total-images project a whole run: use them with --stages")
@@ -160,6 +206,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     twice = sorted({x for x in loaders if loaders.count(x) > 1})
     if twice:
         raise UserError(f"--loaders lists {', '.join(twice)} more than once; name each loader once")
+    if set(loaders) == {"baseline"}:  # the plain DataLoader has neither: a flag never accepted and then ignored
+        unused = _changed(args, ("cache_bytes", "controller"))
+        if unused:
+            raise UserError(
+                f"{unused[0]} does nothing to the baseline (a plain DataLoader); add torch or dali to --loaders"
+            )
+    if _changed(args, ("eval_crop_fraction",)):  # every row times a training loader
+        raise UserError("--eval-crop-fraction shapes evaluation batches, and bench times training; use it with train")
+    if args.label_smoothing and not (args.mixup or args.cutmix):
+        raise UserError("--label-smoothing alone changes only the loss, not the loading bench times; use it with train")
     augments = _augments(args.augment)
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}
@@ -225,10 +281,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _add_data_args(s: argparse.ArgumentParser) -> None:
     """The data and batch arguments `bench` and `train` share."""
-    s.add_argument("dataset", nargs="?", default=None, help="packed set or ImageFolder (default: the synthetic set)")
+    s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
     s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
-    s.add_argument("--batch-size", type=_count(1), default=64)
-    s.add_argument("--image-size", type=_count(1), default=224)
+    s.add_argument("--batch-size", type=_count(1), default=64, help="images per batch")
+    s.add_argument("--image-size", type=_count(1), default=224, help="output side in pixels")
     s.add_argument(
         "--on-error",
         choices=ON_ERROR,
@@ -263,20 +319,35 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
     )
 
 
+DATASETS = (
+    "a packed set, an ImageFolder root, WebDataset shards (a .tar, a folder of .tar files, or a brace pattern such "
+    "as 'train-{000000..000146}.tar', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
+)
+
+
+def _command(sub: Any, name: str, what: str) -> argparse.ArgumentParser:
+    """A sub-command whose --help starts with what it does."""
+    return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dali-fast", description="Feed the GPU: DALI data loading for PyTorch.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("make-synthetic", help="write a synthetic ImageNet-like ImageFolder of JPEGs")
+    s = _command(sub, "make-synthetic", "write a synthetic ImageNet-like ImageFolder of JPEGs")
     s.add_argument("out", help="output folder (OUT/<class>/<image>.jpg)")
-    s.add_argument("--images", type=_count(1), default=1000)
-    s.add_argument("--classes", type=_count(1), default=10)
-    s.add_argument("--seed", type=_count(0), default=0)
+    s.add_argument("--images", type=_count(1), default=1000, help="images to write")
+    s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
+    s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
     s.set_defaults(func=_cmd_make_synthetic)
 
-    s = sub.add_parser("pack", help="pack an ImageFolder into one memory-mappable data set")
-    s.add_argument("src", help="ImageFolder root SRC/<class>/<image>")
+    s = _command(sub, "pack", "pack an ImageFolder or WebDataset shards into one memory-mappable data set")
+    s.add_argument(
+        "src",
+        help="an ImageFolder root SRC/<class>/<image>, or local WebDataset shards: a .tar, a folder of .tar files, "
+        "or a brace pattern such as 'train-{000000..000146}.tar' (quoted)",
+    )
     s.add_argument("dst", help="destination folder (must not exist)")
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
     s.add_argument(
@@ -293,20 +364,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=0,
         metavar="BYTES",
-        help="write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index",
+        help="write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
+        "(default: 0, one data.bin)",
     )
     s.set_defaults(func=_cmd_pack)
 
-    s = sub.add_parser("inspect", help="describe a data set (packed or ImageFolder)")
-    s.add_argument("dataset")
+    s = _command(sub, "inspect", "describe a data set: records, classes, bytes")
+    s.add_argument("dataset", help=DATASETS)
     s.add_argument("--verify", action="store_true", help="check every record's crc32 (packed sets)")
     s.set_defaults(func=_cmd_inspect)
 
-    s = sub.add_parser("bench", help="compare the loaders side by side: img/s, utilization, memory, cache")
+    s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
     s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
     s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
-    s.add_argument("--model", default="none", choices=["none", "resnet_tiny", "resnet18", "resnet50"])
+    s.add_argument(
+        "--model",
+        default="none",
+        choices=["none", "resnet_tiny", "resnet18", "resnet50"],
+        help="a training step per batch with this model (none: loading only)",
+    )
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
@@ -334,16 +411,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=_cmd_bench)
 
-    s = sub.add_parser("train", help="train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
+    s = _command(sub, "train", "train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
     _add_data_args(s)
-    s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"])
-    s.add_argument("--epochs", type=_count(1), default=5)
-    s.add_argument("--model", default="resnet18", choices=["resnet_tiny", "resnet18", "resnet50"])
-    s.add_argument("--lr", type=_positive, default=0.05)
+    s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"], help="the loader to train with")
+    s.add_argument("--epochs", type=_count(1), default=5, help="epochs")
+    s.add_argument(
+        "--model",
+        default="resnet18",
+        choices=["resnet_tiny", "resnet18", "resnet50"],
+        help="the model (resnet_tiny is sized for CPUs)",
+    )
+    s.add_argument("--lr", type=_positive, default=0.05, help="learning rate")
     s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
     s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
-    s.add_argument("--seed", type=_count(0), default=0)
-    s.add_argument("--num-workers", type=_count(0), default=None, help="decode workers (torch/baseline loaders)")
+    s.add_argument(
+        "--seed", type=_count(0), default=0, help="the run's seed: split, initial weights, order, augmentation"
+    )
+    s.add_argument(
+        "--num-workers",
+        type=_count(0),
+        default=None,
+        help="decode workers (torch/baseline loaders; default: one per CPU, up to 8)",
+    )
     s.add_argument(
         "--drop-last",
         action=argparse.BooleanOptionalAction,
@@ -363,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(s, several=False)
     s.set_defaults(func=_cmd_train)
 
-    s = sub.add_parser("doctor", help="check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")
+    s = _command(sub, "doctor", "check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")
     s.add_argument(
         "--quick",
         action="store_true",
@@ -371,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print the readings as JSON")
     s.set_defaults(func=_cmd_doctor)
+    # The synopsis: every command with every option, as argparse writes each usage line.
+    usages = [c.format_usage().removeprefix("usage: ").rstrip() for c in sub.choices.values()]
+    p.epilog = "synopsis:\n" + "\n".join("  " + u.replace("\n", "\n  ") for u in usages)
+    p.epilog += "\n\n`dali-fast COMMAND --help` says what each option does."
     return p
 
 
@@ -383,13 +476,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return int(args.func(args) or 0)
+        with _log_above_bars():
+            return int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"dali-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dali-fast {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _log_above_bars() -> Any:
+    """On a terminal, log lines are written above the progress bars, not into them (without a terminal
+    there are no bars: each stage logs a line instead)."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 if __name__ == "__main__":

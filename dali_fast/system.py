@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -74,10 +75,42 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun that agrees with it: "1 sample", "2 samples" (``many`` for irregular plurals)."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def progress_bar(total: int, desc: str, unit: str, *, enabled: bool = True, leave: bool = True) -> Any:
+    """A tqdm bar on stderr when stderr is a terminal; otherwise (a log file, CI) no bar, and one log line
+    saying the stage has begun. Close it (``finally``) before an error is written, so the error has its own line."""
+    from tqdm import tqdm
+
+    drawn = enabled and sys.stderr.isatty()
+    if enabled and not drawn:
+        log.info("%s: %s ...", desc, plural(total, {"img": "image"}.get(unit, unit)))
+    return tqdm(total=total, desc=desc, unit=unit, leave=leave, disable=not drawn)
+
+
 def default_cache_dir() -> Path:
     """Where dali_fast keeps what it makes once and reuses (the default synthetic set, shard indexes,
     remote shards): ``$DALI_FAST_CACHE``, or ``~/.cache/dali_fast``."""
     return Path(os.environ.get("DALI_FAST_CACHE", Path.home() / ".cache" / "dali_fast"))
+
+
+def cache_folder(name: str) -> Path:
+    """The folder ``name`` under `default_cache_dir`, made if needed; one line naming ``DALI_FAST_CACHE``
+    and the path when it cannot be made or written (a read-only home, a variable naming a file)."""
+    base = default_cache_dir()
+    path = base / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        why = None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why is not None:
+        where = f"DALI_FAST_CACHE={base}" if "DALI_FAST_CACHE" in os.environ else f"the cache folder {base}"
+        raise ValueError(f"{where}: cannot write {path} ({why}); set DALI_FAST_CACHE to a writable folder")
+    return path
 
 
 def _temporary(path: Path, token: str = "") -> Path:

@@ -5,6 +5,7 @@ import pytest
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
 from dali_fast.tools.bench import markdown_table, run_bench
+from dali_fast.tools.report import bench_summary
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,13 @@ def test_bench_with_model_and_cache(tiny_packed, tmp_path):
         progress=False,
     )
     row = result["rows"][0]
-    assert row["cache"]["misses"] == 36 and row["cache"]["hits"] == 72  # warm-up fills, two epochs hit
+    # Warm-up and steady state apart: the warm-up fills the cache, the two timed epochs hit every time.
+    assert row["cache_warmup"]["misses"] == 36 and row["cache_warmup"]["hits"] == 0
+    assert row["cache"]["misses"] == 0 and row["cache"]["hits"] == 72 and row["cache"]["hit_rate"] == 1.0
+    assert 0 < row["build_s"] < row["warmup_s"]  # the pipeline's build, within the warm-up, apart from img/s
+    summary = bench_summary(result, tmp_path)
+    assert "2 timed epochs after a warm-up" in summary and "  dali: warm-up epoch " in summary
+    assert "pipeline builds" in summary and "cache hit 0% while filling (not in img/s)" in summary
 
 
 def test_table_marks_failures():

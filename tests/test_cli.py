@@ -105,6 +105,21 @@ def test_bad_input_exit_2_one_line(tmp_path):
         (["bench", "{data}", "--augment", "foo"], "--augment 'foo': use one or more of none,randaugment,trivialaugment"),
         (["bench", "{data}", "--augment", "none,none"], "--augment 'none,none' names one more than once"),
         (["train", "{data}", "--augment", "none,randaugment"], "train takes one (bench compares several)"),
+        (["bench", "{data}", "--stages", "--augment", "randaugment"], "--augment belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--loaders", "dali"], "--loaders belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--mixup", "0.2"], "--mixup belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--on-error", "skip"], "--on-error belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--random-erasing", "0.5"], "--random-erasing belongs to the loader rows"),
+        (["bench", "{data}", "--stages", "--alternate"], "--alternate belongs to the loader rows"),
+        (["bench", "{data}", "--loaders", "baseline", "--cache-bytes", "1M"], "--cache-bytes does nothing to the baseline"),
+        (["bench", "{data}", "--loaders", "baseline", "--controller"], "--controller does nothing to the baseline"),
+        (["bench", "{data}", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
+        (["bench", "{data}", "--stages", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
+        (["bench", "{data}", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of {data}"),
+        (["bench", "{data}", "--stages", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of"),
+        (["train", "{data}", "--checkpoint-every", "3"], "--checkpoint-every needs a checkpoint folder"),
+        (["bench", "{data}", "--eval-crop-fraction", "0.9"], "--eval-crop-fraction shapes evaluation batches"),
+        (["bench", "{data}", "--label-smoothing", "0.1"], "--label-smoothing alone changes only the loss"),
     ],
 )
 def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):
@@ -117,8 +132,9 @@ def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv,
     names = {"file": str(tmp_path / "afile"), "full": str(tmp_path / "full"), "data": str(tmp_path / "data")}
     assert main([a.format(**names) for a in argv]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith(("INFO", "WARNING"))]
-    assert len(err) == 1 and says in err[0], err
+    assert len(err) == 1 and says.format(**names) in err[0], err
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["old.jpg"]  # nothing mixed in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "data", "full"]  # nothing half-written
 
 
 def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
@@ -138,3 +154,115 @@ def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
         assert main(["inspect", str(tmp_path / path)]) == 0
         out = capsys.readouterr().out
         assert f"({kind})" in out and f"records:  {n}" in out
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_an_unwritable_cache_folder_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys, command):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "afile" / "cache"))
+    assert main([command, "--images", "8", "--epochs", "1", "--out", str(tmp_path / "out")]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"dali-fast {command}: error: DALI_FAST_CACHE={tmp_path / 'afile' / 'cache'}: cannot write ")
+    assert err[0].endswith("; set DALI_FAST_CACHE to a writable folder")
+
+
+def _option_help(command: str, capsys) -> dict[str, str]:
+    """Each option of ``command --help``: its help entry, on one line."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n  (?=-)", "\n" + text)
+    return {e.split()[0].rstrip(","): " ".join(e.split()) for e in entries if e.strip()}
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_shows_every_default(cmd, capsys):
+    import argparse
+
+    parser = next(a for a in build_parser()._actions if a.dest == "command").choices[cmd]  # noqa: SLF001
+    entries = _option_help(cmd, capsys)
+    missing = []
+    for action in parser._actions:  # noqa: SLF001
+        if not action.option_strings or action.option_strings[0] == "-h":
+            continue
+        if action.default is None or action.default is False:  # unset, or a switch that is off: nothing to show
+            continue
+        shown = ("on" if action.default else "off") if isinstance(action.default, bool) else str(action.default)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            shown = "on" if action.default else "off"
+        if f"default:{shown}".replace(" ", "") not in entries[action.option_strings[0]].replace(" ", ""):
+            missing.append(f"{action.option_strings[0]}: {entries[action.option_strings[0]]}")
+    assert not missing, missing
+
+
+def test_pack_and_inspect_help_name_every_input_they_take(capsys):
+    for cmd, inputs in (
+        ("pack", ["ImageFolder", "WebDataset shards", ".tar", "folder of .tar files", "brace pattern"]),
+        ("inspect", ["packed set", "ImageFolder", "WebDataset shards", "brace pattern", "URL of shards", "s3://"]),
+        ("train", ["packed set", "ImageFolder", "WebDataset shards", "URL of shards"]),
+        ("bench", ["packed set", "ImageFolder", "WebDataset shards", "URL of shards"]),
+    ):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert all(x in out for x in inputs), (cmd, [x for x in inputs if x not in out])
+
+
+def test_the_top_level_help_has_a_complete_synopsis(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    synopsis = capsys.readouterr().out.split("synopsis:", 1)[1]
+    for cmd, parser in next(a for a in build_parser()._actions if a.dest == "command").choices.items():  # noqa: SLF001
+        assert f"dali-fast {cmd} " in synopsis
+        for action in parser._actions:  # noqa: SLF001
+            for option in action.option_strings:
+                assert option in synopsis, (cmd, option)
+
+
+def test_no_bars_without_a_terminal_but_a_line_per_stage(tmp_path):
+    r = run("make-synthetic", str(tmp_path / "s"), "--images", "12", "--classes", "3")
+    assert r.returncode == 0, r.stderr
+    r2 = run("pack", str(tmp_path / "s"), str(tmp_path / "p"), "--workers", "1")
+    assert r2.returncode == 0, r2.stderr
+    r3 = run("inspect", str(tmp_path / "p"), "--verify")
+    for done, stage in ((r, "make-synthetic: 12 images ..."), (r2, "pack s: 12 images ..."), (r3, "verify: 12 records")):
+        assert "\r" not in done.stderr and "|" not in done.stderr, done.stderr  # no bar drawn into a log
+        assert stage in done.stderr, done.stderr
+
+
+def test_on_a_terminal_the_bar_is_closed_before_the_error_line(tmp_path):
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from dali_fast.data.synthetic import make_synthetic
+
+    make_synthetic(tmp_path / "s", images=9, classes=3, progress=False)
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dali_fast", "pack", str(tmp_path / "s"), str(tmp_path / "p"), "--shard-size", "100"],
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+    )
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait() == 2
+    text = out.decode()
+    assert "pack s:" in text and "|" in text  # a bar was drawn: this is a terminal
+    at = text.index("dali-fast pack: error:")
+    assert at == 0 or text[at - 1] == "\n", repr(text[max(0, at - 120) : at + 60])
+    assert not (tmp_path / "p").exists()

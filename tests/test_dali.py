@@ -170,3 +170,34 @@ def test_gpu_float16_with_erasing_erases_in_float32_then_casts(monkeypatch):
         out = graph.augment("jpegs", train=True, recipe=recipe, gpu=gpu, num_threads=4, erase=erase)
         assert "cast" not in [name for name, _, _ in seen]
         assert [kw for name, _, kw in seen if name == "crop_mirror_normalize"][0]["dtype"] == types.FLOAT16
+
+
+def test_randaugment_builds_without_dali_origin_traces_and_leaves_them_on(monkeypatch):
+    """auto_aug makes ``num_ops x 14`` operators inside DALI's own code; DALI would walk the Python stack for
+    each (its operator-origin traces), most of a RandAugment build. They are off while auto_aug builds (a
+    count of stack walks, not a timing: see benchmarks/randaugment_build.py for the time), and on after."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali._utils import dali_trace
+
+    from dali_fast.loaders.dali_pipeline import build_pipeline
+
+    walks = []
+    real = dali_trace.extract_stack
+    monkeypatch.setattr(dali_trace, "extract_stack", lambda *a, **k: walks.append(1) or real(*a, **k))
+
+    class NoSource:
+        boxes = None
+
+        def __call__(self):  # a build does not read
+            raise AssertionError
+
+    def build(recipe):
+        walks.clear()
+        build_pipeline(NoSource(), max_batch=4, train=True, recipe=recipe, gpu=False, device_id=None, seed=1,
+                       num_threads=1, prefetch=1)
+        return len(walks)
+
+    plain = build(Recipe(image_size=32))
+    assert plain > 0  # the operators of the recipe itself keep their origin (errors name the user's line)
+    assert build(Recipe(image_size=32, auto_augment="randaugment", num_ops=4)) == plain  # was 1,183 more
+    assert dali_trace.is_tracing_enabled()

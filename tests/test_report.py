@@ -31,3 +31,19 @@ def test_bar_charts_write_one_png_of_the_panels(tmp_path):
     ]
     bar_charts(tmp_path / "c.png", ["a", "b"], panels, "title", width=8, rotate=25)
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_is_singular_in_the_summaries(tmp_path):
+    from dali_fast.tools.report import bench_summary, stages_summary
+
+    machine = {"gpu": None, "cpu_count": 2}
+    settings = {"images": 1, "epochs": 1, "batch_size": 1, "image_size": 32, "model": "none"}
+    out = bench_summary({"settings": settings, "machine": machine, "table": "", "rows": []}, tmp_path)
+    assert "1 image, 1 timed epoch after a warm-up" in out
+    settings.update(data_bytes=2**20, cache_bytes=0, controller_epochs=3)
+    out = stages_summary({"settings": settings, "machine": machine, "table": ""}, tmp_path)
+    assert "1 image (1 MiB)" in out and "1 timed epoch after a warm-up (3 for the controller)" in out
+    settings.update(images=2, epochs=2)
+    assert "2 images, 2 timed epochs after" in bench_summary(
+        {"settings": settings, "machine": machine, "table": "", "rows": []}, tmp_path
+    )

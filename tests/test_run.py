@@ -366,3 +366,15 @@ def test_the_docs_name_every_setting_a_resume_must_match(learnable):
     names = [*settings, *(f"recipe.{k}" for k in settings["recipe"]), *(f"mix.{k}" for k in settings["mix"])]
     missing = [n for n in names if f"`{n.split('.')[-1]}`" not in section]
     assert not missing, f"docs/distributed.md does not name {missing}"
+
+
+def test_a_setting_the_loader_has_no_use_for_is_refused_or_said(caplog):
+    from dali_fast.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--checkpoint-every needs a checkpoint folder"):
+        TrainConfig(checkpoint_every=3).checked()
+    with caplog.at_level("WARNING"):
+        TrainConfig(loader="dali", num_workers=2).checked()
+        TrainConfig(loader="torch", num_workers=2).checked()
+    said = [m for m in caplog.messages if m.startswith("--num-workers 2:")]
+    assert len(said) == 1 and "--loader dali decodes in its own threads" in said[0]

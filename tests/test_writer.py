@@ -434,10 +434,17 @@ def test_pack_summary_line_exactly(tmp_path):
     )
 
 
-def test_verify_and_pack_show_progress_only_when_asked(small_folder, tmp_path, capsys):
+def test_verify_and_pack_show_progress_only_when_asked(small_folder, tmp_path, capsys, caplog, monkeypatch):
     pack(small_folder, tmp_path / "quiet", progress=False)
     assert MemmapReader(tmp_path / "quiet").verify() == []
     assert capsys.readouterr().err == ""  # verify() is quiet by default
+    with caplog.at_level("INFO"):
+        pack(small_folder, tmp_path / "logged", progress=True)
+    assert capsys.readouterr().err == ""  # stderr is no terminal here: no bar drawn into a log ...
+    assert f"pack {small_folder.name}: 7 images ..." in caplog.messages  # ... but a line for the stage
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal
     pack(small_folder, tmp_path / "shown", progress=True)
     err = capsys.readouterr().err
     assert f"pack {small_folder.name}" in err and "7/7" in err  # the folder's name, and the images counted
@@ -486,3 +493,51 @@ def test_pack_names_a_bad_member_by_shard_and_key(tmp_path, cache):
     report = pack(str(root / "a.tar"), tmp_path / "packed", progress=False)
     assert report.records == 2
     assert report.skipped == [(f"{root / 'a.tar'}:k1.jpg", "undecodable: OSError: Truncated File Read")]
+
+
+@pytest.mark.parametrize("inside", ["packed", "cat/packed"])
+def test_a_destination_inside_the_source_is_refused_before_any_work(small_folder, inside):
+    from dali_fast.cli import main
+
+    dst = small_folder / inside
+    with pytest.raises(ValueError) as e:
+        pack(small_folder, dst, progress=False)
+    assert one_line(e) == f"{dst}: inside the source {small_folder}; choose a destination outside it"
+    assert not dst.exists() and not any(p.name.startswith(".packed") for p in small_folder.rglob("*"))
+    assert main(["pack", str(small_folder), str(small_folder / "p2")]) == 2
+
+
+def test_an_empty_class_folder_is_named_and_keeps_its_label(small_folder, tmp_path, caplog):
+    (small_folder / "dodo").mkdir()  # sorts between cat and dog
+    (small_folder / "dodo" / "notes.txt").write_text("no images here")
+    with caplog.at_level("WARNING"):
+        report = pack(small_folder, tmp_path / "p", progress=False)
+    assert report.classes == 4 and open_dataset(tmp_path / "p").labels.tolist() == [0, 0, 0, 2, 2, 3, 3]
+    said = [m for m in caplog.messages if "no .jpg/.jpeg/.png files" in m]
+    assert len(said) == 1 and "1 class folder has" in said[0] and "'dodo' (label 1)" in said[0]
+    assert "move such a folder out of" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        open_dataset(small_folder)  # the ImageFolder reader says it too
+    assert any("'dodo' (label 1)" in m for m in caplog.messages)
+
+
+def test_more_workers_than_cpus_are_capped_with_a_warning(small_folder, tmp_path, caplog, monkeypatch):
+    import concurrent.futures
+
+    from dali_fast.system import available_cpus
+
+    started = []
+    real = concurrent.futures.ProcessPoolExecutor.__init__
+
+    def spy(self, max_workers=None, *args, **kwargs):
+        started.append(max_workers)
+        real(self, max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "__init__", spy)
+    with caplog.at_level("WARNING"):
+        pack(small_folder, tmp_path / "p", progress=False, workers=999)
+    assert started == [available_cpus()] or (available_cpus() == 1 and started == [])
+    assert any(
+        m.startswith("workers=999: more than the ") and f"packing with {available_cpus()}" in m for m in caplog.messages
+    )

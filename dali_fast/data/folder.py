@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..system import plural
 from .base import CheckedBatch, read_parallel
 from .checks import check_encoded, check_index
 from .format import IMAGE_EXTENSIONS
@@ -39,6 +40,17 @@ def scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], li
                     items.append((p, label))
                 elif not f.startswith("."):
                     other.append(p)
+    empty = sorted(set(range(len(classes))) - {label for _, label in items})
+    if empty and items:
+        names = ", ".join(f"{classes[k]!r} (label {k})" for k in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        log.warning(
+            "%s: %s no .jpg/.jpeg/.png files: %s; each stays a class with no samples (the labels of the "
+            "folders after it count it); move such a folder out of %s if it is not a class",
+            root,
+            plural(len(empty), "class folder has", "class folders have"),
+            names,
+            root,
+        )
     return classes, items, other, unlisted
 
 

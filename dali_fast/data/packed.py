@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..system import progress_bar
 from .base import CheckedBatch
 from .checks import (
     JPEG_EOI_BYTES,
@@ -261,15 +262,12 @@ class MemmapReader:
     def verify(self, progress: bool = False) -> list[int]:
         """Check every record's crc32; returns the indices whose bytes do not match (see also `index_intact`)."""
         bad: list[int] = []
-        it = range(self.count)
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(it, desc="verify", unit="rec")  # pragma: no mutate (display only)
-        for i in it:
-            view, _ = self[i]
-            if zlib.crc32(view) != int(self.records[i]["crc32"]):
-                bad.append(i)
+        with progress_bar(self.count, "verify", "record", enabled=progress) as bar:  # pragma: no mutate (display)
+            for i in range(self.count):
+                view, _ = self[i]
+                if zlib.crc32(view) != int(self.records[i]["crc32"]):
+                    bad.append(i)
+                bar.update(1)
         return bad
 
     def __repr__(self) -> str:

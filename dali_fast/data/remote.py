@@ -39,13 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from ..system import atomic_write, default_cache_dir
+from ..system import atomic_write, cache_folder, plural
 from .base import check_on_error
 from .checks import check_index
 from .remote_cache import ShardCache, close_lock, open_lock
 from .remote_store import CHUNK_BYTES, ShardDownloader, ShardError, list_shards
 from .remote_stream import ShardStream
-from .shards import index_shard
+from .shards import index_shard, shard_classes
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class RemoteShardsReader:
         self.shuffle_window = shuffle_window
         self.download_threads = download_threads
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "remote"
+        root = Path(cache_dir) if cache_dir is not None else cache_folder("remote")
         self.cache = ShardCache(root / "shards", cache_limit)
         self.index_dir = Path(index_dir) if index_dir is not None else root / "index"
         fs, self.infos = list_shards(self.spec, dict(storage_options or {}))
@@ -156,11 +156,14 @@ class RemoteShardsReader:
                 where, reason = self.skipped[0]
                 raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
             log.warning(
-                "%d samples left out of %d remote shards (first: %s: %s)", len(self.skipped), n, *self.skipped[0]
+                "%s left out of %s (first: %s: %s)",
+                plural(len(self.skipped), "sample"),
+                plural(n, "remote shard"),
+                *self.skipped[0],
             )
         if not len(self._labels):
             raise ValueError(f"{self.shards[0]}: no samples with an image and a label in {n} shard(s)")
-        self.classes = [str(i) for i in range(int(self._labels.max()) + 1)]
+        self.classes = shard_classes(self._labels, self.source)
 
     def _check_budget(self) -> None:
         limit = self.cache.limit

@@ -23,7 +23,7 @@ from .shards import expand_braces
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: WebDataset's grouping by consecutive key, labels checked (shards.index_shard)
 CHUNK_BYTES = 8 << 20  # one range request
 _IDENTITY_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "VersionId", "crc32c")
 _TIME_FIELDS = ("LastModified", "mtime", "updated", "last_modified", "Last-Modified")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -19,8 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..system import plural
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 LABEL_EXTENSIONS = ("cls", "json")
+MAX_LABEL = 2**31 - 1  # what the packed format's label field holds
+SPARSE_LABELS = 100  # classes without a sample, beyond which a label range with more empty than used is named
+
+log = logging.getLogger(__name__)
+_MISSING = object()
 _BLOCK = 512
 
 
@@ -29,12 +37,14 @@ def expand_shards(spec: str | os.PathLike) -> list[Path]:
     ``train-{000000..000146}.tar`` or ``{train,val}-000.tar`` (as the webdataset package writes them)."""
     text = str(spec)
     if Path(text).is_dir():
-        found = sorted(p for p in Path(text).iterdir() if p.name.endswith((".tar", ".tar.gz", ".tgz")))
+        found = sorted(p for p in Path(text).iterdir() if p.name.endswith(SHARD_SUFFIXES))
         if not found:
             raise FileNotFoundError(f"{text}: no .tar shards in this folder")
         return found
     names = expand_braces(text)
     missing = [n for n in names if not Path(n).is_file()]
+    if len(names) > 1 and len(missing) == len(names):
+        raise FileNotFoundError(f"{text}: the pattern matches no file (none of {names[0]} ... {names[-1]} exists)")
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise FileNotFoundError(f"{missing[0]}{more}: no such shard")
@@ -143,21 +153,26 @@ def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip")
         bad(str(path), problem)
     offsets, sizes, labels = [], [], []
     with open(path, "rb") as f:
-        samples: dict[str, dict[str, tuple[int, int]]] = {}
-        order: list[str] = []
+        # WebDataset's grouping: a sample is a run of consecutive members with one key, so a key that comes
+        # back later in the shard is another sample (the webdataset package yields both; so do we).
+        samples: list[tuple[str, dict[str, tuple[int, int]], list[str]]] = []
         for name, offset, size in members:
             key, ext = _split_key(name)
             if ext not in IMAGE_EXTENSIONS and ext not in LABEL_EXTENSIONS:
                 out.ignored[ext or "(none)"] += 1
                 continue
-            if key not in samples:
-                samples[key] = {}
-                order.append(key)
-            samples[key][ext] = (offset, size)
-        for key in order:
-            parts = samples[key]
-            image = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
+            if not samples or samples[-1][0] != key:
+                samples.append((key, {}, []))
+            parts, twice = samples[-1][1], samples[-1][2]
+            if ext in parts:
+                twice.append(ext)
+            parts[ext] = (offset, size)
+        for key, parts, twice in samples:
             where = f"{path}:{key}"
+            if twice:  # which of the two is meant cannot be told (webdataset refuses such a shard)
+                bad(where, f"two .{twice[0]} members under one key, one after the other; keep one of them")
+                continue
+            image = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
             if image is None:
                 bad(where, "no .jpg/.jpeg/.png member")
                 continue
@@ -182,22 +197,53 @@ def _label(
     where: str,
     bad: Callable[[str, str], None],
 ) -> int | None:
+    if "cls" not in parts and "json" not in parts:
+        bad(where, "no label (.cls, or .json with the label key)")
+        return None
     try:
         if "cls" in parts:
             f.seek(parts["cls"][0])
-            return int(f.read(parts["cls"][1]).decode().strip())
-        if "json" in parts:
+            value: object = f.read(parts["cls"][1]).decode().strip()
+            what = ".cls"
+        else:
             f.seek(parts["json"][0])
             doc = json.loads(f.read(parts["json"][1]))
-            if not isinstance(doc, dict) or label_key not in doc:
-                bad(where, f"its .json has no {label_key!r}; pass label_key= the field with the label")
-                return None
-            return int(doc[label_key])
-    except (ValueError, TypeError, UnicodeDecodeError) as e:
-        bad(where, f"unreadable label ({e})")
+            value, what = (doc.get(label_key, _MISSING) if isinstance(doc, dict) else _MISSING), f".json {label_key!r}"
+    except (ValueError, UnicodeDecodeError) as e:
+        value, what = e, ""
+    if isinstance(value, Exception):
+        bad(where, f"unreadable label ({value})")
         return None
-    bad(where, "no label (.cls, or .json with the label key)")
-    return None
+    if value is _MISSING:
+        bad(where, f"its .json has no {label_key!r}; pass label_key= the field with the label")
+        return None
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):  # "3" in a .cls or a .json
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LABEL:
+        bad(where, f"label {value!r} in its {what}: a label is a whole number from 0 to {MAX_LABEL}")
+        return None
+    return value
+
+
+def shard_classes(labels: np.ndarray, source: Callable[[int], str]) -> list[str]:
+    """The class names of shards' ``labels`` ("0" .. the largest label), with a warning naming the largest
+    label and the sample that carries it when most of that range has no sample (a stray .cls of 99999
+    would otherwise make 100,000 classes in silence). ``source(i)`` names sample ``i``."""
+    if not len(labels):
+        return []
+    top = int(labels.max())
+    used = len(np.unique(labels))
+    unused = top + 1 - used
+    if unused >= SPARSE_LABELS and unused > used:
+        log.warning(
+            "the largest label is %d (%s): %d classes, of which %s; check that label, or ignore this if "
+            "the shards hold a subset of a larger label set",
+            top,
+            source(int(np.argmax(labels))),
+            top + 1,
+            plural(used, "has samples", "have samples"),
+        )
+    return [str(i) for i in range(top + 1)]
 
 
 def refuse_compressed(path: Path) -> None:
@@ -210,15 +256,28 @@ def refuse_compressed(path: Path) -> None:
         )
 
 
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
 def is_webdataset(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names WebDataset shards: a .tar, a brace pattern of them, or a folder of .tar files."""
+    """Whether ``path`` names WebDataset shards: a .tar, a brace pattern (which names shards: nothing else
+    takes one), or a folder of .tar files. A folder is told by what it holds: shards, or class sub-folders
+    (an ImageFolder); one holding both is refused in one line, naming one of each."""
     text = str(path)
-    if "{" in text and ".tar" in text:
-        return True
     p = Path(text)
+    if "{" in text and not p.exists() and len(expand_braces(text)) > 1:
+        return True
     if p.is_file():
-        return p.name.endswith((".tar", ".tar.gz", ".tgz"))
+        return p.name.endswith(SHARD_SUFFIXES)
     if p.is_dir():
-        entries = list(p.iterdir())
-        return any(e.name.endswith(".tar") for e in entries) and not any(e.is_dir() for e in entries)
+        entries = sorted(e for e in p.iterdir() if not e.name.startswith("."))
+        shards = [e.name for e in entries if e.name.endswith(SHARD_SUFFIXES) and e.is_file()]
+        folders = [e.name for e in entries if e.is_dir()]
+        if shards and folders:
+            raise ValueError(
+                f"{p}: holds both WebDataset shards ({plural(len(shards), 'shard')}: {shards[0]}, ...) and sub-folders "
+                f"({plural(len(folders), 'folder')}: {folders[0]}, ...); a data set is one or the other: move the "
+                "shards or the class folders into a folder of their own"
+            )
+        return bool(shards)
     return False

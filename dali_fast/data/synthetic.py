@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, default_cache_dir
+from ..system import atomic_dir, cache_folder, default_cache_dir, progress_bar
 from .writer import pack
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,12 @@ def make_synthetic(
     with atomic_dir(out, what="make-synthetic run") as tmp:
         for name in names:
             (tmp / name).mkdir()
-        it = range(images)
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(it, desc="make-synthetic", unit="img")
-        for i in it:
-            label = i % classes
-            data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
-            (tmp / names[label] / f"img_{i:07d}.jpg").write_bytes(data)
+        with progress_bar(images, "make-synthetic", "img", enabled=progress) as bar:
+            for i in range(images):
+                label = i % classes
+                data, _ = make_image(np.random.default_rng([seed, i]), label, classes)
+                (tmp / names[label] / f"img_{i:07d}.jpg").write_bytes(data)
+                bar.update(1)
     log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
     return out
 
@@ -100,7 +97,7 @@ def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tu
     folder, packed = root / "images", root / "packed"
     if packed.exists():
         return folder, packed
-    root.mkdir(parents=True, exist_ok=True)
+    root = cache_folder(root.name)
     # Under torchrun every rank arrives here at once: the first makes the set, the others wait for it.
     with open(root / ".lock", "w") as lock:
         try:

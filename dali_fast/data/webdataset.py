@@ -3,7 +3,8 @@
 The reader walks the tar headers once, keeps an index of (shard, offset, size, label) per sample, and hands
 out zero-copy views into the memory-mapped shards, so the sampler, both iterators, the cache, ``bench``
 and ``train`` work on it unchanged. The index is saved under ``$DALI_FAST_CACHE/wds-index``, keyed by
-the shards' paths, sizes and modification times, so opening the same shards again costs milliseconds.
+the shards' paths, sizes, modification and change times and inodes (a shard restored with its old size
+and mtime is indexed again), so opening the same shards again costs milliseconds.
 
 What this is not: streaming from object storage (that is `remote`). Random access needs the shards on a
 local or shared file system; compressed shards (``.tar.gz``) have no random access and are refused with
@@ -23,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_write, default_cache_dir
+from ..system import atomic_write, default_cache_dir, plural
 from .base import CheckedBatch, check_on_error, read_parallel
 from .checks import check_encoded, check_index
-from .shards import expand_shards, index_shard, refuse_compressed
+from .shards import expand_shards, index_shard, refuse_compressed, shard_classes
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: WebDataset's grouping by consecutive key, labels checked (shards.index_shard)
 
 
 class WebDatasetReader:
@@ -66,15 +67,14 @@ class WebDatasetReader:
             self._build_index()
             self._save_index()
         self._maps: list[np.memmap | None] = [None] * len(self.shards)
-        labels = self._labels
-        self.classes = [str(i) for i in range(int(labels.max()) + 1)] if len(labels) else []
         if self.skipped:
             log.warning(
-                "%d samples left out of %d shards (first: %s: %s)",
-                len(self.skipped),
-                len(self.shards),
+                "%s left out of %s (first: %s: %s)",
+                plural(len(self.skipped), "sample"),
+                plural(len(self.shards), "shard"),
                 *self.skipped[0],
             )
+        self.classes = shard_classes(self._labels, self.source)
         if not len(self._labels):
             raise ValueError(f"{self.shards[0]}: no samples with an image and a label in {len(self.shards)} shard(s)")
 
@@ -83,7 +83,10 @@ class WebDatasetReader:
         h = hashlib.sha1(f"v{INDEX_VERSION}|{self.label_key}|{self.on_error}".encode())
         for p in self.shards:
             st = p.stat()
-            h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+            # What a replacement changes: a shard restored with its old size and mtime (cp -p, rsync -t, a
+            # backup) is still a new inode, or a new ctime (which no tool sets back), as git's index knows.
+            stamp = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}|{st.st_ctime_ns}"
+            h.update(f"{stamp}\n".encode("utf-8", "surrogateescape"))
         return h.hexdigest()
 
     def _build_index(self) -> None:

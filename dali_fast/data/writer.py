@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, available_cpus, die_with_parent
+from ..system import atomic_dir, available_cpus, die_with_parent, plural, progress_bar
 from .checks import check_encoded, pillow_reason
 from .folder import scan_image_folder
 from .format import (
@@ -202,25 +202,19 @@ class _PackProgress:
     """tqdm with images/s and MB/s written."""
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
-        self.bar = None
         self.bytes = 0
         self.t0 = time.perf_counter()
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="img")
+        self.bar = progress_bar(total, desc, "img", enabled=enabled)
 
     def update(self, nbytes: int) -> None:
         self.bytes += nbytes
-        if self.bar is not None:
-            self.bar.update(1)
-            if self.bar.n % 64 == 0:
-                mb_s = self.bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
-                self.bar.set_postfix_str(f"{mb_s:.1f} MB/s", refresh=False)
+        self.bar.update(1)
+        if not self.bar.disable and self.bar.n % 64 == 0:
+            mb_s = self.bytes / 2**20 / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{mb_s:.1f} MB/s", refresh=False)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 # pragma: no mutate end
@@ -257,10 +251,14 @@ def pack(
     classes, items, report = _sources(src, dst, shards)
     if workers is None:  # every CPU, where starting the worker processes pays off
         workers = available_cpus() if len(items) >= PACK_SMALL else 1
+    workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
     with atomic_dir(dst, doing="packing", what="pack") as tmp:
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
-        prepared = _prepared(items, verify, max_side, workers)
-        rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
+        try:  # the bar is closed before any error is written under it
+            prepared = _prepared(items, verify, max_side, workers)
+            rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
+        finally:
+            bar.close()
         _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -288,10 +286,19 @@ def _check_pack_arguments(
         raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
+    if src.is_dir() and dst.resolve().is_relative_to(src.resolve()):  # the next pack would read it as a class
+        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers}: must be 1 or more")
+    if workers is not None and workers > available_cpus():
+        log.warning(
+            "workers=%d: more than the %s this process may use; packing with %d",
+            workers,
+            plural(available_cpus(), "CPU"),
+            available_cpus(),
+        )
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
     return shards
@@ -350,7 +357,6 @@ def _write_records(
             offset += len(payload)
             path_offset += len(pbytes)
             n += 1
-        bar.close()
         data_out.close()
         paths_f.flush()
         os.fsync(paths_f.fileno())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ class DALIIterator(LoaderBase):
             ) from e
         self.device_id = local_device_index() if self.gpu else None
         self.pipelines_built = 0
+        self.build_seconds = 0.0  # spent building pipelines (graph and operators), for reports apart from img/s
         self._kept: _Kept | None = None  # the pipeline of the last epoch that ended normally
 
     def _max_batch(self) -> int:
@@ -194,6 +196,7 @@ class DALIIterator(LoaderBase):
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
+        started = time.perf_counter()
         source = BatchSource(self.dataset, plan, self.on_error, self._skips, exclude=bad, boxes=self._boxes())
         batch_size = self._max_batch()
         pipe = build_pipeline(
@@ -209,6 +212,7 @@ class DALIIterator(LoaderBase):
             layout="HWC" if self.memory_format == torch.channels_last else "CHW",
         )
         self.pipelines_built += 1
+        self.build_seconds += time.perf_counter() - started
         it = DALIGenericIterator(
             pipe,
             ["images", "labels"],

@@ -13,7 +13,7 @@ from typing import Any
 from ..data.open import open_dataset
 from ..data.synthetic import default_dataset
 from ..loaders.factory import BACKENDS
-from ..system import atomic_write, available_cpus
+from ..system import atomic_write, available_cpus, check_writable_folder, plural
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 from . import report
@@ -116,8 +116,10 @@ def run_bench(
     changes during the run then slows every row alike (all loaders stay alive meanwhile, so peak memory
     is that of them all)."""
     variants = _variants(loaders, epochs, batch_size, image_size, recipe, augments, mix)
-    folder, packed = _bench_data(dataset, images, progress)
     out = Path(out)
+    check_writable_folder(out, "--out")
+    folder, packed = _bench_data(dataset, images, progress)
+    check_batch_fits(batch_size, len(open_dataset(packed)), packed)
     out.mkdir(parents=True, exist_ok=True)
     specs: list[tuple[str, Recipe | None]] = [(LIMIT, None)] if limit else []
     specs += [(k, v) for v in variants for k in loaders]
@@ -153,6 +155,15 @@ def run_bench(
         "alternate": alternate,
     }
     return _write(results, settings, out)
+
+
+def check_batch_fits(batch_size: int, images: int, where: str | os.PathLike) -> None:
+    """A batch larger than the data set is one line: every epoch would be a single short batch."""
+    if batch_size > images:
+        raise ValueError(
+            f"--batch-size {batch_size} is larger than the {plural(images, 'image')} of {where}; "
+            f"use --batch-size {images} or less, or more images"
+        )
 
 
 def _variants(

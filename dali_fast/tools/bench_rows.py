@@ -17,7 +17,7 @@ from ..data.open import open_dataset
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
 from ..loaders.workers import _as_is, worker_init
-from ..system import available_cpus
+from ..system import available_cpus, progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix
@@ -29,9 +29,7 @@ LIMIT = "limit"  # the row of the machine's decode-only ceiling
 
 
 def _progress(desc: str, total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="img", leave=False, disable=not enabled)
+    return progress_bar(total, desc, "img", enabled=enabled, leave=False)
 
 
 class Row:
@@ -58,6 +56,7 @@ class Row:
         self.times: list[float] = []
         self.counts: list[int] = []
         self.epochs_run = 0
+        self.warmup: dict[str, Any] = {}  # the warm-up epoch's own figures: its time, build and cache
 
     def epoch(self) -> None:
         epoch, loader = self.epochs_run, self.loader
@@ -66,18 +65,23 @@ class Row:
         phase = self.name if epoch > 0 else f"{self.name}-warmup"
         bar = _progress(f"{self.name} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", self.images, self.progress)
         t0, n = time.perf_counter(), 0
-        with self.monitor.phase(phase):
+        with bar, self.monitor.phase(phase):  # the bar is cleared before an error is written
             for batch in loader:
                 done = self.consume(batch)
                 n += done
                 bar.update(done)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        bar.close()
         if epoch > 0:
             self.times.append(time.perf_counter() - t0)
             self.counts.append(n)
+        else:  # warm-up and steady state apart: the timed epochs' figures leave the warm-up out
+            self.warmup = {"seconds": time.perf_counter() - t0, "cache": self._cache()}
         self.epochs_run += 1
+
+    def _cache(self) -> dict[str, float] | None:
+        cache = self.extra.get("cache")
+        return cache() if callable(cache) else cache
 
     def close(self) -> None:
         loader, self.loader = self.loader, None
@@ -91,6 +95,10 @@ class Row:
     def result(self) -> dict[str, Any]:
         util = self.monitor.summary(self.name)
         extra = {k: (v() if callable(v) else v) for k, v in self.extra.items()}
+        warm_cache = self.warmup.get("cache")
+        extra["cache_warmup"] = warm_cache
+        extra["cache"] = steady_cache(extra.get("cache"), warm_cache)
+        build = getattr(self.loader, "build_seconds", None)
         return {
             "loader": self.kind,
             "augment": self.augment,
@@ -105,8 +113,26 @@ class Row:
             # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
             # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
             "peak_mem_bytes": util["peak_mem"],
+            # Apart from img/s: the warm-up epoch (first reads, a cache filling, a pipeline build) and, for
+            # DALI, the time spent building pipelines (graph and operators), which no timed epoch includes.
+            "warmup_s": self.warmup.get("seconds"),
+            "build_s": build,
             **extra,
         }
+
+
+def steady_cache(now: dict[str, float] | None, warm: dict[str, float] | None) -> dict[str, float] | None:
+    """The cache's figures of the timed epochs alone: ``now`` less what the warm-up (``warm``) counted."""
+    if now is None or warm is None:
+        return now
+    hits, misses = now["hits"] - warm["hits"], now["misses"] - warm["misses"]
+    return {
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "evictions": now["evictions"] - warm["evictions"],
+        "bytes": now["bytes"],
+    }
 
 
 def loader_row(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..system import available_cpus
+from ..system import available_cpus, plural
 
 
 def machine_info() -> dict[str, Any]:
@@ -43,10 +43,23 @@ def bench_summary(result: dict[str, Any], out: Path) -> str:
     decisions, and where the results went."""
     s = result["settings"]
     lines = [
-        f"\n{s['images']} images, {s['epochs']} timed epochs after a warm-up, batch {s['batch_size']}, "
-        f"{s['image_size']}px, model={s['model']} on {where(result['machine'])}\n",
+        f"\n{plural(s['images'], 'image')}, {plural(s['epochs'], 'timed epoch')} after a warm-up, batch "
+        f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where(result['machine'])}\n",
         result["table"],
+        "",
     ]
+    for row in result["rows"]:  # what img/s leaves out: the warm-up epoch, the pipeline builds, the cache filling
+        if row.get("warmup_s") is None:
+            continue
+        apart = [f"warm-up epoch {row['warmup_s']:.2f} s"]
+        if row.get("build_s"):
+            apart.append(f"pipeline builds {row['build_s']:.2f} s")
+        if row.get("cache_warmup"):
+            apart.append(f"cache hit {row['cache_warmup']['hit_rate']:.0%} while filling")
+        lines.append(
+            f"  {row['loader']}{'' if row.get('augment', 'none') == 'none' else ' + ' + row['augment']}: "
+            f"{', '.join(apart)} (not in img/s)"
+        )
     for row in result["rows"]:
         for d in row.get("batch_decisions", []):
             lines.append(
@@ -61,8 +74,8 @@ def stages_summary(result: dict[str, Any], out: Path) -> str:
     the results went."""
     s = result["settings"]
     head = (
-        f"\n{s['images']} images ({s['data_bytes'] / 2**20:.0f} MiB), cache {s['cache_bytes'] / 2**20:.0f} MiB, "
-        f"{s['epochs']} timed epochs after a warm-up ({s['controller_epochs']} for the controller), batch "
+        f"\n{plural(s['images'], 'image')} ({s['data_bytes'] / 2**20:.0f} MiB), cache {s['cache_bytes'] / 2**20:.0f} MiB, "
+        f"{plural(s['epochs'], 'timed epoch')} after a warm-up ({s['controller_epochs']} for the controller), batch "
         f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where(result['machine'])}\n"
     )
     return "\n".join([head, result["table"], f"\nwrote {out / 'stages.json'} and {out / 'stages.png'}"])

@@ -35,8 +35,9 @@ from ..data.synthetic import default_dataset
 from ..loaders.baseline import BaselineDataset, make_baseline_loader
 from ..loaders.dataloader import make_dataloader
 from ..loaders.factory import dali_status
-from ..system import atomic_write, available_cpus, read_proc_kib
+from ..system import atomic_write, available_cpus, check_writable_folder, read_proc_kib
 from . import report
+from .bench import check_batch_fits
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +143,11 @@ def run_stages(
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be a whole number of 1 or more")
     if batch_size < 1 or image_size < 1:
         raise ValueError("--batch-size and --image-size must be 1 or more")
+    check_writable_folder(out, "--out")
     folder, packed = default_dataset(images, progress=progress) if dataset is None else (Path(dataset), Path(dataset))
     bench = _Bench(open_dataset(folder), open_dataset(packed), batch_size, image_size, 0, available_cpus(), False)
     n = len(bench.packed)
+    check_batch_fits(batch_size, n, packed)
     data_bytes = sum(len(bench.packed[i][0]) for i in range(n))
     # Smaller than the data, as in real use, unless given: the hit rate is honest.
     bench.cache_bytes = data_bytes // 2 if cache_bytes is None else cache_bytes

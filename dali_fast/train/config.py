@@ -3,6 +3,7 @@ before any work."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from ..loaders.factory import BACKENDS
 from ..system import check_writable_folder
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,14 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every={self.checkpoint_every}: must be >= 1 step")
         if self.resume and self.checkpoint is None:
             raise ValueError("resume needs a checkpoint folder: pass --checkpoint DIR with --resume")
+        if self.checkpoint_every != TrainConfig.checkpoint_every and self.checkpoint is None:
+            raise ValueError("--checkpoint-every needs a checkpoint folder: pass --checkpoint DIR with it")
+        if self.num_workers is not None and self.loader == "dali":  # said, not refused: scripts pass it to every loader
+            log.warning(
+                "--num-workers %d: the DataLoader's worker processes (--loader torch or baseline); --loader dali "
+                "decodes in its own threads, one per CPU",
+                self.num_workers,
+            )
         if self.loader not in BACKENDS:
             raise ValueError(f"loader {self.loader!r}: choose one of {', '.join(BACKENDS)}")
         check_on_error(self.on_error)

@@ -6,7 +6,9 @@ importing this module needs no DALI.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -130,12 +132,33 @@ def auto_augment(images, recipe: Recipe):
     """
     # auto_aug builds a few operators by their old `fn.experimental` names, and DALI forces their
     # DeprecationWarning on ("default" filter) at every build: that is DALI's affair, not the user's.
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _no_origin_traces():
         out = _auto_augment(images, recipe)
     for w in caught:
         if not str(w.message).startswith("WARNING: `nvidia.dali.fn.experimental."):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return out
+
+
+@contextlib.contextmanager
+def _no_origin_traces() -> Iterator[None]:
+    """DALI records the Python stack of every operator it creates, to name where an operator came from in
+    an error. auto_aug creates ``num_ops x 14`` of them (a conditional select over its suite per level), all
+    inside DALI's own code, and the stack walks were about half of a RandAugment pipeline's build (0.70 s
+    against 0.39 s at num_ops=2, benchmarks/randaugment_build.py): they are off while auto_aug builds, on after."""
+    try:
+        from nvidia.dali._utils import dali_trace
+    except ImportError:
+        dali_trace = None
+    if not hasattr(dali_trace, "set_tracing"):  # another DALI release: its traces stay on, the build is slower
+        yield
+        return
+    enabled = dali_trace.is_tracing_enabled()
+    dali_trace.set_tracing(enabled=False)
+    try:
+        yield
+    finally:
+        dali_trace.set_tracing(enabled=enabled)
 
 
 def _auto_augment(images, recipe: Recipe):
