@@ -347,7 +347,6 @@ def test_the_settings_are_one_config_checked_before_any_work(tmp_path):
     assert TrainConfig(image_size=32).checked().recipe.image_size == 32
 
 
-
 def test_the_docs_name_every_setting_a_resume_must_match(learnable):
     """docs/distributed.md lists every setting a checkpoint must match: each key of the saved settings,
     each field of the recipe and of the batch mixing."""
