@@ -285,7 +285,7 @@ def test_a_killed_parallel_pack_leaves_no_destination(photo_folder, tmp_path, wo
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not dst.exists()
-    assert len(workers_of_pack) == (workers if workers > 1 else 0)
+    assert (len(workers_of_pack) > 0) == (workers > 1)  # (capped at the CPUs)
     deadline = time.time() + 10
     while time.time() < deadline and any(alive(pid) for pid in workers_of_pack):
         time.sleep(0.05)
