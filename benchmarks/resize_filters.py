@@ -6,7 +6,10 @@ Each image of DATASET (an ImageFolder or a packed set) is decoded once; ``--crop
 boxes are drawn per image (the loaders' own `random_resized_crop_box`) and each box is resized to each
 of ``--sizes`` by every filter:
 
-- ``torch AA bilinear``: what `TorchIterator` uses (torch's antialiased uint8 kernel, crop then resize);
+- ``TorchIterator bilinear``: what `TorchIterator` uses (`dali_fast.transforms.resize.resize`, crop then
+  resize): plain bilinear (torch's non-antialiased uint8 kernel) on shrinks under 2x, torch's antialiased
+  kernel on the others;
+- ``torch AA bilinear``: torch's antialiased uint8 kernel alone (Pillow's filter on every crop);
 - ``Pillow bilinear (box)``: ``Image.resize(size, BILINEAR, box=...)``, the baseline's transform;
 - ``Pillow bilinear (crop)``: ``Image.crop(box).resize(...)``, torchvision's ``resized_crop`` on a PIL image;
 - ``DALI linear``: ``fn.resize`` of the box's crop (antialiased on shrinks, its default), as DALIIterator
@@ -33,10 +36,21 @@ from dali_fast.transforms.decode import decode_rgb
 from dali_fast.transforms.resize import random_resized_crop_box, resize
 
 
+def torch_aa(crop: np.ndarray, size: int) -> np.ndarray:
+    """torch's antialiased bilinear uint8 kernel on every crop (Pillow's filter)."""
+    out = torch.empty((size, size, 3), dtype=torch.uint8)
+    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
+    torch.ops.aten._upsample_bilinear2d_aa.out(
+        x, [size, size], False, None, None, out=out.permute(2, 0, 1).unsqueeze(0)
+    )
+    return out.numpy()
+
+
 def filters(size: int) -> dict:
     """name -> f(rgb array, PIL image, (x0, y0, x1, y1)) -> uint8 (size, size, 3)."""
     out = {
-        "torch AA bilinear": lambda a, im, b: resize(a[b[1] : b[3], b[0] : b[2]], (size, size)).numpy(),
+        "TorchIterator bilinear": lambda a, im, b: resize(a[b[1] : b[3], b[0] : b[2]], (size, size)).numpy(),
+        "torch AA bilinear": lambda a, im, b: torch_aa(a[b[1] : b[3], b[0] : b[2]], size),
         "Pillow bilinear (box)": lambda a, im, b: np.asarray(im.resize((size, size), Image.BILINEAR, box=b)),
         "Pillow bilinear (crop)": lambda a, im, b: np.asarray(im.crop(b).resize((size, size), Image.BILINEAR)),
     }
