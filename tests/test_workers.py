@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes
 
-from dali_fast.loaders.workers import BatchMaker, SlotRing, Task, image_shape, slot_layout
+from dali_fast.loaders.workers import BatchMaker, OutputPool, SlotRing, Task, image_shape, slot_layout
 from dali_fast.transforms.draws import sample_rng
 from dali_fast.transforms.recipe import Recipe
 from dali_fast.transforms.resize import decode_crop
@@ -151,3 +151,121 @@ def test_a_refused_page_lock_is_said_once_and_copies_still_work(monkeypatch, cap
     assert "could not page-lock the batch slots (CUDA error 1)" in caplog.text
     assert ring.take() == 0 and not ring._pinned  # noqa: SLF001
     ring.close()  # nothing to unregister
+
+
+# ----------------------------------------------------------------------------- the main process's outputs
+
+SPEC = ((4, 3, 8, 8), torch.float32, torch.contiguous_format)
+
+
+def _hold_tensor(t):
+    return t
+
+
+def _hold_view(t):
+    return t[1:].view(-1)
+
+
+def _hold_numpy(t):
+    return t.numpy()
+
+
+def _hold_storage(t):
+    return t.untyped_storage()
+
+
+def _read(kept) -> torch.Tensor:
+    """What a holder reaches, as float values."""
+    if isinstance(kept, list):
+        return kept[0]
+    if isinstance(kept, torch.UntypedStorage):
+        return torch.empty(0).set_(kept, 0, SPEC[0])
+    return torch.as_tensor(kept)
+
+
+def _hold_dlpack_import(t):
+    return torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+
+
+def _hold_from_numpy(t):
+    return torch.from_numpy(t.numpy()[2:])
+
+
+def _hold_list(t):
+    return [t.unsqueeze(0)]
+
+
+HOLDERS = [_hold_tensor, _hold_view, _hold_numpy, _hold_storage, _hold_dlpack_import, _hold_from_numpy, _hold_list]
+
+
+@pytest.mark.skipif(not OutputPool.COUNTED, reason="this torch does not count tensor references")
+@pytest.mark.parametrize("hold", HOLDERS, ids=lambda f: f.__name__[6:])
+def test_an_output_anything_still_reaches_is_never_handed_out_again(hold):
+    pool = OutputPool(keep=3)
+    out = pool.get(*SPEC)
+    out.fill_(7)
+    kept, address = hold(out), out.data_ptr()
+    del out
+    for _ in range(5):  # a full pool's worth of batches and more: each a new tensor while ``kept`` lives
+        other = pool.get(*SPEC)
+        assert other.data_ptr() != address
+        other.fill_(-1)
+        del other
+    assert pool.reused == 4  # the other outputs, released at once, were reused
+    assert (_read(kept) == 7).all()  # untouched
+    del kept
+    pool.get(*SPEC)  # the oldest outputs dropped out of the pool meanwhile: whatever comes is unheld
+    assert pool.reused == 5
+
+
+@pytest.mark.skipif(not OutputPool.COUNTED, reason="this torch does not count tensor references")
+def test_an_output_released_is_handed_out_again_unless_it_changed():
+    pool = OutputPool(keep=3)
+    first = pool.get(*SPEC)
+    address = first.data_ptr()
+    del first
+    again = pool.get(*SPEC)
+    assert again.data_ptr() == address and pool.reused == 1  # no new memory, no page faults
+    again.requires_grad_()  # a consumer made it a leaf of a graph: a fresh tensor is not one
+    del again
+    assert pool.get(*SPEC).data_ptr() != address
+    tagged = pool.get(*SPEC)
+    tagged.note = "mine"  # an attribute a fresh tensor would not have
+    tagged_address = tagged.data_ptr()
+    del tagged
+    assert pool.get(*SPEC).data_ptr() != tagged_address
+    assert pool.get((2, 3, 8, 8), torch.float32, torch.contiguous_format).shape == (2, 3, 8, 8)  # by shape
+    chl = pool.get((4, 3, 8, 8), torch.float32, torch.channels_last)
+    assert chl.is_contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        inner = pool.get(*SPEC)
+    assert inner.is_inference() and not pool.get(*SPEC).is_inference()  # never mixed across the mode
+
+
+@pytest.mark.skipif(not OutputPool.COUNTED, reason="this torch does not count tensor references")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_a_consumer_keeps_are_never_overwritten(index_reader, num_workers):
+    """A consumer that keeps every batch (or views of them) still has what it was given; one that lets
+    each go gets the same pixels from reused outputs."""
+    from dali_fast import TorchIterator
+
+    loader = TorchIterator(index_reader, 4, image_size=16, seed=1, num_workers=num_workers, device="cpu")
+    try:
+        loader.set_epoch(2)
+        kept = [(x, x.clone()) for x, _ in loader]
+        loader.set_epoch(3)
+        views = [(x[1:3], x[1:3].clone()) for x, _ in loader]
+        assert len({x.data_ptr() for x, _ in kept}) == len(kept) == 10
+        assert all(torch.equal(x, copy) for x, copy in kept + views)
+        reused = loader._outputs.reused  # noqa: SLF001
+        loader.set_epoch(2)
+        released, pooled = [], 0
+        for x, _ in loader:  # each batch let go at the next step
+            released.append(x.clone())
+            pooled += any(o.tensor.data_ptr() == x.data_ptr() for o in loader._outputs._outputs)  # noqa: SLF001
+        assert pooled == len(released)  # every batch is one of the pool's outputs
+        assert loader._outputs.reused >= reused + 7  # noqa: SLF001 - the outputs were reused
+        assert all(torch.equal(x, copy) for x, (_, copy) in zip(released, kept, strict=True))
+    finally:
+        loader.close()
+    assert loader._outputs._outputs == []  # noqa: SLF001 - close() lets them go

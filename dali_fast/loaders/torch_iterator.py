@@ -22,7 +22,7 @@ from ..system import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
 from .base import BadRecordError, LoaderBase, bad_record_message
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
-from .workers import BatchMaker, SlotRing, Task, _as_is, image_shape, slot_layout, split, worker_init
+from .workers import BatchMaker, OutputPool, SlotRing, Task, _as_is, image_shape, slot_layout, split, worker_init
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class TorchIterator(LoaderBase):
         self._maker: BatchMaker | None = None
         self._loader: DataLoader | None = None
         self._stream: Any = None
+        self._outputs = OutputPool()
 
     # ------------------------------------------------------------------ workers and slots
     def _slots_for(self, batch_size: int) -> SlotRing:
@@ -116,8 +117,10 @@ class TorchIterator(LoaderBase):
         return self._loader
 
     def close(self) -> None:
-        """Shut the decode workers down and free the batch slots now (a later pass starts new ones)."""
+        """Shut the decode workers down and free the batch slots and kept outputs now (a later pass starts
+        new ones)."""
         self._discard_workers()
+        self._outputs.clear()
         ring, self._ring, self._maker = self._ring, None, None
         if ring is not None:
             ring.close()
@@ -183,8 +186,9 @@ class TorchIterator(LoaderBase):
             yield images, labels, consumed
 
     def _finish(self, pixels: torch.Tensor, b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """The batch's output tensor (a new one: the slot is reused next), labels, and on a GPU the event
-        that marks the end of the copy out of the slot."""
+        """The batch's output tensor (never the slot, which is reused next: on the CPU one of the pool's when
+        nothing outside holds it, else new), labels, and on a GPU the event that marks the end of the copy
+        out of the slot."""
         recipe = self.recipe
         labels = torch.from_numpy(b["labels"])
         boxes = None if b["boxes"] is None else torch.from_numpy(b["boxes"])
@@ -207,8 +211,10 @@ class TorchIterator(LoaderBase):
         if self.gpu:
             images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
         else:
+            out = self._outputs.get(tuple(pixels.shape), self.dtype, self.memory_format)
             with one_intra_op_thread():
-                images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
+                images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes, out)
+            del out
         return images, labels, event
 
     def _handle_bad(self, bad: list[tuple[int, str]]) -> None:
