@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes
@@ -269,3 +270,38 @@ def test_batches_a_consumer_keeps_are_never_overwritten(index_reader, num_worker
     finally:
         loader.close()
     assert loader._outputs._outputs == []  # noqa: SLF001 - close() lets them go
+
+
+class BatchReadCounter(IndexReader):
+    """An `IndexReader` that reads whole batches, and counts how it was read."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.batches, self.singles = 0, 0
+
+    def __getitem__(self, i):
+        self.singles += 1
+        return super().__getitem__(i)
+
+    def read_batch_checked(self, indices):
+        from dali_fast.data.checks import check_encoded
+
+        self.batches += 1
+        datas = [self.items[i] for i in indices]
+        return (
+            datas,
+            np.asarray(indices, dtype=np.int64),
+            {p: r for p, d in enumerate(datas) if (r := check_encoded(d))},
+        )
+
+
+def test_a_worker_reads_its_part_in_one_batch_read():
+    """The reader's own batch read (a packed set's O(1) checks for all records at once, a folder's parallel
+    reads) serves a part, not one read per record."""
+    items = [jpeg_bytes(40 + i, 30, (20 * i, 100, 200)) for i in range(6)]
+    items[4] = items[4][:100]
+    reader = BatchReadCounter(items)
+    m, ring = maker(reader)
+    out = m.make(Task(0, [(i, 0) for i in range(6)]))
+    assert (reader.batches, reader.singles) == (1, 0)
+    assert out["labels"].tolist() == [0, 1, 2, 3, 5] and [i for i, _ in out["bad"]] == [4]

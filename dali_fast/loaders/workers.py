@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..data.base import Reader, read_checked
+from ..data.base import Reader, read_batch_checked
 from ..transforms.autoaugment import apply_policy
 from ..transforms.decode import Decoder
 from ..transforms.draws import sample_erasing_box, sample_rng
@@ -220,22 +220,28 @@ class BatchMaker(Dataset):
             self._decoder = Decoder()
             S = self.recipe.image_size
             self._tmp = torch.empty((S, S, 3), dtype=torch.uint8)
-        slot = self.buffer[task.slot]
+        keys = task.keys
+        if keys and len(keys[0]) > 2:  # read (and checked) in the main process, through its cache
+            datas = [key[2] for key in keys]
+            found = [key[3] for key in keys]
+            reasons = {pos: key[4] for pos, key in enumerate(keys) if key[4] is not None}
+        else:  # one read of the whole part: O(1) checks per packed record, files read in parallel
+            datas, found, reasons = read_batch_checked(self.reader, [key[0] for key in keys])
+        slot = self.buffer[task.slot].numpy()
+        at = task.offset
         labels: list[int] = []
         boxes: list[tuple[int, int, int, int]] = []
         bad: list[tuple[int, str]] = []
-        for key in task.keys:
-            index, epoch = key[0], key[1]
-            if len(key) > 2:
-                data, label, reason = key[2], key[3], key[4]  # read (and checked) in the main process
-            else:
-                data, label, reason = read_checked(self.reader, index)
+        for pos, key in enumerate(keys):
+            index = key[0]
+            reason = reasons.get(pos)
             if reason is None:
-                reason, box = self._sample(data, index, epoch, slot[task.offset + len(labels)])
+                reason, box = self._sample(datas[pos], index, key[1], slot[at])
             if reason is not None:
                 bad.append((index, reason))
                 continue
-            labels.append(int(label))
+            at += 1
+            labels.append(int(found[pos]))
             if box is not None:
                 boxes.append(box)
         return {
@@ -246,14 +252,15 @@ class BatchMaker(Dataset):
             "n": len(labels),
             "labels": np.asarray(labels, dtype=np.int64),
             "boxes": np.asarray(boxes, dtype=np.int64).reshape(-1, 4) if boxes else None,
-            "consumed": len(task.keys),
+            "consumed": len(keys),
             "bad": bad,
         }
 
     def _sample(
-        self, data: Any, index: int, epoch: int, out: torch.Tensor
+        self, data: Any, index: int, epoch: int, out: np.ndarray
     ) -> tuple[str | None, tuple[int, int, int, int] | None]:
-        """Decode, crop, resize, augment and mirror one record into ``out``; (why it is bad, erasing box)."""
+        """Decode, crop, resize, augment and mirror one record into ``out`` (its place in the slot, in the
+        slot's layout); (why it is bad, erasing box)."""
         recipe = self.recipe
         rng = sample_rng(self.seed, epoch, index)
         tmp: torch.Tensor = self._tmp  # type: ignore[assignment]
@@ -270,11 +277,10 @@ class BatchMaker(Dataset):
                 image = tmp
             if recipe.random_erasing > 0:
                 box = sample_erasing_box(recipe, self.seed, epoch, index)
-        if self.layout == "CHW":  # numpy's transposing copy is the cheaper one here, mirrored or not
-            src = image.numpy()
-            np.copyto(out.numpy(), (src[:, ::-1] if flip else src).transpose(2, 0, 1))
-        else:
-            out.copy_(image.flip(1) if flip else image)
+        src = image.numpy()
+        src = src[:, ::-1] if flip else src
+        # CHW: numpy's transposing copy is the cheaper one here, mirrored or not
+        np.copyto(out, src.transpose(2, 0, 1) if self.layout == "CHW" else src)
         return None, box
 
 
