@@ -22,16 +22,25 @@ from ..system import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
 from .base import BadRecordError, LoaderBase, bad_record_message
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
-from .workers import BatchMaker, OutputPool, SlotRing, Task, _as_is, image_shape, slot_layout, split, worker_init
+from .workers import (
+    BatchMaker,
+    OutputPool,
+    SlotRing,
+    Task,
+    _as_is,
+    batch_parts,
+    image_shape,
+    slot_layout,
+    worker_init,
+)
 
 log = logging.getLogger(__name__)
 
 
 class _PlanSampler(Sampler):
-    """The current pass's batches as `Task`s: each batch split among the workers (`split`), and given a
-    free slot of the ring when its first part is sent (DataLoader draws from this as it dispatches).
-    Splitting keeps every worker on the batch the main process waits for, and lets the last batch of an
-    epoch end as soon as possible. Re-armed before each pass."""
+    """The current pass's batches as `Task`s: each batch whole, the last ones split among the workers
+    (`batch_parts`), and given a free slot of the ring when its first part is sent (DataLoader draws from
+    this as it dispatches). Re-armed before each pass."""
 
     def __init__(self) -> None:
         self.keys: Sequence[list[tuple]] = []
@@ -40,15 +49,16 @@ class _PlanSampler(Sampler):
         self.workers = 1
 
     def __iter__(self) -> Iterator[Task]:
-        ring = self.ring
-        for keys in self.keys:
+        ring, batches = self.ring, len(self.keys)
+        for b, keys in enumerate(self.keys):
             slot = ring.take()  # type: ignore[union-attr]
-            parts = split(len(keys), self.workers)
+            parts = batch_parts(b, batches, len(keys), self.workers)
             for k, (start, stop) in enumerate(parts):
                 yield Task(slot, keys[start:stop], start, k, len(parts))
 
     def __len__(self) -> int:
-        return sum(len(split(n, self.workers)) for n in self.sizes)
+        batches = len(self.sizes)
+        return sum(len(batch_parts(b, batches, n, self.workers)) for b, n in enumerate(self.sizes))
 
 
 class TorchIterator(LoaderBase):
