@@ -65,7 +65,8 @@ class TorchIterator(LoaderBase):
     """`DALIIterator`'s API and rules in pure PyTorch: the fallback, and the yardstick.
 
     Worker processes decode (libjpeg-turbo for plain JPEGs, Pillow for the rest, one rule), crop and
-    resize (Pillow's filter through torch's antialiased uint8 kernels), augment and mirror each image
+    resize (torch's uint8 kernels: plain bilinear under a 2x shrink, Pillow's antialiased filter
+    otherwise; `transforms.resize`), augment and mirror each image
     straight into a shared-memory batch slot; the main process makes the normalized batch in one pass
     (on a GPU, after a page-locked, overlapped copy). See `workers`.
 
