@@ -134,12 +134,13 @@ def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
 
 
 def test_batches_go_whole_to_a_worker_except_the_passs_last_ones():
-    """One task per batch (a worker's cost per task paid once per batch); the last ``workers`` batches of a
-    pass split, so the pass ends with every worker busy."""
+    """One task per batch (a worker's cost per task paid once per batch); the pass's last batches split, so
+    the pass ends with every worker busy."""
     from dali_fast.loaders.torch_iterator import _PlanSampler
     from dali_fast.loaders.workers import batch_parts
 
-    assert [batch_parts(b, 5, 32, 2) for b in range(5)] == [[(0, 32)]] * 3 + [[(0, 16), (16, 32)]] * 2
+    assert [batch_parts(b, 5, 32, 2) for b in range(5)] == [[(0, 32)]] * 2 + [[(0, 16), (16, 32)]] * 3
+    assert [batch_parts(b, 4, 32, 2) for b in range(4)] == [[(0, 32)]] * 2 + [[(0, 16), (16, 32)]] * 2
     assert batch_parts(0, 1, 32, 2) == [(0, 16), (16, 32)]  # a pass of one batch
     assert batch_parts(1, 2, 7, 2) == [(0, 7)]  # too small to split
     assert [batch_parts(b, 4, 40, 1) for b in range(4)] == [[(0, 40)]] * 4  # one process
@@ -149,10 +150,29 @@ def test_batches_go_whole_to_a_worker_except_the_passs_last_ones():
     plan.keys = [[(i, 0) for i in range(12 * b, 12 * b + n)] for b, n in enumerate(sizes)]
     plan.sizes, plan.workers, plan.ring = sizes, 3, SlotRing(7, 12, (3, 2, 2), shared=False)
     tasks = list(plan)
-    assert len(tasks) == len(plan) == 4 + 3 + 3 + 1  # the last 3 batches split, but 5 images stay whole
-    assert [(t.part, t.parts, t.offset, len(t.keys)) for t in tasks[4:7]] == [(0, 3, 0, 4), (1, 3, 4, 4), (2, 3, 8, 4)]
+    assert len(tasks) == len(plan) == 3 + 3 * 3 + 1  # 3 whole, 3 split in 3, and 5 images stay whole
+    assert [(t.part, t.parts, t.offset, len(t.keys)) for t in tasks[3:6]] == [(0, 3, 0, 4), (1, 3, 4, 4), (2, 3, 8, 4)]
     assert [k for t in tasks for k in t.keys] == [k for keys in plan.keys for k in keys]  # each key once, in order
     assert len({t.slot for t in tasks}) == 7  # a slot per batch
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+@pytest.mark.parametrize("images", [400, 401, 1000, 96, 33])
+def test_workers_dealt_tasks_in_turn_get_the_same_number_of_images(workers, images):
+    """DataLoader deals tasks to its workers in turn: each worker must get as many images as the others
+    (within one part), or it ends the pass while the others still decode (measured on 2 cpus: one worker
+    with a whole batch more, the other idle for the last 40 ms of a 300 ms epoch)."""
+    from dali_fast.loaders.workers import batch_parts
+
+    sizes = [32] * (images // 32) + ([images % 32] if images % 32 else [])
+    got = [0] * workers
+    deal = 0
+    for b, size in enumerate(sizes):
+        for start, stop in batch_parts(b, len(sizes), size, workers):
+            got[deal % workers] += stop - start
+            deal += 1
+    assert sum(got) == images
+    assert max(got) - min(got) <= 32 // workers, got
 
 
 def test_a_refused_page_lock_is_said_once_and_copies_still_work(monkeypatch, caplog):
