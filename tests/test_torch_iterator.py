@@ -339,6 +339,84 @@ def test_workers_give_the_same_pixels_as_the_main_process_through_breaks_and_bat
     fast.close()
 
 
+class SlowReader(IndexReader):
+    """An `IndexReader` whose records in ``slow`` take ``delay`` seconds to read (a cold file, a busy cpu)."""
+
+    def __init__(self, items, slow, delay=0.1):
+        super().__init__([bytes(x) for x in items])
+        self.slow, self.delay = set(slow), delay
+
+    def __getitem__(self, i):
+        if i in self.slow:
+            import time
+
+            time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+def test_batches_come_in_the_passs_order_whichever_worker_ends_first(index_reader):
+    """Workers hand back each result as soon as it is made, so a batch held up in one worker is overtaken
+    by the other's: the batches still come in the pass's order, each sample once, with the pixels the
+    main process alone makes."""
+    from dali_fast.loaders.torch_iterator import _PlanSampler
+
+    made_in_order = []
+    reader = SlowReader(index_reader.items, slow=range(0, 37, 6))
+    ref = TorchIterator(reader, 4, image_size=16, num_workers=0, device="cpu", seed=2)
+    fast = TorchIterator(reader, 4, image_size=16, num_workers=2, device="cpu", seed=2)
+    try:
+        for epoch in range(2):
+            ref.set_epoch(epoch)
+            fast.set_epoch(epoch)
+            want = [(y.clone(), x.clone()) for x, y in ref]
+            got = [(y.clone(), x.clone()) for x, y in fast]
+            assert [y.tolist() for y, _ in got] == [y.tolist() for y, _ in want]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+            assert sorted(int(i) for y, _ in got for i in y) == list(range(37))
+            made_in_order.append(fast._loader.in_order)  # noqa: SLF001
+    finally:
+        fast.close()
+    assert made_in_order == [False, False]  # results came back as they were made
+    assert _PlanSampler().idle_when_full is False
+
+
+def test_parts_are_joined_into_batches_in_the_passs_order():
+    """Parts come back in any order (and idle tasks' results among them): each batch is yielded once all
+    its parts are in, in the pass's order."""
+    from dali_fast.loaders.torch_iterator import _whole_batches
+    from dali_fast.loaders.workers import IDLE
+
+    def part(batch, k, parts, offset, n):
+        labels = np.arange(offset, offset + n) + 100 * batch
+        return {"slot": batch + 10, "batch": batch, "part": k, "parts": parts, "offset": offset, "n": n,
+                "labels": labels, "boxes": None, "consumed": n, "bad": []}  # fmt: skip
+
+    arrived = [part(1, 0, 1, 0, 4), {"slot": IDLE}, part(2, 1, 2, 2, 2), part(0, 0, 1, 0, 4), part(2, 0, 2, 0, 2)]
+    got = list(_whole_batches(iter(arrived)))
+    assert [b["slot"] for b in got] == [10, 11, 12]
+    assert [b["labels"].tolist() for b in got] == [[0, 1, 2, 3], [100, 101, 102, 103], [200, 201, 202, 203]]
+    assert got[2]["ranges"] == [(0, 2), (2, 2)] and got[2]["consumed"] == 4
+
+
+def test_a_full_ring_sends_idle_tasks_not_an_overbooking():
+    """DataLoader sends a task for each result it hands over; while every slot holds a batch (batches done
+    early wait for an earlier one), the plan answers with idle tasks until a slot is free."""
+    from dali_fast.loaders.torch_iterator import _PlanSampler
+    from dali_fast.loaders.workers import IDLE, SlotRing
+
+    plan = _PlanSampler()
+    plan.keys = [[(i, 0)] for i in range(3)]
+    plan.sizes, plan.workers, plan.ring = [1, 1, 1], 2, SlotRing(2, 1, (3, 2, 2), shared=False)
+    plan.idle_when_full = True
+    tasks = iter(plan)
+    first, second = next(tasks), next(tasks)
+    assert (first.batch, second.batch) == (0, 1) and {first.slot, second.slot} == {0, 1}
+    assert [next(tasks).slot for _ in range(3)] == [IDLE] * 3  # never a third batch in two slots
+    plan.ring.give_back(first.slot)
+    third = next(tasks)
+    assert (third.slot, third.batch) == (first.slot, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_gpu_batches_come_from_page_locked_slots_and_equal_the_cpu_ones(index_reader, memory_format):
