@@ -16,9 +16,9 @@ of ``--sizes`` by every filter:
   resizes the window its decoder cropped (when nvidia-dali is installed);
 - ``cv2 INTER_LINEAR`` / ``cv2 INTER_AREA``: OpenCV's (when opencv-python-headless is installed).
 
-Reported: ms per crop on one core (median of three passes after a warm-up), and the mean absolute difference in
-levels (0-255) against Pillow's bilinear (box) and against DALI's, with the largest single difference
-in parentheses. At 224 px these ~470x370 photos are mostly shrunk 1-2x; at 112 px, 2-4x, where a
+Reported: ms per crop on one core (median of three passes after a warm-up, the filters taking turns),
+and the mean absolute difference in levels (0-255) against Pillow's bilinear (box) and against DALI's,
+with the largest single difference in parentheses. At 224 px these ~470x370 photos are mostly shrunk 1-2x; at 112 px, 2-4x, where a
 filter without antialiasing shows.
 """
 
@@ -119,18 +119,22 @@ def main() -> None:
         dali = dali_resize(arrays, boxes, size)
         box_resize = filters(size)["Pillow bilinear (box)"]
         ref = [box_resize(x, im, b) for x, im, b in zip(arrays, pils, boxes, strict=True)]
-        for name, f in filters(size).items():
-            times, outs = [], []
-            for rep in range(4):
+        fs = filters(size)
+        times: dict[str, list[float]] = {name: [] for name in fs}
+        outs: dict[str, list[np.ndarray]] = {}
+        for rep in range(4):  # the filters take turns, so a change of machine load slows each alike
+            for name, f in fs.items():
                 t0 = time.perf_counter()
                 got = [f(x, im, b) for x, im, b in zip(arrays, pils, boxes, strict=True)]
                 if rep:  # the first pass warms up
-                    times.append((time.perf_counter() - t0) / len(boxes))
-                outs = got if rep == 0 else outs
+                    times[name].append((time.perf_counter() - t0) / len(boxes))
+                else:
+                    outs[name] = got
+        for name in fs:
             entry = results.setdefault(name, {})
-            entry[f"ms@{size}"] = 1e3 * float(np.median(times))
-            entry[f"pillow@{size}"] = diff(outs, ref)
-            entry[f"dali@{size}"] = diff(outs, dali) if dali is not None else None
+            entry[f"ms@{size}"] = 1e3 * float(np.median(times[name]))
+            entry[f"pillow@{size}"] = diff(outs[name], ref)
+            entry[f"dali@{size}"] = diff(outs[name], dali) if dali is not None else None
         if dali is not None:
             entry = results.setdefault("DALI linear", {})
             entry[f"ms@{size}"] = None
