@@ -6,16 +6,19 @@ Each image of DATASET (an ImageFolder or a packed set) is decoded once; ``--crop
 boxes are drawn per image (the loaders' own `random_resized_crop_box`) and each box is resized to each
 of ``--sizes`` by every filter:
 
-- ``torch AA bilinear``: what `TorchIterator` uses (torch's antialiased uint8 kernel, crop then resize);
+- ``TorchIterator bilinear``: what `TorchIterator` uses (`dali_fast.transforms.resize.resize`, crop then
+  resize): plain bilinear (torch's non-antialiased uint8 kernel) on shrinks under 2x, torch's antialiased
+  kernel on the others;
+- ``torch AA bilinear``: torch's antialiased uint8 kernel alone (Pillow's filter on every crop);
 - ``Pillow bilinear (box)``: ``Image.resize(size, BILINEAR, box=...)``, the baseline's transform;
 - ``Pillow bilinear (crop)``: ``Image.crop(box).resize(...)``, torchvision's ``resized_crop`` on a PIL image;
 - ``DALI linear``: ``fn.resize`` of the box's crop (antialiased on shrinks, its default), as DALIIterator
   resizes the window its decoder cropped (when nvidia-dali is installed);
 - ``cv2 INTER_LINEAR`` / ``cv2 INTER_AREA``: OpenCV's (when opencv-python-headless is installed).
 
-Reported: ms per crop on one core (median of three passes after a warm-up), and the mean absolute difference in
-levels (0-255) against Pillow's bilinear (box) and against DALI's, with the largest single difference
-in parentheses. At 224 px these ~470x370 photos are mostly shrunk 1-2x; at 112 px, 2-4x, where a
+Reported: ms per crop on one core (median of three passes after a warm-up, the filters taking turns),
+and the mean absolute difference in levels (0-255) against Pillow's bilinear (box) and against DALI's,
+with the largest single difference in parentheses. At 224 px these ~470x370 photos are mostly shrunk 1-2x; at 112 px, 2-4x, where a
 filter without antialiasing shows.
 """
 
@@ -33,10 +36,21 @@ from dali_fast.transforms.decode import decode_rgb
 from dali_fast.transforms.resize import random_resized_crop_box, resize
 
 
+def torch_aa(crop: np.ndarray, size: int) -> np.ndarray:
+    """torch's antialiased bilinear uint8 kernel on every crop (Pillow's filter)."""
+    out = torch.empty((size, size, 3), dtype=torch.uint8)
+    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
+    torch.ops.aten._upsample_bilinear2d_aa.out(
+        x, [size, size], False, None, None, out=out.permute(2, 0, 1).unsqueeze(0)
+    )
+    return out.numpy()
+
+
 def filters(size: int) -> dict:
     """name -> f(rgb array, PIL image, (x0, y0, x1, y1)) -> uint8 (size, size, 3)."""
     out = {
-        "torch AA bilinear": lambda a, im, b: resize(a[b[1] : b[3], b[0] : b[2]], (size, size)).numpy(),
+        "TorchIterator bilinear": lambda a, im, b: resize(a[b[1] : b[3], b[0] : b[2]], (size, size)).numpy(),
+        "torch AA bilinear": lambda a, im, b: torch_aa(a[b[1] : b[3], b[0] : b[2]], size),
         "Pillow bilinear (box)": lambda a, im, b: np.asarray(im.resize((size, size), Image.BILINEAR, box=b)),
         "Pillow bilinear (crop)": lambda a, im, b: np.asarray(im.crop(b).resize((size, size), Image.BILINEAR)),
     }
@@ -105,18 +119,22 @@ def main() -> None:
         dali = dali_resize(arrays, boxes, size)
         box_resize = filters(size)["Pillow bilinear (box)"]
         ref = [box_resize(x, im, b) for x, im, b in zip(arrays, pils, boxes, strict=True)]
-        for name, f in filters(size).items():
-            times, outs = [], []
-            for rep in range(4):
+        fs = filters(size)
+        times: dict[str, list[float]] = {name: [] for name in fs}
+        outs: dict[str, list[np.ndarray]] = {}
+        for rep in range(4):  # the filters take turns, so a change of machine load slows each alike
+            for name, f in fs.items():
                 t0 = time.perf_counter()
                 got = [f(x, im, b) for x, im, b in zip(arrays, pils, boxes, strict=True)]
                 if rep:  # the first pass warms up
-                    times.append((time.perf_counter() - t0) / len(boxes))
-                outs = got if rep == 0 else outs
+                    times[name].append((time.perf_counter() - t0) / len(boxes))
+                else:
+                    outs[name] = got
+        for name in fs:
             entry = results.setdefault(name, {})
-            entry[f"ms@{size}"] = 1e3 * float(np.median(times))
-            entry[f"pillow@{size}"] = diff(outs, ref)
-            entry[f"dali@{size}"] = diff(outs, dali) if dali is not None else None
+            entry[f"ms@{size}"] = 1e3 * float(np.median(times[name]))
+            entry[f"pillow@{size}"] = diff(outs[name], ref)
+            entry[f"dali@{size}"] = diff(outs[name], dali) if dali is not None else None
         if dali is not None:
             entry = results.setdefault("DALI linear", {})
             entry[f"ms@{size}"] = None

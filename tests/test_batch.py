@@ -78,3 +78,11 @@ def test_finish_in_cache_sized_steps_is_bit_identical_to_whole_batch_ops(size, d
     got = finish_batch(u8, dtype, memory_format, IMAGENET_MEAN, IMAGENET_STD)
     assert got.dtype == dtype and got.is_contiguous(memory_format=memory_format)
     assert torch.equal(got, want)
+
+
+def test_finish_writes_into_the_given_output():
+    u8 = torch.randint(0, 255, (4, 3, 8, 8), dtype=torch.uint8)
+    for mean, std in [((1.0, 2.0, 3.0), (2.0, 2.0, 2.0)), (None, None)]:
+        out = torch.empty((4, 3, 8, 8))
+        got = finish_batch(u8, torch.float32, torch.contiguous_format, mean, std, out=out)
+        assert got is out and torch.equal(out, finish_batch(u8, torch.float32, torch.contiguous_format, mean, std))

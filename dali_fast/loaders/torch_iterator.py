@@ -22,40 +22,60 @@ from ..system import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
 from .base import BadRecordError, LoaderBase, bad_record_message
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
-from .workers import BatchMaker, SlotRing, Task, _as_is, image_shape, slot_layout, split, worker_init
+from .workers import (
+    IDLE,
+    BatchMaker,
+    OutputPool,
+    SlotRing,
+    Task,
+    _as_is,
+    batch_parts,
+    image_shape,
+    slot_layout,
+    worker_init,
+)
 
 log = logging.getLogger(__name__)
 
 
 class _PlanSampler(Sampler):
-    """The current pass's batches as `Task`s: each batch split among the workers (`split`), and given a
-    free slot of the ring when its first part is sent (DataLoader draws from this as it dispatches).
-    Splitting keeps every worker on the batch the main process waits for, and lets the last batch of an
-    epoch end as soon as possible. Re-armed before each pass."""
+    """The current pass's batches as `Task`s: each batch whole, the last ones split among the workers
+    (`batch_parts`), and given a free slot of the ring when its first part is sent (DataLoader draws from
+    this as it dispatches). Re-armed before each pass.
+
+    With ``idle_when_full`` (worker processes, whose results come back in any order), a batch that finds
+    every slot taken (batches done early wait in theirs for an earlier one) is preceded by `IDLE` tasks
+    until one is free: DataLoader sends a task for each result it hands over, so a draw must never be
+    refused, and the ring is never overbooked."""
 
     def __init__(self) -> None:
         self.keys: Sequence[list[tuple]] = []
         self.sizes: list[int] = []
         self.ring: SlotRing | None = None
         self.workers = 1
+        self.idle_when_full = False
 
     def __iter__(self) -> Iterator[Task]:
-        ring = self.ring
-        for keys in self.keys:
+        ring, batches = self.ring, len(self.keys)
+        for b, keys in enumerate(self.keys):
+            while self.idle_when_full and not ring.free:  # type: ignore[union-attr]
+                yield Task(IDLE)
             slot = ring.take()  # type: ignore[union-attr]
-            parts = split(len(keys), self.workers)
+            parts = batch_parts(b, batches, len(keys), self.workers)
             for k, (start, stop) in enumerate(parts):
-                yield Task(slot, keys[start:stop], start, k, len(parts))
+                yield Task(slot, keys[start:stop], start, k, len(parts), b)
 
     def __len__(self) -> int:
-        return sum(len(split(n, self.workers)) for n in self.sizes)
+        batches = len(self.sizes)
+        return sum(len(batch_parts(b, batches, n, self.workers)) for b, n in enumerate(self.sizes))
 
 
 class TorchIterator(LoaderBase):
     """`DALIIterator`'s API and rules in pure PyTorch: the fallback, and the yardstick.
 
     Worker processes decode (libjpeg-turbo for plain JPEGs, Pillow for the rest, one rule), crop and
-    resize (Pillow's filter through torch's antialiased uint8 kernels), augment and mirror each image
+    resize (torch's uint8 kernels: plain bilinear under a 2x shrink, Pillow's antialiased filter
+    otherwise; `transforms.resize`), augment and mirror each image
     straight into a shared-memory batch slot; the main process makes the normalized batch in one pass
     (on a GPU, after a page-locked, overlapped copy). See `workers`.
 
@@ -79,6 +99,7 @@ class TorchIterator(LoaderBase):
         self._maker: BatchMaker | None = None
         self._loader: DataLoader | None = None
         self._stream: Any = None
+        self._outputs = OutputPool()
 
     # ------------------------------------------------------------------ workers and slots
     def _slots_for(self, batch_size: int) -> SlotRing:
@@ -88,8 +109,9 @@ class TorchIterator(LoaderBase):
             return ring
         self.close()
         # Every task in flight holds a slot (prefetch per worker), plus the batch the main process is
-        # finishing and one whose device copy may still be running.
-        slots = self.prefetch * self.num_workers + 2 if self.num_workers else 1
+        # finishing, one whose device copy may still be running, and one per worker for batches that
+        # came back before an earlier one (results come back as they are made).
+        slots = (self.prefetch + 1) * self.num_workers + 2 if self.num_workers else 1
         S = self.recipe.image_size
         ring = SlotRing(slots, batch_size, image_shape(self._layout, S), shared=self.num_workers > 0)
         if self.gpu:
@@ -113,11 +135,17 @@ class TorchIterator(LoaderBase):
                 collate_fn=_as_is,
                 worker_init_fn=worker_init,
             )
+            # Each result as soon as it is made, and the next task to a worker with room: a worker that
+            # is ahead (the other shares its cpu with this process) is not held back by the other's
+            # batch. `_whole_batches` puts the batches back in order.
+            self._loader.in_order = False
         return self._loader
 
     def close(self) -> None:
-        """Shut the decode workers down and free the batch slots now (a later pass starts new ones)."""
+        """Shut the decode workers down and free the batch slots and kept outputs now (a later pass starts
+        new ones)."""
         self._discard_workers()
+        self._outputs.clear()
         ring, self._ring, self._maker = self._ring, None, None
         if ring is not None:
             ring.close()
@@ -163,6 +191,7 @@ class TorchIterator(LoaderBase):
         ring.reset()  # DataLoader drains an earlier pass's tasks before it sends this one's
         self._plan.keys, self._plan.ring = self._keys(plan), ring
         self._plan.sizes, self._plan.workers = [len(b) for b in plan], max(1, self.num_workers)
+        self._plan.idle_when_full = self.num_workers > 0
         if self.num_workers:
             parts: Iterator[dict[str, Any]] = iter(self._dataloader())
         else:
@@ -183,8 +212,9 @@ class TorchIterator(LoaderBase):
             yield images, labels, consumed
 
     def _finish(self, pixels: torch.Tensor, b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """The batch's output tensor (a new one: the slot is reused next), labels, and on a GPU the event
-        that marks the end of the copy out of the slot."""
+        """The batch's output tensor (never the slot, which is reused next: on the CPU one of the pool's when
+        nothing outside holds it, else new), labels, and on a GPU the event that marks the end of the copy
+        out of the slot."""
         recipe = self.recipe
         labels = torch.from_numpy(b["labels"])
         boxes = None if b["boxes"] is None else torch.from_numpy(b["boxes"])
@@ -207,8 +237,10 @@ class TorchIterator(LoaderBase):
         if self.gpu:
             images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
         else:
+            out = self._outputs.get(tuple(pixels.shape), self.dtype, self.memory_format)
             with one_intra_op_thread():
-                images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
+                images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes, out)
+            del out
         return images, labels, event
 
     def _handle_bad(self, bad: list[tuple[int, str]]) -> None:
@@ -219,24 +251,32 @@ class TorchIterator(LoaderBase):
 
 
 def _whole_batches(parts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Join the parts of each batch (they arrive in order) into one batch's metadata; ``ranges`` holds
-    each part's (offset, images) in the slot."""
-    pending: list[dict[str, Any]] = []
+    """Join the parts of each batch (they arrive in any order; idle tasks' are dropped) into one batch's
+    metadata, the batches in the pass's order; ``ranges`` holds each part's (offset, images) in the slot."""
+    pending: dict[int, dict[int, dict[str, Any]]] = {}  # batch -> part -> the part's metadata
+    at = 0  # the next batch to yield
+
+    def part_count(got: dict[int, dict[str, Any]]) -> int:
+        return next(iter(got.values()))["parts"]
+
     for part in parts:
-        pending.append(part)
-        if part["part"] + 1 < part["parts"]:
+        if part["slot"] == IDLE:
             continue
-        boxes = [p["boxes"] for p in pending if p["boxes"] is not None]
-        yield {
-            "slot": part["slot"],
-            "n": sum(p["n"] for p in pending),
-            "ranges": [(p["offset"], p["n"]) for p in pending],
-            "labels": np.concatenate([p["labels"] for p in pending]),
-            "boxes": np.concatenate(boxes) if boxes else None,
-            "consumed": sum(p["consumed"] for p in pending),
-            "bad": [bad for p in pending for bad in p["bad"]],
-        }
-        pending = []
+        pending.setdefault(part["batch"], {})[part["part"]] = part
+        while at in pending and len(pending[at]) == part_count(pending[at]):
+            got = pending.pop(at)
+            at += 1
+            done = [got[k] for k in range(len(got))]
+            boxes = [p["boxes"] for p in done if p["boxes"] is not None]
+            yield {
+                "slot": done[0]["slot"],
+                "n": sum(p["n"] for p in done),
+                "ranges": [(p["offset"], p["n"]) for p in done],
+                "labels": np.concatenate([p["labels"] for p in done]),
+                "boxes": np.concatenate(boxes) if boxes else None,
+                "consumed": sum(p["consumed"] for p in done),
+                "bad": [bad for p in done for bad in p["bad"]],
+            }
 
 
 def _pixels(ring: SlotRing, b: dict[str, Any]) -> torch.Tensor:

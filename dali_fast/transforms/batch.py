@@ -46,10 +46,12 @@ def finish_batch(
     mean: tuple[float, ...] | None = None,
     std: tuple[float, ...] | None = None,
     boxes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """uint8 NCHW ``images`` (any strides: an NHWC slot's permuted view too) → a new ``dtype`` tensor in
+    """uint8 NCHW ``images`` (any strides: an NHWC slot's permuted view too) → a ``dtype`` tensor in
     ``memory_format``, normalized by ``mean``/``std`` (0–255 scale; None: left as is), erased in ``boxes``
-    with the mean pixel (0 when normalized, `ERASING_FILL_255` when not: `Recipe.erasing_fill`'s rule).
+    with the mean pixel (0 when normalized, `ERASING_FILL_255` when not: `Recipe.erasing_fill`'s rule);
+    written into ``out`` when given (of that shape, dtype and format, e.g. reused by the caller), else new.
 
     Batched ops on the tensor's device, with no host synchronization. On the CPU the conversion and the
     two normalizing passes run a few images at a time, so the second and third passes read what the
@@ -57,15 +59,16 @@ def finish_batch(
     main process). The result never shares memory with ``images`` (a slot is reused right after).
     """
     if mean is None or std is None:
-        x = images.to(dtype, memory_format=memory_format, copy=True)
+        x = images.to(dtype, memory_format=memory_format, copy=True) if out is None else out.copy_(images)
         return x if boxes is None else erase_boxes(x, boxes, ERASING_FILL_255)
     mean_t, inv_std = _normalization(images.device, tuple(mean), tuple(std))
     if images.is_cuda:
         x = images.to(torch.float32, memory_format=memory_format, copy=True)
         x.sub_(mean_t).mul_(inv_std)
         x = x if dtype == torch.float32 else x.to(dtype)
+        x = x if out is None else out.copy_(x)
     else:
-        x = torch.empty(images.shape, dtype=dtype, memory_format=memory_format)
+        x = torch.empty(images.shape, dtype=dtype, memory_format=memory_format) if out is None else out
         per_image = 4 * images[0].numel() if len(images) else 1
         step = max(1, _CACHE_CHUNK // per_image)
         work = x if dtype == torch.float32 else torch.empty((min(step, len(images)), *images.shape[1:]))

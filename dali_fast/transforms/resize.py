@@ -1,14 +1,25 @@
-"""Crop boxes and the resize to the output square: one filter, Pillow's, at a fraction of its cost; and
-`decode_crop`, a record decoded, cropped and resized as the recipe says (TorchIterator's workers).
+"""Crop boxes and the resize to the output square: Pillow's bilinear where it matters, at a fraction of its
+cost; and `decode_crop`, a record decoded, cropped and resized as the recipe says (TorchIterator's workers).
 
-The random-resized-crop box is drawn here (`random_resized_crop_box`), for every loader. The resize
-uses torch's antialiased uint8 kernels (``_upsample_bilinear2d_aa`` / ``_upsample_bicubic2d_aa``):
-they compute Pillow's resampling (a triangle or cubic filter whose support widens with the shrink
-factor, so a 3x shrink is antialiased as Pillow's is), within a few hundredths of a level on average,
-about 3x faster than Pillow on one core, and they write straight into a caller's buffer. DALI's
-linear resize also antialiases on shrinks, so the three loaders share one filter. ``nearest`` is
+The random-resized-crop box is drawn here (`random_resized_crop_box`), for every loader. ``bilinear``
+(the default) antialiases where antialiasing matters and is plain bilinear interpolation where it
+does not:
+
+- an upscale, or a shrink by 2x or more (on either side), goes through torch's antialiased uint8 kernel
+  (``_upsample_bilinear2d_aa``), which computes Pillow's filter (a triangle whose support widens with
+  the shrink factor) within a few hundredths of a level on average; a plain bilinear would alias on
+  such a shrink (it reads 2 of every 3 or more source pixels);
+- a shrink under 2x (on both sides) is plain bilinear interpolation (torch's non-antialiased uint8
+  kernel, ``upsample_bilinear2d``), in less time: each output pixel reads its 2x2 source neighbours,
+  which skips no source pixel, so nothing aliases. Pillow widens its triangle there too, a little: on
+  photos the two differ by under a level on average (``benchmarks/resize_filters.py``); on pixel-sized
+  noise, by more. (OpenCV's ``INTER_LINEAR`` computes the same within a level, a little faster, but its
+  thread pool does not mix with forked workers: ``cv2.setNumThreads`` in a decode worker forked after
+  the main process had used OpenCV hung.)
+
+``bicubic`` is always Pillow's antialiased bicubic (torch's ``_upsample_bicubic2d_aa``), ``nearest``
 Pillow's centre-sampling nearest neighbour (torch's ``nearest-exact``); ``lanczos`` has no torch
-kernel and goes through Pillow.
+kernel and goes through Pillow. DALI's linear resize antialiases every shrink.
 
 A box in the decoded image's pixel grid is rounded to whole pixels (the decoded image is at full
 scale except where a JPEG was decoded at 1/2, 1/4 or 1/8 scale, and then the crop still has twice
@@ -27,6 +38,15 @@ from .decode import Decoder
 from .recipe import Recipe
 
 PIL_RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST", "lanczos": "LANCZOS"}
+ANTIALIAS_FROM = 2  # shrink factor (on either side) from which ``bilinear`` antialiases
+
+
+def plain_bilinear(src_hw: tuple[int, int], out_hw: tuple[int, int]) -> bool:
+    """Whether ``bilinear`` from ``src_hw`` to ``out_hw`` (height, width) is plain bilinear interpolation: a
+    shrink (on one side at least) by less than `ANTIALIAS_FROM` (on both). Upscales and larger shrinks are
+    Pillow's filter."""
+    shrinks = src_hw[0] > out_hw[0] or src_hw[1] > out_hw[1]
+    return shrinks and src_hw[0] < ANTIALIAS_FROM * out_hw[0] and src_hw[1] < ANTIALIAS_FROM * out_hw[1]
 
 
 def random_resized_crop_box(
@@ -69,7 +89,8 @@ def _nchw(hwc: torch.Tensor) -> torch.Tensor:
 
 
 def resize_into(src: np.ndarray, out: torch.Tensor, interpolation: str = "bilinear") -> None:
-    """Resize uint8 HWC RGB ``src`` (any strides, e.g. a crop view) into uint8 ``out`` (H, W, 3), in place."""
+    """Resize uint8 HWC RGB ``src`` (any strides, e.g. a crop view) into uint8 ``out`` (H, W, 3), in place,
+    by the module's rule for ``interpolation``."""
     height, width = int(out.shape[0]), int(out.shape[1])
     if interpolation == "lanczos":
         from PIL import Image
@@ -77,9 +98,15 @@ def resize_into(src: np.ndarray, out: torch.Tensor, interpolation: str = "biline
         im = Image.fromarray(np.ascontiguousarray(src)).resize((width, height), Image.LANCZOS)
         out.copy_(torch.from_numpy(np.asarray(im).copy()))
         return
-    x = _nchw(torch.from_numpy(src if src.flags.writeable else src.copy()))
+    # A crop view (rows apart in memory) is copied whole first: torch's uint8 kernels read a contiguous
+    # image faster, which more than pays for the copy (on photos, side by side: about a tenth less time
+    # per crop at 224 px, a third less at 112, half on 2x+ shrinks; benchmarks/resize_filters.py).
+    contiguous = src.flags.c_contiguous and src.flags.writeable
+    x = _nchw(torch.from_numpy(src if contiguous else np.array(src, order="C")))
     o = _nchw(out)
-    if interpolation == "bilinear":
+    if interpolation == "bilinear" and plain_bilinear(src.shape[:2], (height, width)):
+        torch.ops.aten.upsample_bilinear2d.out(x, [height, width], False, None, None, out=o)
+    elif interpolation == "bilinear":
         torch.ops.aten._upsample_bilinear2d_aa.out(x, [height, width], False, None, None, out=o)
     elif interpolation == "bicubic":
         torch.ops.aten._upsample_bicubic2d_aa.out(x, [height, width], False, None, None, out=o)
