@@ -5,46 +5,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from .data.base import ON_ERROR
+from .cli_options import AUGMENTS, build_parser
 
 log = logging.getLogger("dali_fast")
 
 
 class UserError(Exception):
     """Bad input: reported as one line, exit code 2."""
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Each option's help ends with its default, unless the help already says it or there is none to say
-    (a switch that is off, an option that is unset); descriptions and the synopsis keep their lines."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        unset = default is None or default is False or default is argparse.SUPPRESS  # 0 is a default to show
-        if "(default" in text or unset or not action.option_strings:
-            return text
-        shown = ("on" if default else "off") if isinstance(default, bool) else "%(default)s"
-        return f"{text} (default: {shown})" if text else f"default: {shown}"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (what is wrong and where the help is), exit code 2, and
-    every option's help shows its default."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _cmd_make_synthetic(args: argparse.Namespace) -> int:
@@ -68,55 +41,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect_dataset
 
     return inspect_dataset(args.dataset, verify=args.verify, emit=print)
-
-
-def _size(text: str) -> int:
-    """Bytes from '0', '512M', '8G', '1.5GiB'."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G")
-    return int(value)
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its message)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is too small; use {minimum} or more")
-        return value
-
-    return parse
-
-
-def _number(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
-    """An argparse type: a finite number for which ``ok`` holds, else "'TEXT' is not WHAT"."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-
-    return parse
-
-
-_positive = _number(lambda v: v > 0, "a positive number")
-_alpha = _number(lambda v: v >= 0, "a number >= 0 (0 turns it off)")  # a Beta distribution's alpha
-_probability = _number(lambda v: 0 <= v <= 1, "in [0, 1]")
-_crop_fraction = _number(lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -279,192 +203,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_data_args(s: argparse.ArgumentParser) -> None:
-    """The data and batch arguments `bench` and `train` share."""
-    s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
-    s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
-    s.add_argument("--batch-size", type=_count(1), default=64, help="images per batch")
-    s.add_argument("--image-size", type=_count(1), default=224, help="output side in pixels")
-    s.add_argument(
-        "--on-error",
-        choices=ON_ERROR,
-        default="raise",
-        help="an undecodable or unreadable image: stop naming it (raise), or skip, count and log it (skip)",
-    )
-
-
-AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
-
-
-def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
-    """The training recipe's flags (train and bench)."""
-    s.add_argument(
-        "--augment",
-        default="none",
-        metavar="|".join(AUGMENTS),
-        help="automatic augmentation per image" + (" (comma-separated: one row each, side by side)" if several else ""),
-    )
-    s.add_argument("--random-erasing", type=_probability, default=0.0, metavar="P", help="random erasing probability")
-    s.add_argument("--mixup", type=_alpha, default=0.0, metavar="A", help="mixup Beta alpha (0: off)")
-    s.add_argument("--cutmix", type=_alpha, default=0.0, metavar="A", help="cutmix Beta alpha (0: off)")
-    s.add_argument(
-        "--label-smoothing", type=_probability, default=0.0, metavar="E", help="label smoothing of the targets"
-    )
-    s.add_argument(
-        "--eval-crop-fraction",
-        type=_crop_fraction,
-        default=0.875,
-        metavar="F",
-        help="evaluation: resize the shorter side to size/F, then centre crop",
-    )
-
-
-DATASETS = (
-    "a packed set, an ImageFolder root, WebDataset shards (a .tar, a folder of .tar files, or a brace pattern such "
-    "as 'train-{000000..000146}.tar', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
-)
-
-
-def _command(sub: Any, name: str, what: str) -> argparse.ArgumentParser:
-    """A sub-command whose --help starts with what it does."""
-    return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dali-fast", description="Feed the GPU: DALI data loading for PyTorch.")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = _command(sub, "make-synthetic", "write a synthetic ImageNet-like ImageFolder of JPEGs")
-    s.add_argument("out", help="output folder (OUT/<class>/<image>.jpg)")
-    s.add_argument("--images", type=_count(1), default=1000, help="images to write")
-    s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
-    s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
-    s.set_defaults(func=_cmd_make_synthetic)
-
-    s = _command(sub, "pack", "pack an ImageFolder or WebDataset shards into one memory-mappable data set")
-    s.add_argument(
-        "src",
-        help="an ImageFolder root SRC/<class>/<image>, or local WebDataset shards: a .tar, a folder of .tar files, "
-        "or a brace pattern such as 'train-{000000..000146}.tar' (quoted)",
-    )
-    s.add_argument("dst", help="destination folder (must not exist)")
-    s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
-    s.add_argument(
-        "--max-side", type=_count(1), default=None, help="re-encode images whose longer side exceeds N pixels"
-    )
-    s.add_argument(
-        "--workers",
-        type=_count(1),
-        default=None,
-        help="processes that read, verify and re-encode (default: every CPU); the output is the same for any N",
-    )
-    s.add_argument(
-        "--shard-size",
-        type=_size,
-        default=0,
-        metavar="BYTES",
-        help="write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
-        "(default: 0, one data.bin)",
-    )
-    s.set_defaults(func=_cmd_pack)
-
-    s = _command(sub, "inspect", "describe a data set: records, classes, bytes")
-    s.add_argument("dataset", help=DATASETS)
-    s.add_argument("--verify", action="store_true", help="check every record's crc32 (packed sets)")
-    s.set_defaults(func=_cmd_inspect)
-
-    s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
-    _add_data_args(s)
-    s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
-    s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
-    s.add_argument(
-        "--model",
-        default="none",
-        choices=["none", "resnet_tiny", "resnet18", "resnet50"],
-        help="a training step per batch with this model (none: loading only)",
-    )
-    s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
-    s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
-    s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
-    s.add_argument(
-        "--no-limit",
-        action="store_true",
-        help="skip the limit row (the machine's decode-only img/s on the same data and processes)",
-    )
-    s.add_argument(
-        "--alternate",
-        action="store_true",
-        help="start every row, then time them in turn, one epoch each (a changing machine load then slows "
-        "every row alike; all loaders stay alive meanwhile)",
-    )
-    _add_recipe_args(s, several=True)
-    s.add_argument(
-        "--stages",
-        action="store_true",
-        help="measure the optimizations cumulatively, one row each (baseline, +cache, +factory, +device ops, "
-        "+DALI, +controller), with the projected time of a whole training run",
-    )
-    s.add_argument("--total-epochs", type=_count(1), default=90, help="with --stages: epochs of the projected run")
-    s.add_argument(
-        "--total-images", type=_count(1), default=1_281_167, help="with --stages: images per epoch of the projected run"
-    )
-    s.set_defaults(func=_cmd_bench)
-
-    s = _command(sub, "train", "train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
-    _add_data_args(s)
-    s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"], help="the loader to train with")
-    s.add_argument("--epochs", type=_count(1), default=5, help="epochs")
-    s.add_argument(
-        "--model",
-        default="resnet18",
-        choices=["resnet_tiny", "resnet18", "resnet50"],
-        help="the model (resnet_tiny is sized for CPUs)",
-    )
-    s.add_argument("--lr", type=_positive, default=0.05, help="learning rate")
-    s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
-    s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
-    s.add_argument(
-        "--seed", type=_count(0), default=0, help="the run's seed: split, initial weights, order, augmentation"
-    )
-    s.add_argument(
-        "--num-workers",
-        type=_count(0),
-        default=None,
-        help="decode workers (torch/baseline loaders; default: one per CPU, up to 8)",
-    )
-    s.add_argument(
-        "--drop-last",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="leave out each epoch's incomplete last training batch",
-    )
-    s.add_argument("--checkpoint", metavar="DIR", default=None, help="save model/optimizer/loader state in DIR")
-    s.add_argument("--checkpoint-every", type=_count(1), default=500, metavar="K", help="steps between checkpoints")
-    s.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch included")
-    s.add_argument(
-        "--record-indices",
-        metavar="FILE",
-        default=None,
-        help="append each batch's sample indices as JSON lines (per rank: FILE.rank<N> or a {rank} placeholder)",
-    )
-    s.add_argument("--out", default=None, help="folder for train.json (rank 0 writes it)")
-    _add_recipe_args(s, several=False)
-    s.set_defaults(func=_cmd_train)
-
-    s = _command(sub, "doctor", "check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")
-    s.add_argument(
-        "--quick",
-        action="store_true",
-        help="NVML only (driver, GPUs): no CUDA context, no DALI pipeline; for health checks during training",
-    )
-    s.add_argument("--json", action="store_true", help="print the readings as JSON")
-    s.set_defaults(func=_cmd_doctor)
-    # The synopsis: every command with every option, as argparse writes each usage line.
-    usages = [c.format_usage().removeprefix("usage: ").rstrip() for c in sub.choices.values()]
-    p.epilog = "synopsis:\n" + "\n".join("  " + u.replace("\n", "\n  ") for u in usages)
-    p.epilog += "\n\n`dali-fast COMMAND --help` says what each option does."
-    return p
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "make-synthetic": _cmd_make_synthetic,
+    "pack": _cmd_pack,
+    "inspect": _cmd_inspect,
+    "bench": _cmd_bench,
+    "train": _cmd_train,
+    "doctor": _cmd_doctor,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         with _log_above_bars():
-            return int(args.func(args) or 0)
+            return int(COMMANDS[args.command](args) or 0)
     except (UserError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"dali-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
