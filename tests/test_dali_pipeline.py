@@ -12,7 +12,7 @@ from dali_fast.transforms.recipe import Recipe
 def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
     """The DALI source without DALI: good records in plan order, bad ones skipped and accounted for (or the
     first named in raise mode), known decoder failures excluded, and erasing boxes drawn for the kept ones."""
-    from dali_fast.loaders.base import BadRecordError, SkipLog
+    from dali_fast.loaders.bad_records import BadRecordError, SkipLog
     from dali_fast.loaders.dali_pipeline import BatchSource
     from dali_fast.transforms.draws import erasing_boxes
 

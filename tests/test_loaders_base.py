@@ -865,26 +865,6 @@ def listed(loader):
     return [x for _, labels in loader for x in labels.tolist()]
 
 
-def test_a_skipped_record_is_counted_each_time_and_logged_once(caplog):
-    from dali_fast.loaders.base import SkipLog
-
-    skips = SkipLog()
-    with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.base"):
-        for _ in range(2):
-            skips.add(3, "mem://3.jpg", "not an image")
-    assert skips.count == 2
-    assert [r.getMessage() for r in caplog.records] == ["skipping record 3 (mem://3.jpg): not an image"]
-
-
-def test_a_bad_record_message_names_the_record_and_both_ways_out(index_reader):
-    from dali_fast.loaders.base import bad_record_message
-
-    assert bad_record_message(index_reader, 4, "not an image") == (
-        "record 4 (mem://4.jpg): not an image; remove or re-pack it, "
-        "or skip bad records with on_error='skip' (dali-fast: --on-error skip)"
-    )
-
-
 def test_the_arguments_are_kept(index_reader):
     loader = ListBackend(index_reader, 4, device="cpu", num_threads=3, drop_last=True, seed=7, train=False)
     assert (loader.num_threads, loader.drop_last, loader.seed, loader.train) == (3, True, 7, False)

@@ -26,7 +26,7 @@ from contract import each_once, run_save_load_state
 
 from dali_fast import open_dataset
 from dali_fast.data.remote import RemoteShardsReader
-from dali_fast.loaders.base import BadRecordError
+from dali_fast.loaders.bad_records import BadRecordError
 from dali_fast.loaders.torch_iterator import TorchIterator
 
 pytest.importorskip("s3fs")

@@ -1,7 +1,7 @@
 """`LoaderBase`: the epoch driver every backend shares, and what a backend must write (see its docstring).
 It imports no backend: `DALIIterator` and `TorchIterator` are subclasses in their own modules.
 
-Also here: what both backends raise and count for a bad record (`BadRecordError`, `SkipLog`, ``ON_ERROR``).
+What both backends raise and count for a bad record is in `bad_records` (`BadRecordError`, `SkipLog`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import logging
 import math
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,39 +21,15 @@ from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provi
 from ..data.cache import CachedReader, LRUCache
 from ..system import cuda_usable
 from ..transforms.recipe import Recipe, resolve_recipe
+from .bad_records import SkipLog
 from .sampler import EpochSampler, LoaderSampler, dist_rank_world, sharding_note
 from .shard_order import StreamingOrder, make_order
 
-__all__ = ["ON_ERROR", "BadRecordError", "LoaderBase", "SkipLog", "bad_record_message"]
+__all__ = ["ON_ERROR", "LoaderBase"]
 
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class BadRecordError(ValueError):
-    """A record that cannot be decoded; names its index and source path."""
-
-
-@dataclass
-class SkipLog:
-    """Skipped records: counted, and each logged once."""
-
-    count: int = 0
-    logged: set[int] = field(default_factory=set)
-
-    def add(self, index: int, source: str, reason: str) -> None:
-        self.count += 1
-        if index not in self.logged:
-            self.logged.add(index)
-            log.warning("skipping record %d (%s): %s", index, source, reason)
-
-
-def bad_record_message(reader: Reader, index: int, reason: str) -> str:
-    return (
-        f"record {index} ({reader.source(index)}): {reason}; remove or re-pack it, "
-        "or skip bad records with on_error='skip' (dali-fast: --on-error skip)"
-    )
 
 
 _ABANDONED = (

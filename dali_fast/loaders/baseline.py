@@ -21,7 +21,7 @@ from ..system import cpus_per_local_rank
 from ..transforms.decode import open_image, to_rgb
 from ..transforms.pillow import PillowTransform
 from ..transforms.recipe import Recipe, resolve_recipe
-from .base import BadRecordError, bad_record_message
+from .bad_records import BadRecordError, bad_record_message
 from .sampler import dist_rank_world
 
 log = logging.getLogger(__name__)

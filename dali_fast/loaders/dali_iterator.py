@@ -20,7 +20,8 @@ from ..data.base import Reader
 from ..system import local_device_index
 from ..transforms.dali import default_num_threads
 from ..transforms.draws import erasing_boxes
-from .base import BadRecordError, LoaderBase
+from .bad_records import BadRecordError
+from .base import LoaderBase
 from .dali_pipeline import BatchSource, build_pipeline, derive_seed, shutdown_pipeline, undecodable
 
 log = logging.getLogger(__name__)

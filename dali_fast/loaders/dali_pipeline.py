@@ -22,7 +22,7 @@ from ..data.base import Reader, read_batch_checked, read_checked
 from ..data.checks import pillow_reason
 from ..transforms.dali import augment
 from ..transforms.recipe import Recipe
-from .base import BadRecordError, SkipLog, bad_record_message
+from .bad_records import BadRecordError, SkipLog, bad_record_message
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Sampler
 from ..data.base import Reader, read_checked
 from ..system import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
-from .base import BadRecordError, LoaderBase, bad_record_message
+from .bad_records import BadRecordError, bad_record_message
+from .base import LoaderBase
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
 from .workers import (
     IDLE,
