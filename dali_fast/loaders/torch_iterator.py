@@ -79,18 +79,21 @@ class TorchIterator(LoaderBase):
         self._maker: BatchMaker | None = None
         self._loader: DataLoader | None = None
         self._stream: Any = None
+        self.pools_started = 0  # batch rings (each with its worker pool) made: one per batch and image size
 
     # ------------------------------------------------------------------ workers and slots
     def _slots_for(self, batch_size: int) -> SlotRing:
-        """The ring, made (or made larger, with a new worker pool) for batches of ``batch_size``."""
+        """The ring, made (or made larger, with a new worker pool) for batches of ``batch_size`` at this
+        epoch's image size (a resolution schedule's new size is a new ring and pool, once per change)."""
         ring = self._ring
-        if ring is not None and ring.capacity >= batch_size:
+        S = self.recipe.image_size
+        if ring is not None and ring.capacity >= batch_size and ring.image_shape == image_shape(self._layout, S):
             return ring
         self.close()
         # Every task in flight holds a slot (prefetch per worker), plus the batch the main process is
         # finishing and one whose device copy may still be running.
         slots = self.prefetch * self.num_workers + 2 if self.num_workers else 1
-        S = self.recipe.image_size
+        self.pools_started += 1
         ring = SlotRing(slots, batch_size, image_shape(self._layout, S), shared=self.num_workers > 0)
         if self.gpu:
             ring.pin()
