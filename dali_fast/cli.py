@@ -108,7 +108,18 @@ def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
         auto_augment=None if augment in (None, "none") else augment,
         random_erasing=args.random_erasing,
         eval_crop_fraction=args.eval_crop_fraction,
+        resolution=args.progressive,
     )
+
+
+def _progressive(text: str) -> Any:
+    """``--progressive START:END:FROM_EPOCH:TO_EPOCH[:STEP]`` as a `Progressive` ramp."""
+    from .transforms.recipe import Progressive
+
+    try:
+        return Progressive.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--progressive {text!r}: ")) from None
 
 
 def _augments(text: str) -> list[str]:
@@ -135,6 +146,7 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         cache_bytes=args.cache_bytes or None,
         total_epochs=args.total_epochs,
         total_images=args.total_images,
+        progressive=args.progressive,
         out=args.out,
         emit=log.info,
     )
@@ -255,6 +267,15 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
         "--label-smoothing", type=_probability, default=0.0, metavar="E", help="label smoothing of the targets"
     )
     s.add_argument(
+        "--progressive",
+        type=_progressive,
+        default=None,
+        metavar="START:END:FROM_EPOCH:TO_EPOCH",
+        help="progressive resizing: train at START px up to epoch FROM_EPOCH, then ramp in steps of 32 px "
+        "(or a fifth field, STEP) to END px at epoch TO_EPOCH (FFCV's ImageNet recipe: 160:192:65:76); "
+        "--image-size stays the evaluation size",
+    )
+    s.add_argument(
         "--eval-crop-fraction",
         type=_crop_fraction,
         default=0.875,
@@ -326,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         action="store_true",
         help="measure the optimizations cumulatively, one row each (baseline, +cache, +factory, +device ops, "
-        "+DALI, +controller), with the projected time of a whole training run",
+        "+DALI, +controller, +progressive resizing), with the projected time of a whole training run",
     )
     s.add_argument("--total-epochs", type=_count(1), default=90, help="with --stages: epochs of the projected run")
     s.add_argument(
