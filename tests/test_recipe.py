@@ -275,8 +275,8 @@ def test_recipe_at_epoch_and_describe():
 
     ffcv = Recipe(image_size=256, resolution=Progressive(160, 192, 65, 76))
     assert ffcv.at_epoch(0).image_size == 160 and ffcv.at_epoch(80).image_size == 192
-    assert ffcv.at_epoch(80).resolution is ffcv.resolution
-    assert ffcv.at_epoch(0, train=False) is ffcv  # evaluation keeps image_size (256)
+    assert ffcv.at_epoch(80) == Recipe(image_size=192)  # a fixed-size recipe: nothing of the schedule
+    assert ffcv.at_epoch(0, train=False) == Recipe(image_size=256)  # evaluation keeps image_size
     assert ffcv.resize_shorter == round(256 / 0.875)
     assert Recipe().at_epoch(7) == Recipe()
     assert ffcv.describe()["resolution"] == {"progressive": "160:192:65:76"}

@@ -46,7 +46,7 @@ class BaselineDataset(Dataset):
         self.reader, self.train, self.on_error = reader, train, on_error
         self.recipe = resolve_recipe(recipe, image_size=image_size)
         self.image_size = self.recipe.image_size
-        self._transform = PillowTransform(self.recipe.at_epoch(0, train), train)
+        self._transform = PillowTransform(self.recipe.at_epoch(0, train), train)  # a schedule's first size
         self._sized: dict[int, PillowTransform] = {}  # per training size of a resolution schedule
         self._rng: np.random.Generator | None = None
 
@@ -138,7 +138,9 @@ def make_baseline_loader(
     check_on_error(on_error)
     if num_workers is None:
         num_workers = cpus_per_local_rank()
-    dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error, recipe=recipe)
+    recipe = resolve_recipe(recipe, image_size=image_size)
+    # The workers get the recipe without its schedule (a user's function need not pickle); the sampler keeps it.
+    dataset = BaselineDataset(reader, train=train, on_error=on_error, recipe=recipe.at_epoch(0, train))
     sampler = None
     rank, world = dist_rank_world()
     if world > 1:
@@ -146,8 +148,8 @@ def make_baseline_loader(
             dataset, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=drop_last
         )
     shuffle: bool | None = train if sampler is None else None
-    if train and dataset.recipe.resolution is not None:
-        sampler = EpochSizes(sampler if sampler is not None else RandomSampler(dataset), dataset.recipe)
+    if train and recipe.resolution is not None:
+        sampler = EpochSizes(sampler if sampler is not None else RandomSampler(dataset), recipe)
         shuffle = None
     return DataLoader(
         dataset,

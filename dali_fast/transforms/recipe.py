@@ -242,12 +242,15 @@ class Recipe:
 
     def at_epoch(self, epoch: int, train: bool = True) -> Recipe:
         """The fixed-size recipe a loader applies in ``epoch``: the schedule's size when training, else
-        this recipe as it is (evaluation keeps ``image_size``)."""
-        if self.resolution is None or not train:
+        ``image_size`` (evaluation keeps it). Without the schedule itself, so what goes to worker
+        processes never carries the user's function."""
+        if self.resolution is None:
             return self
+        if not train:
+            return replace(self, resolution=None)
         size = self.train_size(epoch)
         resize = self.eval_resize_size if self.eval_resize_size is None or self.eval_resize_size >= size else None
-        return replace(self, image_size=size, eval_resize_size=resize)
+        return replace(self, image_size=size, eval_resize_size=resize, resolution=None)
 
     # ------------------------------------------------------------------ what the backends read
     @property
