@@ -52,6 +52,7 @@ def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
         auto_augment=None if augment in (None, "none") else augment,
         random_erasing=args.random_erasing,
         eval_crop_fraction=args.eval_crop_fraction,
+        resolution=args.progressive,
     )
 
 
@@ -79,6 +80,7 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         cache_bytes=args.cache_bytes or None,
         total_epochs=args.total_epochs,
         total_images=args.total_images,
+        progressive=args.progressive,
         out=args.out,
         emit=log.info,
     )

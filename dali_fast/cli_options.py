@@ -92,6 +92,16 @@ _probability = _number(lambda v: 0 <= v <= 1, "in [0, 1]")
 _crop_fraction = _number(lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def _progressive(text: str) -> Any:
+    """``--progressive START:END:FROM_EPOCH:TO_EPOCH[:STEP]`` as a `Progressive` ramp."""
+    from .transforms.recipe import Progressive
+
+    try:
+        return Progressive.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--progressive {text!r}: ")) from None
+
+
 def _add_data_args(s: argparse.ArgumentParser) -> None:
     """The data and batch arguments `bench` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
@@ -122,6 +132,15 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
     s.add_argument("--cutmix", type=_alpha, default=0.0, metavar="A", help="cutmix Beta alpha (0: off)")
     s.add_argument(
         "--label-smoothing", type=_probability, default=0.0, metavar="E", help="label smoothing of the targets"
+    )
+    s.add_argument(
+        "--progressive",
+        type=_progressive,
+        default=None,
+        metavar="START:END:FROM_EPOCH:TO_EPOCH",
+        help="progressive resizing: train at START px up to epoch FROM_EPOCH, then ramp in steps of 32 px "
+        "(or a fifth field, STEP) to END px at epoch TO_EPOCH (FFCV's ImageNet recipe: 160:192:65:76); "
+        "--image-size stays the evaluation size",
     )
     s.add_argument(
         "--eval-crop-fraction",
@@ -213,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         action="store_true",
         help="measure the optimizations cumulatively, one row each (baseline, +cache, +factory, +device ops, "
-        "+DALI, +controller), with the projected time of a whole training run",
+        "+DALI, +controller, +progressive resizing), with the projected time of a whole training run",
     )
     s.add_argument("--total-epochs", type=_count(1), default=90, help="with --stages: epochs of the projected run")
     s.add_argument(

@@ -60,7 +60,9 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
 
     ``backend``: "auto" (DALI when it works here, else `TorchIterator`), "dali" or "torch". ``controller``:
     a `BatchSizeController` for the training loader. ``loader_kw`` go to every loader (``seed``,
-    ``num_threads``, ``cache_bytes``, ``on_error``, ``memory_format``, ...). Loaders are made in the
+    ``num_threads``, ``cache_bytes``, ``on_error``, ``memory_format``, ``recipe``, ...); a recipe with a
+    resolution schedule (``Recipe(resolution=Progressive(...))``) sizes the training loader epoch by epoch
+    through Lightning's own ``set_epoch`` calls, and the other loaders keep its ``image_size``. Loaders are made in the
     ``*_dataloader`` hooks, after Lightning has started the process group, so each rank gets its shard.
     """
 

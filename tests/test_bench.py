@@ -238,3 +238,22 @@ def test_a_row_failing_while_alternating_is_named_and_the_others_finish(tiny_pac
     )
     assert result["rows"][1] == {"loader": "torch", "augment": "none", "error": "RuntimeError: decode worker lost"}
     assert len(result["rows"][0]["epoch_times"]) == 2
+
+
+def test_bench_progressive_rows_follow_the_ramp(tiny_packed, tmp_path, capsys):
+    """``bench --progressive``: every loader's timed epochs at the ramp's sizes, img/s per size in the table."""
+    pytest.importorskip("nvidia.dali")
+    from dali_fast.cli import main
+
+    out = tmp_path / "out"
+    args = ["bench", str(tiny_packed / "images"), "--epochs", "3", "--batch-size", "8", "--image-size", "40"]
+    assert main([*args, "--progressive", "16:32:1:3:8", "--no-limit", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["loader"] for r in data["rows"]] == ["baseline", "torch", "dali"]
+    for r in data["rows"]:
+        assert r["epoch_sizes"] == [16, 24, 32] and sorted(r["img_per_s_by_size"]) == ["16", "24", "32"]
+        assert r["images_per_epoch"] == 36
+    assert data["settings"]["recipes"][0]["resolution"] == {"progressive": "16:32:1:3:8"}
+    header = data["table"].splitlines()[0]
+    assert header.endswith("| img/s by size (px) |")
+    assert "16: " in data["table"].splitlines()[2] and "32: " in data["table"].splitlines()[2]

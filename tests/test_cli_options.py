@@ -41,6 +41,14 @@ def test_help(cmd, capsys):
         (["bench", "--epochs", "0"], "argument --epochs: 0 is too small; use 1 or more"),
         (["bench", "--on-error", "ignore"], "argument --on-error: invalid choice: 'ignore'"),
         (["train", "--loader", "jax"], "argument --loader: invalid choice: 'jax'"),
+        (
+            ["train", "--progressive", "160:192"],
+            "argument --progressive: give START:END:FROM_EPOCH:TO_EPOCH[:STEP] in px and epochs, e.g. 160:192:65:76",
+        ),
+        (
+            ["bench", "--progressive", "160:192:76:65"],
+            "argument --progressive: end_epoch=65 is before start_epoch=76: the ramp ends after it starts",
+        ),
         (["train", "--epochs", "1.5"], "argument --epochs: '1.5' is not a whole number"),
         (["train", "--batch-size", "0"], "argument --batch-size: 0 is too small; use 1 or more"),
         (["train", "--lr", "nan"], "argument --lr: 'nan' is not a positive number"),

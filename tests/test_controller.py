@@ -516,3 +516,71 @@ def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
     c.attach(256)
     c.begin_epoch()
     assert c.end_epoch(0) == 256  # 75 % now, 150 % predicted at 512: held, not grown
+
+
+class PixelLinearProbe:
+    """Peak = fixed + per_pixel * batch * pixels per sample (the controller's current size)."""
+
+    name = "pixels"
+    capacity_bytes = 2**30
+
+    def __init__(self, fixed, per_pixel):
+        self.fixed, self.per_pixel, self.controller = fixed, per_pixel, None
+
+    def reset_peak(self):
+        pass
+
+    def peak_fraction(self):
+        return self.fixed + self.per_pixel * self.controller.batch_size * self.controller.pixels
+
+
+def test_set_pixels_scales_the_prediction_and_cuts_before_a_larger_size(caplog):
+    """Readings at 160 px predict 224 px by the pixel ratio: the batch is cut before the larger epoch,
+    never after it went over; a smaller size cuts nothing; a ramp's every epoch stays under the target."""
+    probe = PixelLinearProbe(0.10, 0.60 / (512 * 160 * 160))  # 70% at batch 512, 160 px
+    changes = []
+    c = BatchSizeController(64, 512, 0.85, probe=probe, release=None, on_change=lambda o, n: changes.append((o, n)))
+    probe.controller = c
+    c.attach(512)
+    peaks = []
+    for epoch, side in enumerate([160, 160, 192, 224, 224, 160]):
+        with caplog.at_level(logging.INFO, logger="dali_fast.loaders.controller"):
+            c.set_pixels(side * side)
+        c.begin_epoch()
+        peaks.append(probe.peak_fraction())
+        c.end_epoch(epoch)
+    assert max(peaks) <= 0.85, peaks
+    assert c.ref_pixels == 160 * 160 and c.observations[0] == (512, pytest.approx(0.70))
+    shrinks = [h for h in c.history if h["epoch"] is None]
+    assert [h["reason"].split(":")[0] for h in shrinks] == ["image size 160 → 192 px", "image size 192 → 224 px"]
+    assert changes and all(new < old for old, new in changes[:2])
+    assert "image size 160 → 192 px: predicted" in caplog.text
+    # the state keeps the size the readings are counted in
+    state = c.state_dict()
+    assert (state["pixels"], state["ref_pixels"]) == (160 * 160, 160 * 160)
+    d = BatchSizeController(64, 512, 0.85, probe=probe, release=None)
+    d.load_state_dict(state)
+    assert d.predict(300 * 224 * 224 / (160 * 160)) == c.predict(300 * 224 * 224 / (160 * 160))
+    assert (d.pixels, d.ref_pixels) == (c.pixels, c.ref_pixels)
+
+
+def test_set_pixels_without_readings_or_a_change_holds():
+    c = BatchSizeController(8, 512, probe=ScriptedProbe([]), release=None)
+    c.attach(256)
+    assert c.set_pixels(160 * 160) == 256 and c.set_pixels(160 * 160) == 256
+    assert c.set_pixels(224 * 224) == 256  # nothing measured yet: no ground to cut on
+    with pytest.raises(ValueError, match=r"^pixels=0: must be >= 1$"):
+        c.set_pixels(0)
+
+
+def test_a_ceiling_found_at_a_small_size_holds_at_a_larger_one():
+    """A batch that went over at 160 px is over at 224 px with fewer samples: the ceiling is in samples
+    of the first size, so it is scaled too."""
+    c = BatchSizeController(8, 1024, 0.85, probe=ScriptedProbe([0.95]), release=None, multiple_of=8)
+    c.attach(512)
+    c.set_pixels(160 * 160)
+    c.begin_epoch()
+    c.end_epoch(0)  # 95% at 512: shrink to 256, ceiling 512 (in 160 px samples)
+    assert (c.batch_size, c.ceiling) == (256, 512)
+    c.observations.clear()  # only the ceiling to go by
+    assert c.set_pixels(320 * 320) == 120  # 4x the pixels: under 512 / 4 = 128 samples of 160 px

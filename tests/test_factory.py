@@ -61,3 +61,25 @@ def test_make_loader_makes_the_plain_dataloader_too(index_reader):
         make_loader(index_reader, 8, backend="baseline", on_error="ignore")
     with pytest.raises(ValueError, match=r"^backend='jax': use 'auto', 'dali', 'torch' or 'baseline'$"):
         make_loader(index_reader, 8, backend="jax")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_baseline_follows_a_resolution_schedule(index_reader, workers):
+    """The plain DataLoader with a ramp: ``loader.sampler.set_epoch(e)`` (what a DDP script calls) sets the
+    epoch's size, in worker processes that persist across epochs too; each sample once per epoch."""
+    from collections import Counter
+
+    from dali_fast import Progressive, Recipe
+
+    ramp = Progressive(16, 32, start_epoch=0, end_epoch=2, step=8)
+    recipe = Recipe(image_size=40, resolution=ramp)
+    loader = make_loader(index_reader, 8, backend="baseline", recipe=recipe, num_workers=workers)
+    for epoch in range(4):
+        loader.sampler.set_epoch(epoch)
+        sides, labels = set(), Counter()
+        for images, y in loader:
+            sides.add(images.shape[-1])
+            labels.update(y.tolist())
+        assert sides == {ramp(epoch)} and labels == Counter(range(37))
+    val = make_loader(index_reader, 8, backend="baseline", recipe=recipe, num_workers=0, train=False)
+    assert {x.shape[-1] for x, _ in val} == {40}

@@ -28,7 +28,15 @@ DEFAULT_STEPS = [
     ("controller", 40),
     ("gpu tests", 80),
 ]
-FULL_STEPS = ["whole suite", "sigkill + resume", "bench none", "bench resnet50", "bench stages", "bench recipes"]
+FULL_STEPS = [
+    "whole suite",
+    "sigkill + resume",
+    "bench none",
+    "bench resnet50",
+    "bench stages",
+    "bench recipes",
+    "progressive resnet50",
+]
 STEP_LINE = re.compile(r"^ +(\d+)\. (.+?) +(\d+) s  (.*)$")
 
 

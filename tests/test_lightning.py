@@ -288,6 +288,58 @@ def test_datamodule_checks_paths_when_made_and_refuses_a_stage_without_data(tmp_
     dm.teardown("fit")
 
 
+class SizeRecorder(Recorder):
+    """Also the image side of each training and validation batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.train_sides: list[tuple[int, int]] = []
+        self.val_sides: set[int] = set()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        self.train_sides.append((trainer.current_epoch, batch[0].shape[-1]))
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        super().on_validation_batch_end(trainer, module, outputs, batch, batch_idx, dataloader_idx)
+        self.val_sides.add(batch[0].shape[-1])
+
+
+class PooledModel(Model):
+    """Any image size: the mean colour of the image, then a linear layer."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, classes)
+
+    def forward(self, x):
+        return self.lin(x.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_datamodule_progressive_resizing(backend, tmp_path):
+    """Lightning's own set_epoch calls drive the schedule: each training epoch at its size, each sample once;
+    validation at the recipe's image_size."""
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    from dali_fast import Progressive, Recipe
+    from dali_fast.data.synthetic import make_synthetic
+    from dali_fast.lightning import DaliFastDataModule
+
+    make_synthetic(tmp_path / "img", images=24, classes=3, progress=False)
+    ramp = Progressive(16, 32, start_epoch=0, end_epoch=2, step=8)
+    recipe = Recipe(image_size=40, resolution=ramp)
+    dm = DaliFastDataModule(
+        train=tmp_path / "img", val=tmp_path / "img", batch_size=6, backend=backend, recipe=recipe, device="cpu"
+    )
+    rec = SizeRecorder()
+    trainer(rec, max_epochs=3, num_sanity_val_steps=0).fit(PooledModel(3), datamodule=dm)
+    for epoch in range(3):
+        assert sorted(rec.epoch(epoch)) == sorted(i for i in range(3) for _ in range(8))  # 24 images, 3 classes
+        assert {side for e, side in rec.train_sides if e == epoch} == {ramp(epoch)}
+    assert [ramp(e) for e in range(3)] == [16, 24, 32] and rec.val_sides == {40}
+
+
 DDP_SCRIPT = """
 import json, os, sys
 sys.path.insert(0, {tests!r})

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import one_line
 from default_output import GOLDEN, ListReader, fingerprint, images, versions
 from PIL import Image
 
@@ -294,3 +295,64 @@ def test_gpu_recipes_run_on_the_device_and_erase_the_cpu_boxes(policy, photos):
     assert torch.equal(runs[0][0], runs[1][0])
     cpu, _ = epoch(TorchIterator(photos, 8, device="cpu", num_workers=0, seed=1, recipe=recipe))
     assert [zero_box(img) for img in runs[0][0].cpu()] == [zero_box(img) for img in cpu]
+
+
+# ----------------------------------------------------------------------------- progressive resizing
+def test_progressive_is_ffcvs_ramp():
+    """FFCV's ImageNet rule (`get_resolution`): the start size up to the ramp's first epoch, the end size
+    from its last, and in between the straight line rounded to the nearest multiple of 32."""
+    from dali_fast import Progressive
+
+    ffcv = Progressive(160, 192, start_epoch=65, end_epoch=76)
+    assert [ffcv(e) for e in (0, 65, 70, 71, 75, 76, 88)] == [160, 160, 160, 192, 192, 192, 192]
+    ramp = Progressive(160, 224, 0, 4)
+    assert [ramp(e) for e in range(6)] == [160, 192, 192, 192, 224, 224]  # 176 → 192, 208 → 192 (half to even)
+    down = Progressive(224, 128, 0, 3)
+    assert [down(e) for e in range(5)] == [224, 192, 160, 128, 128]
+    odd = Progressive(176, 208, 0, 2)  # not multiples of 32: kept within [start, end]
+    assert [odd(e) for e in range(3)] == [176, 192, 208]
+    assert Progressive(16, 32, 1, 3, step=8)(2) == 24
+
+
+def test_progressive_parse_and_errors():
+    from dali_fast import Progressive
+
+    assert Progressive.parse("160:192:65:76") == Progressive(160, 192, 65, 76)
+    assert Progressive.parse("128:224:0:10:16") == Progressive(128, 224, 0, 10, step=16)
+    assert str(Progressive(160, 192, 65, 76)) == "160:192:65:76"
+    assert str(Progressive(128, 224, 0, 10, 16)) == "128:224:0:10:16"
+    for text in ("160:192:65", "160:192:a:76", "", "1:2:3:4:5:6"):
+        with pytest.raises(ValueError) as e:
+            Progressive.parse(text)
+        assert one_line(e) == (
+            f"--progressive {text!r}: give START:END:FROM_EPOCH:TO_EPOCH[:STEP] in px and epochs, e.g. 160:192:65:76"
+        )
+    with pytest.raises(ValueError, match=r"^end_epoch=3 is before start_epoch=5: the ramp ends after it starts$"):
+        Progressive(160, 192, 5, 3)
+    with pytest.raises(ValueError, match=r"^start=0: must be a positive integer$"):
+        Progressive(0, 192, 0, 3)
+    with pytest.raises(ValueError, match=r"^start_epoch=-1: must be an integer >= 0$"):
+        Progressive(160, 192, -1, 3)
+    with pytest.raises(ValueError, match=r"^resolution=160: pass a Progressive"):
+        Recipe(resolution=160)
+
+
+def test_recipe_at_epoch_and_describe():
+    from dali_fast import Progressive
+
+    ffcv = Recipe(image_size=256, resolution=Progressive(160, 192, 65, 76))
+    assert ffcv.at_epoch(0).image_size == 160 and ffcv.at_epoch(80).image_size == 192
+    assert ffcv.at_epoch(80) == Recipe(image_size=192)  # a fixed-size recipe: nothing of the schedule
+    assert ffcv.at_epoch(0, train=False) == Recipe(image_size=256)  # evaluation keeps image_size
+    assert ffcv.resize_shorter == round(256 / 0.875)
+    assert Recipe().at_epoch(7) == Recipe()
+    assert ffcv.describe()["resolution"] == {"progressive": "160:192:65:76"}
+    assert "resolution" not in Recipe().describe()  # as before schedules existed (old checkpoints resume)
+
+    def steps(epoch):
+        return 128 if epoch < 3 else 224
+
+    described = Recipe(resolution=steps).describe()["resolution"]
+    assert described == {"function": f"{__name__}.test_recipe_at_epoch_and_describe.<locals>.steps"}
+    # an eval resize fixed below a training size does not stop the larger training size
+    assert Recipe(image_size=160, eval_resize_size=180, resolution=lambda e: 224).at_epoch(0).image_size == 224

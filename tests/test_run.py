@@ -20,7 +20,7 @@ from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
 from dali_fast.train.checkpoint import load_checkpoint, read_index_records
 from dali_fast.train.run import run_train
-from dali_fast.transforms.recipe import Recipe
+from dali_fast.transforms.recipe import Progressive, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +86,25 @@ def test_a_modern_recipe_still_drives_the_held_out_loss_down(learnable, loader):
     assert rows[-1]["val_acc"] > 0.6, [r["val_acc"] for r in rows]
 
 
+@pytest.mark.parametrize("loader", ["baseline", "torch", "dali"])
+def test_a_resolution_ramp_still_drives_the_held_out_loss_down(learnable, loader):
+    """Progressive resizing through train: each epoch at the ramp's size (said when it changes), evaluation
+    at --image-size, and the held-out loss still falls."""
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    ramp = Progressive(32, 48, start_epoch=0, end_epoch=2, step=8)
+    rows, lines = _train_small(learnable, loader, recipe=Recipe(image_size=48, resolution=ramp))
+    assert "progressive=32:48:0:2:8 (eval at 48 px)" in lines[0]
+    assert [r["image_size"] for r in rows] == [32, 40, 48, 48]
+    assert [x for x in lines if " px, was " in x] == [
+        "epoch 1: training at 40 px, was 32 px",
+        "epoch 2: training at 48 px, was 40 px",
+    ]
+    val = [r["val_loss"] for r in rows]
+    assert min(val[1:]) < 0.7 * val[0] and val[-1] < val[0], val
+    assert rows[-1]["val_acc"] > 0.6, [r["val_acc"] for r in rows]
+
+
 def test_controller_decisions_printed(learnable):
     pytest.importorskip("nvidia.dali")
     lines = []
@@ -136,6 +155,14 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
             f"{tmp_path / 'checkpoint.pt'}: saved with {key}={was!r}, this run has {key}={now!r}; "
             "resume with the same settings or use a new --checkpoint folder"
         )
+    # another resolution schedule (or one where there was none) is refused, naming the schedule
+    ramp = Recipe(image_size=32, resolution=Progressive(16, 32, 0, 2, step=8))
+    with pytest.raises(ValueError) as e:
+        run_train(learnable, **kw, recipe=ramp, resume=True)
+    assert str(e.value) == (
+        f"{tmp_path / 'checkpoint.pt'}: saved with resolution=None, this run has "
+        "resolution={'progressive': '16:32:0:2:8'}; resume with the same settings or use a new --checkpoint folder"
+    )
     other_root = tmp_path / "other"
     make_synthetic(other_root / "images", images=120, classes=3, seed=7, progress=False)
     pack(other_root / "images", other_root / "packed", progress=False)

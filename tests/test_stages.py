@@ -45,7 +45,7 @@ def test_every_stage_in_order_cumulative_and_consistent(tiny, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     table = result["table"].splitlines()
     assert (
-        table[0].startswith("| stage | img/s | epoch s | projected run (10 epochs x 1,000 images)") and len(table) == 8
+        table[0].startswith("| stage | img/s | epoch s | projected run (10 epochs x 1,000 images)") and len(table) == 9
     )
 
 
@@ -55,8 +55,9 @@ def test_a_stage_that_cannot_run_is_named_with_its_reason(tiny, tmp_path, monkey
     monkeypatch.setattr(stages, "dali_status", lambda: (False, "nvidia.dali does not import (test)"))
     monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1] + stages.STAGES[4:])  # baseline, then the DALI rows
     rows = _run(tiny, tmp_path)["rows"]
-    assert [r["stage"] for r in rows] == ["baseline", "+ DALI", "+ controller"]
+    assert [r["stage"] for r in rows] == ["baseline", "+ DALI", "+ controller", "+ progressive resizing"]
     assert rows[1]["skipped"] == rows[2]["skipped"] == "DALI cannot run here: nvidia.dali does not import (test)"
+    assert rows[3]["skipped"] == rows[1]["skipped"]
     assert "| + DALI | skipped: DALI cannot run here" in json.loads((tmp_path / "stages.json").read_text())["table"]
 
 
@@ -133,3 +134,36 @@ def test_library_refuses_bad_projection_in_one_line(tiny, tmp_path):
 def test_durations_read_like_the_article():
     assert fmt_duration(3600 * 5) == "5.0 h" and fmt_duration(3600 * 24 * 15) == "15.0 days"
     assert IMAGENET_IMAGES == 1_281_167
+
+
+def test_progressive_row_projects_the_run_size_by_size(tiny, tmp_path, monkeypatch):
+    """The last row: each size of the schedule timed on the controller's DALI loader, and the projected run
+    the sum of each epoch at its size's speed; its img/s the run's average."""
+    pytest.importorskip("nvidia.dali")
+    import dali_fast.tools.stages as stages
+    from dali_fast import Progressive
+    from dali_fast.tools.report import stages_summary
+
+    monkeypatch.setattr(stages, "STAGES", stages.STAGES[:1] + stages.STAGES[-1:])
+    ramp = Progressive(16, 32, 2, 6, step=8)  # 10 epochs: 16 px x 4 (20 rounds to 16), 24 px x 1, 32 px x 5
+    result = _run(tiny, tmp_path, total_epochs=10, total_images=1000, progressive=ramp)
+    row = result["rows"][1]
+    assert row["stage"] == "+ progressive resizing" and "skipped" not in row
+    assert row["adds"].endswith("16:32:2:6:8 (START:END:FROM_EPOCH:TO_EPOCH), eval at 32 px")
+    speed = row["img_per_s_by_size"]
+    assert sorted(speed) == [16, 24, 32] and row["epochs_by_size"] == {16: 4, 24: 1, 32: 5}
+    assert row["projected_s"] == pytest.approx(1000 * (4 / speed[16] + 1 / speed[24] + 5 / speed[32]))
+    assert row["img_per_s"] == pytest.approx(1000 * 10 / row["projected_s"])
+    assert row["batch_decisions"]  # the controller's row, carried on
+    printed = stages_summary(result, tmp_path)
+    assert "+ progressive resizing: 16:32:2:6:8 (START:END:FROM_EPOCH:TO_EPOCH); img/s at each size: 16 px" in printed
+    assert result["settings"]["progressive"] == "16:32:2:6:8"
+
+
+def test_default_ramp_is_ffcvs_scaled_to_the_run():
+    from dali_fast import Progressive
+    from dali_fast.tools.stages import default_ramp
+
+    assert default_ramp(224, 88) == Progressive(160, 224, 65, 76)
+    assert default_ramp(224, 90) == Progressive(160, 224, 66, 78)
+    assert default_ramp(32, 10) == Progressive(24, 32, 7, 9, step=8)

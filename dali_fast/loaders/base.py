@@ -20,7 +20,7 @@ import torch
 from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provides
 from ..data.cache import CachedReader, LRUCache
 from ..system import cuda_usable
-from ..transforms.recipe import Recipe, resolve_recipe
+from ..transforms.recipe import Recipe, describe_resolution, resolve_recipe
 from .bad_records import SkipLog
 from .sampler import EpochSampler, LoaderSampler, dist_rank_world, sharding_note
 from .shard_order import StreamingOrder, make_order
@@ -51,6 +51,12 @@ class _Pass:
     def __init__(self) -> None:
         self.closed = False
         self.run: weakref.ref | None = None
+
+
+def _schedule_text(resolution: Any) -> str:
+    if resolution is None:
+        return "none (a fixed image_size)"
+    return " ".join(str(v) for v in resolution.values()) if isinstance(resolution, dict) else repr(resolution)
 
 
 class LoaderBase:
@@ -120,7 +126,10 @@ class LoaderBase:
         if not isinstance(batch_size, int | np.integer) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
         # image_size, dtype and memory_format are the recipe's; as arguments they adjust the default one.
-        self.recipe = resolve_recipe(recipe, image_size=image_size, dtype=dtype, memory_format=memory_format)
+        # With a resolution schedule (progressive resizing), ``recipe`` is the epoch's fixed-size recipe
+        # (`Recipe.at_epoch`) and ``base_recipe`` the one given; an evaluation loader keeps image_size.
+        self.base_recipe = resolve_recipe(recipe, image_size=image_size, dtype=dtype, memory_format=memory_format)
+        self.recipe = self.base_recipe
         if device not in ("auto", "cpu", "cuda", "gpu"):
             raise ValueError(f"device={device!r}: use 'auto' (GPU when CUDA is usable), 'cuda' or 'cpu'")
         check_on_error(on_error)
@@ -156,6 +165,7 @@ class LoaderBase:
         self._batch_size = int(batch_size)
         if controller is not None:
             controller.attach(int(batch_size))
+        self._apply_resolution()
         self._epoch_bs: int | None = None  # batch size of the epoch in progress
         self._finished = False  # the current epoch was consumed to the end
         self._skips = SkipLog()
@@ -284,13 +294,28 @@ class LoaderBase:
         return n // bs if self.drop_last else math.ceil(n / bs)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's order. Calling it with the epoch a resumed state is in keeps the position."""
+        """Select the epoch's order (and, with a resolution schedule, its training size). Calling it with
+        the epoch a resumed state is in keeps the position."""
         self._supersede_pass("set_epoch()")
         epoch = int(epoch)
         if epoch != self.order.epoch or self._finished:
             self.order.set_epoch(epoch)
             self._finished = False
             self._resumed = False
+        self._apply_resolution()
+
+    def _apply_resolution(self) -> None:
+        """The current epoch's recipe from the schedule (training loaders only); the controller is told the
+        pixels per sample, so a batch size chosen at a lower resolution is scaled before it is used."""
+        self.recipe = self.base_recipe.at_epoch(self.order.epoch, self.train)
+        self.image_size = self.recipe.image_size
+        if self.controller is not None and hasattr(self.controller, "set_pixels"):
+            self.controller.set_pixels(self.image_size * self.image_size)
+
+    @property
+    def resolution(self) -> Any:
+        """The resolution schedule as plain values (None without one), as ``state_dict`` keeps it."""
+        return describe_resolution(self.base_recipe.resolution) if self.train else None
 
     def _pass_running(self) -> bool:
         """A pass has started (its first batch was asked for) and has not ended or been closed."""
@@ -320,6 +345,9 @@ class LoaderBase:
         }
         if self.controller is not None:
             sd["controller"] = self.controller.state_dict()
+        if self.resolution is not None:
+            sd["resolution"] = self.resolution
+            sd["image_size"] = self.image_size
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -343,12 +371,19 @@ class LoaderBase:
                 f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
                 "order; resume with the data set it was saved with"
             )
+        saved, mine = state.get("resolution"), self.resolution
+        if saved != mine:
+            raise ValueError(
+                f"cannot resume: the state was saved with resolution schedule {_schedule_text(saved)}, this loader "
+                f"has {_schedule_text(mine)}; resume with the recipe it was saved with"
+            )
         self.order.load_state_dict(state["sampler"])
         self._finished = bool(state.get("finished", False))
         self._batch_size = int(state.get("batch_size", self._batch_size))
         if self.controller is not None and "controller" in state:
             self.controller.load_state_dict(state["controller"])
         self._resumed = True  # the next iter() continues from here instead of restarting the epoch
+        self._apply_resolution()  # the saved epoch's size (the schedule is a pure function of the epoch)
 
     def __iter__(self) -> Iterator[Batch]:
         """A pass over the rest of the epoch: the whole current epoch, as a DataLoader does, unless
@@ -378,6 +413,7 @@ class LoaderBase:
         elif not self._resumed:
             self.order.position = 0  # e.g. after a peek with next(iter(loader)) or a break
         self._resumed = False
+        self._apply_resolution()  # before the batch size is read: the controller scales it to the size
         bs = self.batch_size
         start = self.order.position
         shard = self.order.indices()

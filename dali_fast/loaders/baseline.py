@@ -10,10 +10,11 @@ no GPU normalization).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler
 
 from ..data.base import Reader, check_on_error, read_checked
 from ..data.checks import pillow_reason
@@ -28,7 +29,11 @@ log = logging.getLogger(__name__)
 
 
 class BaselineDataset(Dataset):
-    """Per-sample Pillow decode + transforms, like torchvision's ImageFolder with the usual transforms."""
+    """Per-sample Pillow decode + transforms, like torchvision's ImageFolder with the usual transforms.
+
+    An index may come as ``(index, size)`` (`EpochSizes` sends them so for a recipe with a resolution
+    schedule): the sample is then made at ``size`` px.
+    """
 
     def __init__(
         self,
@@ -41,14 +46,21 @@ class BaselineDataset(Dataset):
         self.reader, self.train, self.on_error = reader, train, on_error
         self.recipe = resolve_recipe(recipe, image_size=image_size)
         self.image_size = self.recipe.image_size
-        self._transform = PillowTransform(self.recipe, train)
+        self._transform = PillowTransform(self.recipe.at_epoch(0, train), train)  # a schedule's first size
+        self._sized: dict[int, PillowTransform] = {}  # per training size of a resolution schedule
         self._rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+    def __getitem__(self, i: int | tuple[int, int]) -> tuple[torch.Tensor, int] | None:
         """The sample, or (``on_error='skip'``) None for a bad record, which `skip_bad` drops from the batch."""
+        transform = self._transform
+        if isinstance(i, tuple):
+            i, size = i
+            transform = self._sized.get(size) or self._sized.setdefault(
+                size, PillowTransform(self.recipe.at_epoch(0, self.train).with_(image_size=size), self.train)
+            )
         if self._rng is None:  # one generator per worker process, seeded by torch's worker seed
             self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
         data, label, reason = read_checked(self.reader, i)
@@ -64,7 +76,32 @@ class BaselineDataset(Dataset):
                 log.warning("skipping record %d (%s): %s", i, self.reader.source(i), reason)
                 return None
             raise BadRecordError(bad_record_message(self.reader, i, reason or "unreadable"))
-        return self._transform(im, self._rng), int(label)
+        return transform(im, self._rng), int(label)
+
+
+class EpochSizes(Sampler):
+    """Wraps a sampler for a recipe with a resolution schedule: yields ``(index, size)``, ``size`` being
+    the epoch's training size, so workers that persist across epochs make each epoch's samples at its
+    size. ``set_epoch(e)`` (as a DDP script calls on its sampler) selects the epoch, for the inner sampler too."""
+
+    def __init__(self, sampler: Sampler, recipe: Recipe) -> None:
+        self.inner, self.recipe, self.epoch = sampler, recipe, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)
+
+    @property
+    def image_size(self) -> int:
+        return self.recipe.train_size(self.epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        size = self.image_size
+        return ((int(i), size) for i in self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
 
 
 def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,22 +132,29 @@ def make_baseline_loader(
     """DataLoader(shuffle=train, num_workers=cpus (per local rank), pin_memory when CUDA) over `BaselineDataset`.
 
     Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does; call
-    ``loader.sampler.set_epoch(epoch)`` each epoch then.
+    ``loader.sampler.set_epoch(epoch)`` each epoch then. A training recipe with a resolution schedule wraps
+    the sampler in `EpochSizes`: ``loader.sampler.set_epoch(epoch)`` then also sets the epoch's size.
     """
     check_on_error(on_error)
     if num_workers is None:
         num_workers = cpus_per_local_rank()
-    dataset = BaselineDataset(reader, train=train, image_size=image_size, on_error=on_error, recipe=recipe)
+    recipe = resolve_recipe(recipe, image_size=image_size)
+    # The workers get the recipe without its schedule (a user's function need not pickle); the sampler keeps it.
+    dataset = BaselineDataset(reader, train=train, on_error=on_error, recipe=recipe.at_epoch(0, train))
     sampler = None
     rank, world = dist_rank_world()
     if world > 1:
         sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=drop_last
         )
+    shuffle: bool | None = train if sampler is None else None
+    if train and recipe.resolution is not None:
+        sampler = EpochSizes(sampler if sampler is not None else RandomSampler(dataset), recipe)
+        shuffle = None
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train if sampler is None else None,
+        shuffle=shuffle,
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),

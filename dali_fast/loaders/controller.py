@@ -31,6 +31,12 @@ class BatchSizeController:
     the highest peak of all ranks, so all ranks keep the same batch size and the same number of
     batches per epoch (DDP would hang otherwise).
 
+    Progressive resizing: the loader tells it each epoch's pixels per sample (`set_pixels`). Readings are
+    kept in batches of the first size seen (``ref_pixels``), so memory that grows with the pixels of a
+    batch is predicted at any size; when the size changes, the batch size is cut before the epoch starts
+    if the prediction at the new size passes the target (never an epoch at full resolution run with a
+    batch size chosen at a lower one). Growing stays the end-of-epoch decision.
+
     Each epoch starts by ``release()`` (default: `release_unused_memory`, torch's and DALI's cached
     GPU blocks back to the device), so a GPU reading is the epoch's own need, not what the caches
     kept from a larger epoch before.
@@ -82,6 +88,65 @@ class BatchSizeController:
         self.ceiling: int | None = None  # smallest batch size that went over the target
         self._oom = False
         self._warned_unreadable = False
+        self.pixels: int | None = None  # pixels per sample of the coming epoch (None: never told)
+        self.ref_pixels: int | None = None  # the size observations and ceiling are counted in
+
+    def _scale(self) -> float:
+        """How many reference-size samples one sample of the current size weighs (memory ~ pixels)."""
+        if self.pixels is None or self.ref_pixels is None:
+            return 1.0
+        return self.pixels / self.ref_pixels
+
+    def set_pixels(self, pixels: int) -> int:
+        """The coming epoch's pixels per sample (``image_size**2``); returns the batch size to use.
+
+        A change of size re-predicts the current batch size's peak at the new size from the readings so
+        far (scaled by the pixel ratio); over ``target_fraction - hysteresis`` (or at or over the ceiling
+        of a size that once went over), the batch size shrinks to the largest that fits.
+        """
+        pixels = int(pixels)
+        if pixels < 1:
+            raise ValueError(f"pixels={pixels}: must be >= 1")
+        if self.ref_pixels is None:
+            self.ref_pixels = pixels
+        old_pixels, self.pixels = self.pixels, pixels
+        if old_pixels == pixels or old_pixels is None:
+            return self.batch_size
+        old = self.batch_size
+        limit = self.target_fraction - self.hysteresis
+        scale = self._scale()
+
+        def fits(b: int) -> bool:
+            if self.ceiling is not None and b * scale >= self.ceiling:
+                return False
+            pred = self.predict(b * scale)
+            return pred is None or pred <= limit
+
+        new = old
+        while new > self.min_batch and not fits(new):
+            smaller = self._round(new - 1)
+            if smaller >= new:
+                break
+            new = smaller
+        if new != old:
+            pred = self.predict(old * scale)
+            why = f"predicted {pred:.0%} at {old}" if pred is not None else f"batch {old} over the ceiling"
+            reason = f"image size {_side(old_pixels)} → {_side(pixels)} px: {why} > {limit:.0%}"
+            self.history.append(
+                {
+                    "epoch": None,
+                    "batch_size": old,
+                    "peak_fraction": None,
+                    "decision": "shrink",
+                    "reason": reason,
+                    "next_batch_size": new,
+                }
+            )
+            log.info("%s → batch %d → %d (shrink)", reason, old, new)
+            self.batch_size = new
+            if self.on_change is not None:
+                self.on_change(old, new)
+        return new
 
     @property
     def probe(self) -> MemoryProbe:
@@ -117,8 +182,8 @@ class BatchSizeController:
         log.warning("out of memory at batch %d: the batch size shrinks at the next epoch", batch_size)
         self._oom = True
 
-    def predict(self, batch: int) -> float | None:
-        """Predicted peak fraction at ``batch`` from the epochs seen."""
+    def predict(self, batch: float) -> float | None:
+        """Predicted peak fraction at ``batch`` (in samples of ``ref_pixels``) from the epochs seen."""
         if not self.observations:
             return None
         sizes = {b for b, _ in self.observations}
@@ -145,7 +210,8 @@ class BatchSizeController:
         target = self.target_fraction
         if self._oom:
             new, decision = self._round(old * self.shrink), "shrink"
-            self.ceiling = old if self.ceiling is None else min(self.ceiling, old)
+            at = _as_batch(old * self._scale())
+            self.ceiling = at if self.ceiling is None else min(self.ceiling, at)
             reason = "out of memory during the epoch"
         elif frac is None:
             new, decision, reason = old, "hold", "memory could not be read"
@@ -158,17 +224,18 @@ class BatchSizeController:
                     old,
                 )
         else:
-            self.observations.append((old, frac))
+            scale = self._scale()
+            self.observations.append((_as_batch(old * scale), frac))
             if frac > target:
                 new, decision = self._round(old * self.shrink), "shrink"
-                self.ceiling = old if self.ceiling is None else min(self.ceiling, old)
+                self.ceiling = _as_batch(old * scale) if self.ceiling is None else min(self.ceiling, _as_batch(old * scale))
                 reason = f"peak {frac:.0%}{cap_s} > {target:.0%}"
             else:
                 grown = self._round(old * self.grow)
-                pred = self.predict(grown)
+                pred = self.predict(grown * scale)
                 if grown <= old:
                     new, decision, reason = old, "hold", f"peak {frac:.0%}{cap_s}; at max_batch {self.max_batch}"
-                elif self.ceiling is not None and grown >= self.ceiling:
+                elif self.ceiling is not None and grown * scale >= self.ceiling:
                     new, decision = old, "hold"
                     reason = f"peak {frac:.0%}{cap_s}; batch {self.ceiling} went over {target:.0%} before"
                 elif pred is not None and pred < target - self.hysteresis:
@@ -198,18 +265,33 @@ class BatchSizeController:
         return new
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "batch_size": self.batch_size,
             "history": list(self.history),
             "observations": list(self.observations),
             "ceiling": self.ceiling,
         }
+        if self.pixels is not None:  # told by a loader: readings are counted in samples of ref_pixels
+            state["pixels"], state["ref_pixels"] = self.pixels, self.ref_pixels
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batch_size = int(state["batch_size"])
         self.history = list(state.get("history", []))
         self.observations = [tuple(o) for o in state.get("observations", [])]
         self.ceiling = state.get("ceiling")
+        if "ref_pixels" in state:
+            self.pixels, self.ref_pixels = state["pixels"], state["ref_pixels"]
+
+
+def _as_batch(x: float) -> float | int:
+    """A batch in reference-size samples: an int when it is one (as readings at one size always are)."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _side(pixels: int) -> str:
+    side = round(pixels**0.5)
+    return str(side) if side * side == pixels else f"{pixels} pixels"
 
 
 # pragma: no mutate block (rank agreement: tested with real processes and fakes)

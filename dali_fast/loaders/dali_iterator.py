@@ -37,7 +37,8 @@ class DALIIterator(LoaderBase):
     an early ``break``. The pipeline of an epoch that ended normally serves the next epoch of the same
     batch size (its source re-armed); a new batch size, a ``break`` or an error shuts it down and the
     next pass builds one seeded from (seed, epoch, rank, position), so an abandoned epoch leaves
-    nothing in flight. ``close()`` shuts the kept pipeline down. Augmentation is reproducible for a
+    nothing in flight. With a resolution schedule (``Recipe(resolution=...)``), an epoch whose size
+    changed builds one pipeline for it; an epoch of the same size keeps the pipeline. ``close()`` shuts the kept pipeline down. Augmentation is reproducible for a
     run with the same history; it continues the kept pipeline's random stream across epochs.
 
     >>> loader = DALIIterator(open_dataset("data/train"), batch_size=256)   # doctest: +SKIP
@@ -134,7 +135,7 @@ class DALIIterator(LoaderBase):
         preallocation happen once per run, not per epoch. A `break`, an error or a new batch size
         shuts it down, and the next pass builds a new one.
         """
-        kept = self._kept if self._kept is not None and self._kept.batch_size == self._max_batch() else None
+        kept = self._kept if self._kept is not None and self._kept.fits(self._max_batch(), self.image_size) else None
         if kept is None:
             self.close()
             try:
@@ -180,9 +181,10 @@ class DALIIterator(LoaderBase):
             del it, kept
 
     def _release_stale(self, batch_size: int) -> None:
-        """Shut down the kept pipeline when the coming pass needs another batch size: its buffers go back
-        to DALI's pool before the controller releases the pool and starts the new epoch's reading."""
-        if self._kept is not None and self._kept.batch_size != batch_size:
+        """Shut down the kept pipeline when the coming pass needs another batch size or image size (a
+        resolution schedule): its buffers go back to DALI's pool before the controller releases the pool
+        and starts the new epoch's reading."""
+        if self._kept is not None and not self._kept.fits(batch_size, self.image_size):
             self.close()
 
     def _boxes(self) -> Any:
@@ -221,7 +223,7 @@ class DALIIterator(LoaderBase):
             prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.PARTIAL,
         )
-        return _Kept(pipe, it, source, batch_size)
+        return _Kept(pipe, it, source, batch_size, self.recipe.image_size)
 
     def close(self) -> None:
         """Shut down the pipeline kept between epochs (also done when the iterator is collected)."""
@@ -237,12 +239,17 @@ class DALIIterator(LoaderBase):
 
 @dataclass
 class _Kept:
-    """A DALI pipeline kept between epochs, with its iterator and source, built for ``batch_size``."""
+    """A DALI pipeline kept between epochs, with its iterator and source, built for ``batch_size`` images
+    of ``image_size`` px (the size is fixed in the graph: a new size is a new pipeline)."""
 
     pipeline: Any
     iterator: Any
     source: Any
     batch_size: int
+    image_size: int
+
+    def fits(self, batch_size: int, image_size: int) -> bool:
+        return self.batch_size == batch_size and self.image_size == image_size
 
 
 class _Failure(Exception):

@@ -101,19 +101,22 @@ class TorchIterator(LoaderBase):
         self._loader: DataLoader | None = None
         self._stream: Any = None
         self._outputs = OutputPool()
+        self.pools_started = 0  # batch rings (each with its worker pool) made: one per batch and image size
 
     # ------------------------------------------------------------------ workers and slots
     def _slots_for(self, batch_size: int) -> SlotRing:
-        """The ring, made (or made larger, with a new worker pool) for batches of ``batch_size``."""
+        """The ring, made (or made larger, with a new worker pool) for batches of ``batch_size`` at this
+        epoch's image size (a resolution schedule's new size is a new ring and pool, once per change)."""
         ring = self._ring
-        if ring is not None and ring.capacity >= batch_size:
+        S = self.recipe.image_size
+        if ring is not None and ring.capacity >= batch_size and ring.image_shape == image_shape(self._layout, S):
             return ring
         self.close()
         # Every task in flight holds a slot (prefetch per worker), plus the batch the main process is
         # finishing, one whose device copy may still be running, and one per worker for batches that
         # came back before an earlier one (results come back as they are made).
         slots = (self.prefetch + 1) * self.num_workers + 2 if self.num_workers else 1
-        S = self.recipe.image_size
+        self.pools_started += 1
         ring = SlotRing(slots, batch_size, image_shape(self._layout, S), shared=self.num_workers > 0)
         if self.gpu:
             ring.pin()

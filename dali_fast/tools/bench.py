@@ -48,6 +48,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], limit: dict[str, Any] | None 
     kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
     header = ["loader", "img/s", "epoch s", f"{'GPU' if kind == 'gpu' else 'CPU'} util %", "peak mem", "cache hit"]
     header += ["x baseline", *(["of limit"] if limit else [])]
+    ramp = any(len(r.get("img_per_s_by_size") or {}) > 1 for r in rows)
+    header += ["img/s by size (px)"] if ramp else []
     cells = []
     for r in [*rows, limit] if limit else rows:
         if "error" in r:
@@ -59,6 +61,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], limit: dict[str, Any] | None 
         row += [report.gib(r["peak_mem_bytes"]), cache, report.ratio(r["img_per_s"] / base if base else None)]
         if limit:
             row.append(report.share(r["img_per_s"] / limit["img_per_s"]) if "error" not in limit else "-")
+        if ramp:
+            sizes = r.get("img_per_s_by_size") or {}
+            row.append(", ".join(f"{s}: {v:.0f}" for s, v in sizes.items()) or "-")
         cells.append(row)
     return report.table(header, cells)
 

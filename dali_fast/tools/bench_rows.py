@@ -55,6 +55,7 @@ class Row:
         self.monitor, self.progress, self.augment, self.extra = monitor, progress, augment, extra or {}
         self.times: list[float] = []
         self.counts: list[int] = []
+        self.sizes: list[int | None] = []  # each timed epoch's image size (a resolution schedule's)
         self.epochs_run = 0
         self.warmup: dict[str, Any] = {}  # the warm-up epoch's own figures: its time, build and cache
 
@@ -62,6 +63,9 @@ class Row:
         epoch, loader = self.epochs_run, self.loader
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
+        elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+            loader.sampler.set_epoch(epoch)  # the plain DataLoader: its sampler carries a resolution schedule
+        size = getattr(loader, "image_size", None) or getattr(getattr(loader, "sampler", None), "image_size", None)
         phase = self.name if epoch > 0 else f"{self.name}-warmup"
         bar = _progress(f"{self.name} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", self.images, self.progress)
         t0, n = time.perf_counter(), 0
@@ -75,6 +79,7 @@ class Row:
         if epoch > 0:
             self.times.append(time.perf_counter() - t0)
             self.counts.append(n)
+            self.sizes.append(size)
         else:  # warm-up and steady state apart: the timed epochs' figures leave the warm-up out
             self.warmup = {"seconds": time.perf_counter() - t0, "cache": self._cache()}
         self.epochs_run += 1
@@ -105,6 +110,8 @@ class Row:
             "img_per_s": sum(self.counts) / sum(self.times),
             "epoch_s": sum(self.times) / len(self.times),
             "epoch_times": self.times,
+            "epoch_sizes": self.sizes,
+            "img_per_s_by_size": by_size(self.sizes, self.counts, self.times),
             "images_per_epoch": self.counts[0],
             "util_kind": util["kind"],
             "util_mean": util["mean"],
@@ -133,6 +140,15 @@ def steady_cache(now: dict[str, float] | None, warm: dict[str, float] | None) ->
         "evictions": now["evictions"] - warm["evictions"],
         "bytes": now["bytes"],
     }
+
+
+def by_size(sizes: list[int | None], counts: list[int], times: list[float]) -> dict[int, float]:
+    """img/s of the timed epochs at each image size (a resolution schedule's), smallest size first."""
+    out: dict[int, float] = {}
+    for size in sorted({s for s in sizes if s is not None}):
+        picked = [k for k, s in enumerate(sizes) if s == size]
+        out[size] = sum(counts[k] for k in picked) / sum(times[k] for k in picked)
+    return out
 
 
 def loader_row(

@@ -78,7 +78,14 @@ def stages_summary(result: dict[str, Any], out: Path) -> str:
         f"{plural(s['epochs'], 'timed epoch')} after a warm-up ({s['controller_epochs']} for the controller), batch "
         f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where(result['machine'])}\n"
     )
-    return "\n".join([head, result["table"], f"\nwrote {out / 'stages.json'} and {out / 'stages.png'}"])
+    notes = [
+        f"\n{r['stage']}: {s.get('progressive')} (START:END:FROM_EPOCH:TO_EPOCH); img/s at each size: "
+        + ", ".join(f"{size} px {v:.0f}" for size, v in r["img_per_s_by_size"].items())
+        + f"; its img/s is the whole run's average over {s['total_epochs']} epochs"
+        for r in result["rows"]
+        if r.get("img_per_s_by_size")
+    ]
+    return "\n".join([head, result["table"], *notes, f"\nwrote {out / 'stages.json'} and {out / 'stages.png'}"])
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:

@@ -10,6 +10,9 @@ Each row adds one thing to the row above, on the same data, in one run:
                    by all workers in the main process, JPEG draft-mode decode
 5. + DALI          `DALIIterator` (GPU `mixed` decoding on a GPU, DALI's CPU-only mode otherwise)
 6. + controller    `BatchSizeController` sets the batch size between epochs (more epochs, so it settles)
+7. + progressive resizing   a resolution schedule (``--progressive``; default: FFCV's ramp scaled to the run,
+                   ``default_ramp``): each size the run trains at is timed, and the projected run adds up the
+                   epochs at their sizes' speeds
 
 Per row: img/s, epoch time, the projected time of a whole training run (``total_images x total_epochs /
 img/s``), utilization, peak memory as a fraction of the device's (GPU) or of RAM (CPU), cache hit rate,
@@ -36,6 +39,7 @@ from ..loaders.baseline import BaselineDataset, make_baseline_loader
 from ..loaders.dataloader import make_dataloader
 from ..loaders.factory import dali_status
 from ..system import atomic_write, available_cpus, check_writable_folder, read_proc_kib
+from ..transforms.recipe import Progressive, Recipe
 from . import report
 from .bench import check_batch_fits
 
@@ -57,7 +61,17 @@ STAGES = (
     Stage("+ device ops", "normalize/flip on the device (TorchIterator), one shared cache"),
     Stage("+ DALI", "DALI decoding (DALIIterator)"),
     Stage("+ controller", "memory-aware batch size (BatchSizeController)"),
+    Stage("+ progressive resizing", "low resolution early, full late (a resolution schedule)"),
 )
+PROGRESSIVE = "+ progressive resizing"
+
+
+def default_ramp(image_size: int, total_epochs: int) -> Progressive:
+    """FFCV's ImageNet ramp scaled to a run: from 5/7 of the size (160 px for 224) to the size, ramped over
+    the epochs FFCV ramps over in its 88-epoch run (65 to 76), in steps of 32 px (of 8 below 64 px)."""
+    step = 32 if image_size >= 64 else 8
+    start = max(step, min(image_size, round(image_size * 5 / 7 / step) * step))
+    return Progressive(start, image_size, round(total_epochs * 65 / 88), round(total_epochs * 76 / 88), step=step)
 
 
 class _CacheReportingDataset(BaselineDataset):
@@ -130,11 +144,13 @@ def run_stages(
     total_epochs: int = 90,
     total_images: int = IMAGENET_IMAGES,
     controller_epochs: int | None = None,
+    progressive: Progressive | None = None,
     out: str | Path = "bench-results",
     progress: bool = True,
     emit: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
-    """Measure the six stages cumulatively; writes stages.json and stages.png into ``out``."""
+    """Measure the stages cumulatively; writes stages.json and stages.png into ``out``. ``progressive`` is
+    the last row's schedule (default: `default_ramp` of ``image_size`` over ``total_epochs``)."""
     from ..train.monitor import UtilizationMonitor
     from ..train.trainer import Trainer
 
@@ -145,6 +161,7 @@ def run_stages(
         raise ValueError("--batch-size and --image-size must be 1 or more")
     check_writable_folder(out, "--out")
     folder, packed = default_dataset(images, progress=progress) if dataset is None else (Path(dataset), Path(dataset))
+    ramp = progressive if progressive is not None else default_ramp(image_size, total_epochs)
     bench = _Bench(open_dataset(folder), open_dataset(packed), batch_size, image_size, 0, available_cpus(), False)
     n = len(bench.packed)
     check_batch_fits(batch_size, n, packed)
@@ -165,13 +182,20 @@ def run_stages(
                 "settings": [s.adds for s in STAGES][: len(rows) + 1],
             }
             rows.append(row)
-            if stage.name in ("+ DALI", "+ controller") and not dali_ok:
+            if stage.name == PROGRESSIVE:
+                row["adds"] = f"{stage.adds}: {ramp} (START:END:FROM_EPOCH:TO_EPOCH), eval at {image_size} px"
+                row["settings"][-1] = row["adds"]
+            if stage.name in ("+ DALI", "+ controller", PROGRESSIVE) and not dali_ok:
                 row["skipped"] = f"DALI cannot run here: {dali_why}"
                 emit(f"stage {stage.name}: skipped ({row['skipped']})")
                 continue
             emit(f"stage {stage.name}: {stage.adds} ...")
-            loader, ctrl = _stage_loader(stage.name, bench)
+            loader, ctrl = _stage_loader(stage.name, bench, ramp)
             trainer = Trainer(model, len(bench.packed.classes)) if model != "none" else None
+            if stage.name == PROGRESSIVE:
+                measured = _measure_sizes(stage.name, loader, ctrl, trainer, mon, epochs, bench, ramp, total_epochs)
+                row.update(_figures_sizes(stage.name, loader, ctrl, mon, measured, ramp, total_images, total_epochs))
+                continue
             measured = _measure(stage.name, loader, ctrl, trainer, mon, controller_epochs if ctrl else epochs, bench)
             row.update(_figures(stage.name, loader, ctrl, mon, measured, total_images * total_epochs))
     settings = {
@@ -186,6 +210,7 @@ def run_stages(
         "model": model,
         "total_epochs": total_epochs,
         "total_images": total_images,
+        "progressive": str(ramp),
     }
     return _write(rows, settings, out)
 
@@ -204,8 +229,8 @@ def _write(rows: list[dict[str, Any]], settings: dict[str, Any], out: Path) -> d
     return result
 
 
-def _stage_loader(stage: str, bench: _Bench) -> tuple[Any, Any]:
-    """(the loader of ``stage``, its BatchSizeController or None)."""
+def _stage_loader(stage: str, bench: _Bench, ramp: Progressive | None = None) -> tuple[Any, Any]:
+    """(the loader of ``stage``, its BatchSizeController or None); ``ramp``: the progressive row's schedule."""
     from ..loaders.controller import BatchSizeController
     from ..loaders.torch_iterator import TorchIterator
 
@@ -238,7 +263,86 @@ def _stage_loader(stage: str, bench: _Bench) -> tuple[Any, Any]:
     if stage == "+ DALI":
         return DALIIterator(bench.packed, batch_size, **common), None
     ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4)
+    if stage == PROGRESSIVE:
+        common["recipe"] = Recipe(image_size=common.pop("image_size"), resolution=ramp)
     return DALIIterator(bench.packed, batch_size, controller=ctrl, **common), ctrl
+
+
+def _measure_sizes(
+    stage: str,
+    loader: Any,
+    ctrl: Any,
+    trainer: Any,
+    mon: Any,
+    epochs: int,
+    bench: _Bench,
+    ramp: Progressive,
+    total_epochs: int,
+) -> dict[str, Any]:
+    """Each size the run trains at, in the run's order: the first epoch at that size warms up (the new
+    pipeline, the cache), then ``epochs`` timed passes of it; per size, its img/s."""
+    first: dict[int, int] = {}
+    for e in range(total_epochs):
+        first.setdefault(ramp(e), e)
+    sizes: dict[int, dict[str, Any]] = {}
+    for size, epoch in first.items():
+        times, counts = [], []
+        for k in range(epochs + 1):
+            loader.set_epoch(epoch)
+            t0, seen = time.perf_counter(), 0
+            with mon.phase(f"{stage}#{size}#{k}"):
+                for images, labels in loader:
+                    if trainer is not None:
+                        trainer.step(images, labels, ctrl)
+                    elif bench.gpu:
+                        images = images.to("cuda", non_blocking=True)
+                    seen += len(labels)
+                if bench.gpu:
+                    torch.cuda.synchronize()
+            if k > 0:
+                times.append(time.perf_counter() - t0)
+                counts.append(seen)
+        sizes[size] = {"img_per_s": sum(counts) / sum(times), "times": times, "batch_size": loader.batch_size}
+    loader.close()
+    return {"sizes": sizes, "epochs": epochs}
+
+
+def _figures_sizes(
+    stage: str,
+    loader: Any,
+    ctrl: Any,
+    mon: Any,
+    measured: dict[str, Any],
+    ramp: Progressive,
+    total_images: int,
+    total_epochs: int,
+) -> dict[str, Any]:
+    """The progressive row: the projected run adds each epoch at its size's speed; its img/s is the run's
+    average (images over the projected time), so the ratio to row 1 is the time the schedule saves."""
+    sizes = measured["sizes"]
+    projected = sum(total_images / sizes[ramp(e)]["img_per_s"] for e in range(total_epochs))
+    timed = [f"{stage}#{s}#{k}" for s in sizes for k in range(1, measured["epochs"] + 1)]
+    util = [u for u in (mon.summary(p)["mean"] for p in timed) if isinstance(u, float)]
+    peak = stage_peak_memory(mon, timed)
+    capacity = memory_capacity(mon.kind)
+    times = [t for s in sizes.values() for t in s["times"]]
+    stats = loader.cache_stats() if hasattr(loader, "cache_stats") else None
+    return {
+        "img_per_s": total_images * total_epochs / projected,
+        "epoch_s": sum(times) / len(times),
+        "projected_s": projected,
+        "img_per_s_by_size": {s: v["img_per_s"] for s, v in sizes.items()},
+        "epochs_by_size": {s: sum(1 for e in range(total_epochs) if ramp(e) == s) for s in sizes},
+        "util_kind": mon.kind,
+        "util_mean": sum(util) / len(util) if util else None,
+        "peak_mem_bytes": peak,
+        "peak_mem_fraction": (peak / capacity) if peak and capacity else None,
+        "cache_hit_rate": stats["hit_rate"] if stats else None,
+        "batch_size": ctrl.batch_size,
+        "batch_sizes": [v["batch_size"] for v in sizes.values()],
+        "batch_decisions": ctrl.history,
+        "epochs_timed": len(times),
+    }
 
 
 def _measure(stage: str, loader: Any, ctrl: Any, trainer: Any, mon: Any, epochs: int, bench: _Bench) -> dict[str, Any]:

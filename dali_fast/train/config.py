@@ -22,7 +22,8 @@ class TrainConfig:
 
     ``drop_last`` (the default, as is usual for training) leaves out each epoch's incomplete last batch, so
     BatchNorm never meets a one-sample batch. ``recipe`` is the per-image transform (its ``image_size`` must
-    agree with ``image_size``); ``mixup``/``cutmix`` (Beta alphas, 0: off) mix each batch and train on soft
+    agree with ``image_size``; with a ``resolution`` schedule, the training loader follows it epoch by epoch
+    and ``image_size`` is the evaluation size); ``mixup``/``cutmix`` (Beta alphas, 0: off) mix each batch and train on soft
     targets, smoothed by ``label_smoothing``. ``checkpoint`` (a folder) is written every
     ``checkpoint_every`` steps and at each epoch's end; ``record_indices`` (a file) gets each batch's
     sample indices; ``out`` (a folder) gets train.json.

@@ -28,7 +28,7 @@ from ..loaders.controller import BatchSizeController
 from ..loaders.factory import make_loader
 from ..system import atomic_write
 from ..transforms.mix import MixupCutmix
-from ..transforms.recipe import Recipe
+from ..transforms.recipe import Recipe, describe_resolution
 from .checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_VERSION,
@@ -188,9 +188,12 @@ def _settings(reader: Reader, run: _Run, *, mixing: bool) -> dict[str, Any]:
         "drop_last": config.drop_last,
         "fingerprint": fingerprint(reader),
     }
+    # A resolution schedule is its own setting, so another one is named as such (None matches the
+    # checkpoints of runs written before schedules existed).
+    settings["resolution"] = describe_resolution(run.recipe.resolution)
     # Other augmentation than the default is part of the run (kept out otherwise, so checkpoints
     # of default runs written before recipes existed still resume).
-    recipe = run.recipe.with_(memory_format=torch.contiguous_format)
+    recipe = run.recipe.with_(memory_format=torch.contiguous_format, resolution=None)
     if recipe != Recipe(image_size=config.image_size):
         settings["recipe"] = recipe.describe()
     if mixing:
@@ -261,6 +264,8 @@ def _intro(run: _Run) -> str:
         extras.insert(0, f"augment={run.recipe.auto_augment}")
     if run.recipe.random_erasing:
         extras.append(f"random_erasing={run.recipe.random_erasing}")
+    if run.recipe.resolution is not None:
+        extras.append(f"progressive={run.recipe.resolution} (eval at {run.recipe.image_size} px)")
     return (
         f"training {config.model} on {len(run.train_set)} images ({len(run.val_set)} held out), "
         f"loader={config.loader}, device={run.trainer.device}"
@@ -274,6 +279,14 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
     config, trainer, loader = run.config, run.trainer, run.train_loader
     _set_epoch(loader, epoch)
     batch_size = getattr(loader, "batch_size", config.batch_size)
+    size = train_size(loader, config.image_size)
+    before = run.rows[-1].get("image_size", size) if run.rows else size
+    if size != before:
+        # A new input shape: cudnn.benchmark (on on a GPU) times its convolution algorithms again on the
+        # first batch, once per size (sizes seen before stay cached), and the controller has already
+        # scaled the batch size to the pixels.
+        tuned = " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
+        run.emit(f"epoch {epoch}: training at {size} px, was {before} px{tuned}")
     t0, n = time.perf_counter(), 0
     loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step
     with monitor.phase(f"epoch{epoch}"):
@@ -296,6 +309,7 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
     return {
         "epoch": epoch,
         "batch_size": batch_size,
+        "image_size": size,
         "train_loss": (loss_all + done_loss) / max(n_all + done, 1),
         "val_loss": val_loss,
         "val_acc": val_acc,
@@ -319,6 +333,12 @@ def _finish(run: _Run) -> None:
         atomic_write(Path(out) / "train.json", lambda f: f.write(json.dumps(plain(result), indent=2).encode()))
 
 
+def train_size(loader: Any, default: int) -> int:
+    """The training loader's image size this epoch (a resolution schedule's; the baseline's sampler knows it)."""
+    size = getattr(loader, "image_size", None) or getattr(getattr(loader, "sampler", None), "image_size", None)
+    return int(size) if size else int(default)
+
+
 def _set_epoch(loader: Any, epoch: int) -> None:
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
@@ -331,7 +351,7 @@ def _epoch_line(row: dict[str, Any]) -> str:
     line = (
         f"epoch {row['epoch']}: loss {row['train_loss']:.3f}, held-out loss {row['val_loss']:.3f} "
         f"acc {row['val_acc']:.1%}, {row['img_per_s']:.0f} img/s, {row['util_kind']} util {util_s}, "
-        f"batch {row['batch_size']}"
+        f"batch {row['batch_size']}, {row['image_size']} px"
     )
     if row["ranks"] > 1:
         line += f" x {row['ranks']} ranks"

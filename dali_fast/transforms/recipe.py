@@ -11,12 +11,19 @@ ImageNet mean/std; eval: resize to 1/0.875 of the size, centre crop)::
 Per image, in order: crop and resize to ``image_size`` → automatic augmentation (train) → flip →
 normalize (or stay uint8) → random erasing (train; the box holds the mean pixel, see `Recipe.erasing_fill`).
 
+Progressive resizing: ``resolution`` (a `Progressive` ramp, or any function from epoch to size) sets the
+training size epoch by epoch, low early and full late, as FFCV's ImageNet recipe does; ``image_size`` stays
+the evaluation size::
+
+    ffcv = Recipe(image_size=256, resolution=Progressive(160, 192, start_epoch=65, end_epoch=76))
+
 Batch-level mixup and cutmix are `mix.MixupCutmix`; the per-sample random draws are `draws`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -48,6 +55,81 @@ def _pair(name: str, value: Any, low: float, high: float | None = None) -> tuple
     return a, b
 
 
+def _size(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Progressive:
+    """FFCV's resolution ramp: ``start`` px up to epoch ``start_epoch``, ``end`` px from epoch ``end_epoch`` on,
+    and in between the straight line from one to the other rounded to a multiple of ``step`` px (kept
+    within [start, end]). FFCV's ImageNet recipe: ``Progressive(160, 192, start_epoch=65, end_epoch=76)``.
+
+    Called with an epoch, it gives that epoch's training size: ``Progressive(160, 224, 0, 4)(2) == 192``.
+    A ramp may also go down (``start > end``).
+    """
+
+    start: int
+    end: int
+    start_epoch: int
+    end_epoch: int
+    step: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end", "step"):
+            object.__setattr__(self, name, _size(name, getattr(self, name)))
+        for name in ("start_epoch", "end_epoch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 0")
+            object.__setattr__(self, name, int(value))
+        if self.end_epoch < self.start_epoch:
+            raise ValueError(
+                f"end_epoch={self.end_epoch} is before start_epoch={self.start_epoch}: the ramp ends after it starts"
+            )
+
+    def __call__(self, epoch: int) -> int:
+        if epoch <= self.start_epoch:
+            return self.start
+        if epoch >= self.end_epoch:
+            return self.end
+        t = (epoch - self.start_epoch) / (self.end_epoch - self.start_epoch)
+        size = int(np.round((self.start + t * (self.end - self.start)) / self.step)) * self.step
+        return min(max(size, min(self.start, self.end)), max(self.start, self.end))
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}:{self.start_epoch}:{self.end_epoch}" + (
+            f":{self.step}" if self.step != 32 else ""
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Progressive:
+        """``START:END:FROM_EPOCH:TO_EPOCH[:STEP]`` (the CLI's ``--progressive``), e.g. ``160:192:65:76``."""
+        parts = text.split(":")
+        try:
+            numbers = [int(p) for p in parts]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (4, 5):
+            raise ValueError(
+                f"--progressive {text!r}: give START:END:FROM_EPOCH:TO_EPOCH[:STEP] in px and epochs, e.g. 160:192:65:76"
+            )
+        return cls(*numbers)
+
+
+def describe_resolution(resolution: Any) -> Any:
+    """A schedule as plain values (checkpoints compare them to refuse a resume with another schedule):
+    a `Progressive` as its fields, a function by its qualified name."""
+    if resolution is None:
+        return None
+    if isinstance(resolution, Progressive):
+        return {"progressive": str(resolution)}
+    name = getattr(resolution, "__qualname__", None) or type(resolution).__qualname__
+    return {"function": f"{getattr(resolution, '__module__', '?')}.{name}"}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The per-image transform of a loader, shared by every backend.
@@ -62,6 +144,9 @@ class Recipe:
     aspect (torchvision's `RandomErasing` rule), filled with the mean pixel (`erasing_fill`).
     Eval: resize the shorter side to ``eval_resize_size`` (default ``round(image_size /
     eval_crop_fraction)``), centre crop ``image_size``; no augmentation.
+    ``resolution`` (a `Progressive`, or any function from epoch to a size in px) makes the training size
+    follow the epoch (progressive resizing); ``image_size`` is then the evaluation size only, as FFCV
+    evaluates at a higher resolution than it trains. `at_epoch` gives an epoch's fixed-size recipe.
     ``mean=None, std=None`` gives uint8 output that the model normalizes itself. ``dtype`` defaults
     to float32 (uint8 without mean/std); ``memory_format=torch.channels_last`` gives NCHW views of NHWC.
     """
@@ -85,6 +170,7 @@ class Recipe:
     std: tuple[float, ...] | None = IMAGENET_STD_01
     dtype: torch.dtype | None = None
     memory_format: torch.memory_format = field(default=torch.contiguous_format)
+    resolution: Progressive | Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any) -> None:
@@ -148,6 +234,33 @@ class Recipe:
             raise ValueError("dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it")
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory_format={self.memory_format}: use torch.contiguous_format or torch.channels_last")
+        if self.resolution is not None and not callable(self.resolution):
+            raise ValueError(
+                f"resolution={self.resolution!r}: pass a Progressive(start, end, start_epoch, end_epoch) "
+                "or a function from epoch to size in px"
+            )
+
+    # ------------------------------------------------------------------ progressive resizing
+    def train_size(self, epoch: int) -> int:
+        """The training size of ``epoch``: the schedule's, else ``image_size``."""
+        if self.resolution is None:
+            return self.image_size
+        size = self.resolution(int(epoch))
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise ValueError(f"the resolution schedule gave {size!r} for epoch {epoch}: it must give a positive integer")
+        return int(size)
+
+    def at_epoch(self, epoch: int, train: bool = True) -> Recipe:
+        """The fixed-size recipe a loader applies in ``epoch``: the schedule's size when training, else
+        ``image_size`` (evaluation keeps it). Without the schedule itself, so what goes to worker
+        processes never carries the user's function."""
+        if self.resolution is None:
+            return self
+        if not train:
+            return replace(self, resolution=None)
+        size = self.train_size(epoch)
+        resize = self.eval_resize_size if self.eval_resize_size is None or self.eval_resize_size >= size else None
+        return replace(self, image_size=size, eval_resize_size=resize, resolution=None)
 
     # ------------------------------------------------------------------ what the backends read
     @property
@@ -197,6 +310,10 @@ class Recipe:
         for k in ("scale", "ratio", "erasing_scale", "erasing_ratio", "mean", "std"):
             if out[k] is not None:
                 out[k] = list(out[k])
+        if self.resolution is None:
+            del out["resolution"]  # as recipes were described before schedules existed
+        else:
+            out["resolution"] = describe_resolution(self.resolution)
         return out
 
 
