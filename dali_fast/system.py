@@ -41,6 +41,18 @@ def read_proc_kib(path: str, key: str) -> int | None:
     return None
 
 
+def memory_capacity(kind: str) -> int | None:
+    """Bytes of the memory a peak is a fraction of: the GPU's (``kind`` "gpu") or the machine's RAM."""
+    if kind == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    total_kib = read_proc_kib("/proc/meminfo", "MemTotal")
+    return (total_kib or 0) * 1024 or None
+
+
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` exists (on this machine)."""
     try:

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dali_fast.data.synthetic import make_synthetic
-from dali_fast.tools.stages import IMAGENET_IMAGES, STAGES, fmt_duration, run_stages
+from dali_fast.tools.report import fmt_duration
+from dali_fast.tools.stages import IMAGENET_IMAGES, STAGES, run_stages
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,7 @@ def stages_summary(result: dict[str, Any], out: Path) -> str:
         f"\n{r['stage']}: {s.get('progressive')} (START:END:FROM_EPOCH:TO_EPOCH); img/s at each size: "
         + ", ".join(f"{size} px {v:.0f}" for size, v in r["img_per_s_by_size"].items())
         + f"; its img/s is the whole run's average over {s['total_epochs']} epochs"
-        for r in result["rows"]
+        for r in result.get("rows", [])
         if r.get("img_per_s_by_size")
     ]
     return "\n".join([head, result["table"], *notes, f"\nwrote {out / 'stages.json'} and {out / 'stages.png'}"])
@@ -172,3 +172,49 @@ def bar_charts(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def fmt_duration(seconds: float) -> str:
+    """Hours under two days, days from there (the article's unit for a whole run)."""
+    hours = seconds / 3600
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} days"
+
+
+def stages_table(rows: list[dict[str, Any]], total_images: int, total_epochs: int) -> str:
+    kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
+    mem = "GPU mem" if kind == "gpu" else "RAM"
+    header = ["stage", "img/s", "epoch s", f"projected run ({total_epochs} epochs x {total_images:,} images)"]
+    header += [f"{'GPU' if kind == 'gpu' else 'CPU'} util %", f"peak {mem}", "cache hit", "batch", "x row 1"]
+    cells = []
+    for r in rows:
+        if "skipped" in r:
+            cells.append([r["stage"], f"skipped: {r['skipped']}", *[""] * (len(header) - 2)])
+            continue
+        peak = share(r["peak_mem_fraction"]) if r["peak_mem_fraction"] is not None else "n/a"
+        cells.append(
+            [
+                r["stage"],
+                f"{r['img_per_s']:.0f}",
+                f"{r['epoch_s']:.2f}",
+                fmt_duration(r["projected_s"]),
+                percent(r["util_mean"]),
+                peak,
+                share(r["cache_hit_rate"]),
+                str(r["batch_size"]),
+                ratio(r.get("x_baseline")),
+            ]
+        )
+    return table(header, cells)
+
+
+def plot_stages(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """The projected time of the whole run, and the utilization, of each stage that ran."""
+    ok = [r for r in rows if "img_per_s" in r]
+    hours = Panel(
+        [r["projected_s"] / 3600 for r in ok],
+        "time of the whole run",
+        "projected training time (hours)",
+        labels=[fmt_duration(r["projected_s"]) for r in ok],
+    )
+    panels = [hours, utilization_panel(ok, "#999999")]
+    bar_charts(path, [r["stage"] for r in ok], panels, title, width=11, rotate=25)

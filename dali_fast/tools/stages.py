@@ -10,13 +10,12 @@ Each row adds one thing to the row above, on the same data, in one run:
                    by all workers in the main process, JPEG draft-mode decode
 5. + DALI          `DALIIterator` (GPU `mixed` decoding on a GPU, DALI's CPU-only mode otherwise)
 6. + controller    `BatchSizeController` sets the batch size between epochs (more epochs, so it settles)
-7. + progressive resizing   a resolution schedule (``--progressive``; default: FFCV's ramp scaled to the run,
-                   ``default_ramp``): each size the run trains at is timed, and the projected run adds up the
-                   epochs at their sizes' speeds
+7. + progressive resizing   ``--progressive`` (default: FFCV's ramp scaled to the run, ``default_ramp``);
+                   each size is timed, the projected run adds the epochs at their sizes' speeds
 
-Per row: img/s, epoch time, the projected time of a whole training run (``total_images x total_epochs /
-img/s``), utilization, peak memory as a fraction of the device's (GPU) or of RAM (CPU), cache hit rate,
-batch size and the ratio to row 1. A stage that cannot run here is listed with the reason.
+Per row: img/s, epoch time, the projected run (``total_images x total_epochs / img/s``), utilization, peak
+memory (share of the GPU's or of RAM), cache hit rate, batch size, ratio to row 1; a stage that cannot run
+here is listed with the reason.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from ..data.synthetic import default_dataset
 from ..loaders.baseline import BaselineDataset, make_baseline_loader
 from ..loaders.dataloader import make_dataloader
 from ..loaders.factory import dali_status
-from ..system import atomic_write, available_cpus, check_writable_folder, read_proc_kib
+from ..system import atomic_write, available_cpus, check_writable_folder, memory_capacity
 from ..transforms.recipe import Progressive, Recipe
 from . import report
 from .bench import check_batch_fits
@@ -93,16 +92,6 @@ def _collate_with_hits(samples: list[tuple[torch.Tensor, int, int]]) -> tuple[to
     return images, labels, sum(s[2] for s in samples)
 
 
-def memory_capacity(kind: str) -> int | None:
-    """Bytes of the memory a peak is a fraction of: the GPU's (``kind`` "gpu") or the machine's RAM."""
-    if kind == "gpu":
-        if not torch.cuda.is_available():
-            return None
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    total_kib = read_proc_kib("/proc/meminfo", "MemTotal")
-    return (total_kib or 0) * 1024 or None
-
-
 def stage_peak_memory(monitor: Any, phases: list[str]) -> int | None:
     """A stage's peak memory as ``bench`` reads it: the monitor's per-process reading over the stage's
     phases (on a GPU, NVML's figure for this process: DALI's pool and outputs included, which torch's
@@ -110,12 +99,6 @@ def stage_peak_memory(monitor: Any, phases: list[str]) -> int | None:
     peaks = [monitor.summary(p)["peak_mem"] for p in phases]
     peaks = [int(p) for p in peaks if isinstance(p, int | float)]
     return max(peaks) if peaks else None
-
-
-def fmt_duration(seconds: float) -> str:
-    """Hours under two days, days from there (the article's unit for a whole run)."""
-    hours = seconds / 3600
-    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} days"
 
 
 @dataclass
@@ -221,11 +204,11 @@ def _write(rows: list[dict[str, Any]], settings: dict[str, Any], out: Path) -> d
     for r in rows:
         if "img_per_s" in r and base:
             r["x_baseline"] = r["img_per_s"] / base
-    table = stages_table(rows, settings["total_images"], settings["total_epochs"])
+    table = report.stages_table(rows, settings["total_images"], settings["total_epochs"])
     result = {"settings": settings, "machine": report.machine_info(), "rows": rows, "table": table}
     atomic_write(out / "stages.json", lambda f: f.write(json.dumps(result, indent=1, default=str).encode()))
     title = f"model={settings['model']}, {settings['image_size']}px, batch {settings['batch_size']}"
-    plot_stages(rows, out / "stages.png", title)
+    report.plot_stages(rows, out / "stages.png", title)
     return result
 
 
@@ -407,43 +390,3 @@ def _figures(stage: str, loader: Any, ctrl: Any, mon: Any, measured: dict[str, A
     if ctrl is not None:
         figures["batch_decisions"] = ctrl.history
     return figures
-
-
-def stages_table(rows: list[dict[str, Any]], total_images: int, total_epochs: int) -> str:
-    kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
-    mem = "GPU mem" if kind == "gpu" else "RAM"
-    header = ["stage", "img/s", "epoch s", f"projected run ({total_epochs} epochs x {total_images:,} images)"]
-    header += [f"{'GPU' if kind == 'gpu' else 'CPU'} util %", f"peak {mem}", "cache hit", "batch", "x row 1"]
-    cells = []
-    for r in rows:
-        if "skipped" in r:
-            cells.append([r["stage"], f"skipped: {r['skipped']}", *[""] * (len(header) - 2)])
-            continue
-        peak = report.share(r["peak_mem_fraction"]) if r["peak_mem_fraction"] is not None else "n/a"
-        cells.append(
-            [
-                r["stage"],
-                f"{r['img_per_s']:.0f}",
-                f"{r['epoch_s']:.2f}",
-                fmt_duration(r["projected_s"]),
-                report.percent(r["util_mean"]),
-                peak,
-                report.share(r["cache_hit_rate"]),
-                str(r["batch_size"]),
-                report.ratio(r.get("x_baseline")),
-            ]
-        )
-    return report.table(header, cells)
-
-
-def plot_stages(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """The projected time of the whole run, and the utilization, of each stage that ran."""
-    ok = [r for r in rows if "img_per_s" in r]
-    hours = report.Panel(
-        [r["projected_s"] / 3600 for r in ok],
-        "time of the whole run",
-        "projected training time (hours)",
-        labels=[fmt_duration(r["projected_s"]) for r in ok],
-    )
-    panels = [hours, report.utilization_panel(ok, "#999999")]
-    report.bar_charts(path, [r["stage"] for r in ok], panels, title, width=11, rotate=25)
