@@ -872,13 +872,15 @@ def test_the_arguments_are_kept(index_reader):
 
 def test_a_process_group_started_after_the_loader_is_followed_between_epochs(index_reader, monkeypatch, caplog):
     import dali_fast.loaders.base as base
+    import dali_fast.loaders.sampler as sampler
 
     group = {"rank": 0, "world": 1}
-    monkeypatch.setattr(base, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
+    for module in (base, sampler):  # read when the loader is made (base) and when it follows (sampler)
+        monkeypatch.setattr(module, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
     loader = ListBackend(index_reader, 4, device="cpu", seed=3, drop_last=True)
     loader.set_epoch(2)
     group.update(rank=1, world=2)
-    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.base"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.sampler"):
         assert len(loader) == 18 // 4
     assert [r.getMessage() for r in caplog.records] == [
         "loader: now rank 1 of 2 (the process group started after the loader was made)"
@@ -913,9 +915,11 @@ def test_rank_and_world_size_without_a_process_group_shard_and_say_so_once(index
 def test_a_loader_made_before_the_group_follows_it_when_iterated_first(index_reader, monkeypatch):
     """Iterated without a len() first (a plain loop), a loader made before the process group still follows it."""
     import dali_fast.loaders.base as base
+    import dali_fast.loaders.sampler as sampler
 
     group = {"rank": 1, "world": 2}
-    monkeypatch.setattr(base, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
+    for module in (base, sampler):  # read when the loader is made (base) and when it follows (sampler)
+        monkeypatch.setattr(module, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
     loader = ListBackend(index_reader, 4, device="cpu")
     group.update(rank=0, world=1)
     assert len(listed(loader)) == 37 and (loader.rank, loader.world_size) == (0, 1)
@@ -923,9 +927,11 @@ def test_a_loader_made_before_the_group_follows_it_when_iterated_first(index_rea
 
 def test_a_process_group_that_changes_the_rank_mid_epoch_is_refused_in_one_line(index_reader, monkeypatch):
     import dali_fast.loaders.base as base
+    import dali_fast.loaders.sampler as sampler
 
     group = {"rank": 0, "world": 1}
-    monkeypatch.setattr(base, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
+    for module in (base, sampler):  # read when the loader is made (base) and when it follows (sampler)
+        monkeypatch.setattr(module, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
     said = (
         "the process group says rank 1 of 2, but this loader is mid-epoch as rank 0 of 1; "
         "make the loader after the process group starts"

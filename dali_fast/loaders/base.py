@@ -6,7 +6,6 @@ What both backends raise and count for a bad record is in `bad_records` (`BadRec
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
@@ -20,9 +19,10 @@ import torch
 from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provides
 from ..data.cache import CachedReader, LRUCache
 from ..system import cuda_usable
-from ..transforms.recipe import Recipe, describe_resolution, resolve_recipe
+from ..transforms.recipe import Recipe, describe_resolution, describe_schedule, resolve_recipe
 from .bad_records import SkipLog
-from .sampler import EpochSampler, LoaderSampler, dist_rank_world, sharding_note
+from .passes import ABANDONED, CLOSED, Pass, close_ends_the_pass
+from .sampler import EpochSampler, LoaderSampler, dist_rank_world, follow_process_group, sharding_note
 from .shard_order import StreamingOrder, make_order
 
 __all__ = ["ON_ERROR", "LoaderBase"]
@@ -30,33 +30,6 @@ __all__ = ["ON_ERROR", "LoaderBase"]
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-_ABANDONED = (
-    "this pass over the loader was abandoned when another started (iter(), set_epoch() or load_state_dict()); "
-    "iterate one pass at a time"
-)
-_CLOSED = (
-    "this pass over the loader ended when the loader was closed (close()); start a new pass with iter(loader) "
-    "(the epoch from its start, or from a state loaded with load_state_dict())"
-)
-
-
-class _Pass:
-    """The token of one pass (one ``iter()``): whether ``close()`` ended it, and its backend run (a weak
-    reference, so that a pass the caller drops still releases what its run holds at once)."""
-
-    __slots__ = ("closed", "run")
-
-    def __init__(self) -> None:
-        self.closed = False
-        self.run: weakref.ref | None = None
-
-
-def _schedule_text(resolution: Any) -> str:
-    if resolution is None:
-        return "none (a fixed image_size)"
-    return " ".join(str(v) for v in resolution.values()) if isinstance(resolution, dict) else repr(resolution)
 
 
 class LoaderBase:
@@ -86,11 +59,8 @@ class LoaderBase:
     pass will not use. A subclass that lacks one of the two, or whose ``__init__`` does not reach the
     base's, is told so in one line.
 
-    ``close()`` between two batches of a pass ends that pass, for every backend alike: the base closes the
-    pass's ``_run`` first (its ``finally`` blocks release what it holds), then the backend's ``close()``
-    runs; the pass then raises one `RuntimeError` saying so if asked for another batch (nothing more is
-    yielded). ``state_dict()`` still holds the position, and a new ``iter()`` works as after a ``break``.
-    A backend's own ``close()`` called from inside its ``_run`` (to rebuild) does not end the pass.
+    ``close()`` between two batches ends the pass for every backend alike (`passes`): its ``_run`` is
+    closed, then the backend's ``close()`` runs, and the pass raises one line if asked for more.
     """
 
     backend = "base"
@@ -173,43 +143,15 @@ class LoaderBase:
         self.last_indices: np.ndarray = np.empty(0, dtype=np.int64)
         self._resumed = False  # load_state_dict() was called since the last iter()
         self._active: weakref.ref | None = None  # the pass in progress, if any
-        self._current_pass: _Pass | None = None  # the token of the pass allowed to deliver batches
+        self._current_pass: Pass | None = None  # the token of the pass allowed to deliver batches
         self._said: set[str] = set()  # disagreements about the ranks, logged once per loader
         self._ready = True  # the base's __init__ ran (see `_check_ready`)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A backend's ``close()`` also ends the pass in progress (see the class docstring), so no backend
-        has to write that rule itself."""
+        has to write that rule itself (`passes.close_ends_the_pass`)."""
         super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("close")
-        if own is None or getattr(own, "_ends_the_pass", False):
-            return
-
-        @functools.wraps(own)
-        def close(self: LoaderBase, *args: Any, **kw: Any) -> Any:
-            self._end_pass_on_close()
-            return own(self, *args, **kw)
-
-        close._ends_the_pass = True  # type: ignore[attr-defined]
-        cls.close = close  # type: ignore[method-assign]
-
-    def _end_pass_on_close(self) -> None:
-        """``close()`` from outside a pass's run: the pass ends, its run is closed now (what it holds is
-        released), and asking it for another batch raises `_CLOSED`. Called from inside the run (a backend
-        rebuilding), it does nothing."""
-        token = self.__dict__.get("_current_pass")
-        if token is None:
-            return
-        gen = self._active() if self._active is not None else None
-        if gen is not None and inspect.getgeneratorstate(gen) == inspect.GEN_RUNNING:
-            return
-        token.closed = True
-        self._current_pass = None
-        self._epoch_bs = None
-        run = token.run() if token.run is not None else None
-        if run is not None:
-            run.close()  # GeneratorExit at its yield: its finally blocks release pipelines and worker iterators
-        log.debug("close() ended the pass in progress")
+        close_ends_the_pass(cls)
 
     def _check_ready(self) -> None:
         """A subclass whose ``__init__`` did not run the base's is named in one line, not an AttributeError."""
@@ -267,25 +209,9 @@ class LoaderBase:
         return self.cache.stats() if self.cache is not None else None
 
     def _follow_process_group(self, starting: bool = False) -> None:
-        """Take rank and world size from a process group started after this loader was made (Lightning
-        and Accelerate start it after the user built the loader); explicit rank/world_size stay. A pass
-        ``starting`` now restarts its epoch unless a state was loaded, so only a loaded mid-epoch position
-        stands in the way then."""
+        """Rank and world size from a process group started after this loader was made (`follow_process_group`)."""
         self._check_ready()
-        rank, world = dist_rank_world(self._rank_arg, self._world_arg)
-        if (rank, world) == (self.rank, self.world_size):
-            return
-        mid_epoch = self.order.position not in (0, len(self.order))
-        if (mid_epoch and (self._resumed or not starting)) or (not starting and self._pass_running()):
-            raise RuntimeError(
-                f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
-                f"{self.rank} of {self.world_size}; make the loader after the process group starts"
-            )
-        epoch = self.order.epoch
-        self.rank, self.world_size = rank, world
-        self.order = self._new_order(rank, world)
-        self.order.set_epoch(epoch)
-        log.info("loader: now rank %d of %d (the process group started after the loader was made)", rank, world)
+        follow_process_group(self, starting)
 
     def __len__(self) -> int:
         """Batches in this epoch on this rank, at this epoch's batch size."""
@@ -374,8 +300,8 @@ class LoaderBase:
         saved, mine = state.get("resolution"), self.resolution
         if saved != mine:
             raise ValueError(
-                f"cannot resume: the state was saved with resolution schedule {_schedule_text(saved)}, this loader "
-                f"has {_schedule_text(mine)}; resume with the recipe it was saved with"
+                f"cannot resume: the state was saved with resolution schedule {describe_schedule(saved)}, this loader "
+                f"has {describe_schedule(mine)}; resume with the recipe it was saved with"
             )
         self.order.load_state_dict(state["sampler"])
         self._finished = bool(state.get("finished", False))
@@ -393,7 +319,7 @@ class LoaderBase:
         ``iter()`` and the first ``next()`` (as Lightning calls them) still applies.
         """
         self._supersede_pass("iter()")
-        token = _Pass()
+        token = Pass()
         gen = self._epoch(token)
         self._current_pass = token
         self._active = weakref.ref(gen)
@@ -423,9 +349,9 @@ class LoaderBase:
         return [shard[i : min(i + bs, stop)] for i in range(start, stop, bs)], bs, start
 
     # ------------------------------------------------------------------ epoch driver
-    def _epoch(self, token: _Pass) -> Iterator[Batch]:
+    def _epoch(self, token: Pass) -> Iterator[Batch]:
         if self._current_pass is not token:
-            raise RuntimeError(_CLOSED if token.closed else _ABANDONED)
+            raise RuntimeError(CLOSED if token.closed else ABANDONED)
         plan, bs, start = self._plan_pass()
         self._epoch_bs = bs
         self._release_stale(bs)  # before the controller releases caches and starts measuring
@@ -448,7 +374,7 @@ class LoaderBase:
                     self._streaming.advance(consumed)  # the batch is decoded: its shards' use may be over
                 yield images, labels
                 if self._current_pass is not token:
-                    raise RuntimeError(_CLOSED if token.closed else _ABANDONED)
+                    raise RuntimeError(CLOSED if token.closed else ABANDONED)
             self.order.position = len(self.order)
             self._finished = True
             if self.controller is not None:

@@ -228,7 +228,9 @@ class BatchSizeController:
             self.observations.append((_as_batch(old * scale), frac))
             if frac > target:
                 new, decision = self._round(old * self.shrink), "shrink"
-                self.ceiling = _as_batch(old * scale) if self.ceiling is None else min(self.ceiling, _as_batch(old * scale))
+                self.ceiling = (
+                    _as_batch(old * scale) if self.ceiling is None else min(self.ceiling, _as_batch(old * scale))
+                )
                 reason = f"peak {frac:.0%}{cap_s} > {target:.0%}"
             else:
                 grown = self._round(old * self.grow)

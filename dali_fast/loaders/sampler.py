@@ -3,6 +3,7 @@ order as a `torch.utils.data.Sampler` (`LoaderSampler`, what frameworks read).""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -11,6 +12,8 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
+
+log = logging.getLogger(__name__)
 
 
 def _env_rank_world() -> tuple[int, int] | None:
@@ -231,3 +234,24 @@ class LoaderSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.loader.order)
+
+
+def follow_process_group(loader: Any, starting: bool = False) -> None:
+    """Give ``loader`` (a `LoaderBase`) the rank and world size of a process group started after it was made
+    (Lightning and Accelerate start it after the user built the loader); explicit rank/world_size stay. A
+    pass ``starting`` now restarts its epoch unless a state was loaded, so only a loaded mid-epoch position
+    stands in the way then."""
+    rank, world = dist_rank_world(loader._rank_arg, loader._world_arg)  # noqa: SLF001
+    if (rank, world) == (loader.rank, loader.world_size):
+        return
+    mid_epoch = loader.order.position not in (0, len(loader.order))
+    if (mid_epoch and (loader._resumed or not starting)) or (not starting and loader._pass_running()):  # noqa: SLF001
+        raise RuntimeError(
+            f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
+            f"{loader.rank} of {loader.world_size}; make the loader after the process group starts"
+        )
+    epoch = loader.order.epoch
+    loader.rank, loader.world_size = rank, world
+    loader.order = loader._new_order(rank, world)  # noqa: SLF001
+    loader.order.set_epoch(epoch)
+    log.info("loader: now rank %d of %d (the process group started after the loader was made)", rank, world)

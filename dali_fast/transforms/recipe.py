@@ -247,7 +247,9 @@ class Recipe:
             return self.image_size
         size = self.resolution(int(epoch))
         if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
-            raise ValueError(f"the resolution schedule gave {size!r} for epoch {epoch}: it must give a positive integer")
+            raise ValueError(
+                f"the resolution schedule gave {size!r} for epoch {epoch}: it must give a positive integer"
+            )
         return int(size)
 
     def at_epoch(self, epoch: int, train: bool = True) -> Recipe:
@@ -342,3 +344,10 @@ def resolve_recipe(
 
 IMAGENET_MEAN = Recipe().mean_255  # the default recipe's normalization, on the 0-255 scale of decoded pixels
 IMAGENET_STD = Recipe().std_255
+
+
+def describe_schedule(resolution: Any) -> str:
+    """A saved resolution schedule (`describe_resolution`'s plain values), in words for a refusal."""
+    if resolution is None:
+        return "none (a fixed image_size)"
+    return " ".join(str(v) for v in resolution.values()) if isinstance(resolution, dict) else repr(resolution)

@@ -1,0 +1,44 @@
+"""One pass over a loader: close() ends it for every backend (the loader contract runs it end to end in
+test_loaders_base.py); here the wrapping itself and the pass token."""
+
+from dali_fast.loaders.passes import CLOSED, Pass, close_ends_the_pass, end_pass
+
+
+def test_a_backend_close_is_wrapped_once_and_runs_as_written_without_a_pass():
+    class Backend:
+        def close(self):
+            self.closed_by_backend = True
+
+    close_ends_the_pass(Backend)
+    wrapped = Backend.close
+    close_ends_the_pass(Backend)  # a subclass of a wrapped class is not wrapped twice
+    assert Backend.close is wrapped and Backend.close.__name__ == "close"
+    b = Backend()
+    b.close()
+    assert b.closed_by_backend
+
+
+def test_end_pass_marks_the_token_closed_and_closes_its_run():
+    import weakref
+
+    def run():
+        try:
+            yield 1
+            yield 2
+        finally:
+            released.append(True)
+
+    released = []
+    gen = run()
+    next(gen)  # suspended at its first yield, as a pass between two batches
+
+    class Loader:
+        pass
+
+    token = Pass()
+    token.run = weakref.ref(gen)
+    loader = Loader()
+    loader._current_pass, loader._active, loader._epoch_bs = token, None, 8
+    end_pass(loader)
+    assert token.closed and loader._current_pass is None and loader._epoch_bs is None and released == [True]
+    assert "close()" in CLOSED
