@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,28 @@ class OrderCursor:
         return out
 
 
+def ranks_for(n: int, rank: int | None, world_size: int | None, drop_last: bool) -> tuple[int, int]:
+    """(rank, world size) of an order over ``n`` samples (`dist_rank_world`), refused in one line when
+    ``drop_last`` would leave a rank without a sample."""
+    rank, world_size = dist_rank_world(rank, world_size)
+    if drop_last and n < world_size:
+        raise ValueError(
+            f"{n} samples cannot give each of {world_size} ranks one with drop_last=True; "
+            "use drop_last=False or fewer ranks"
+        )
+    return rank, world_size
+
+
+def check_same_settings(state: dict, order: Any, keys: Sequence[str], what: str) -> None:
+    """A saved order state must have ``order``'s value for each of ``keys`` it holds; else one line."""
+    for key in keys:
+        if key in state and state[key] != getattr(order, key):
+            raise ValueError(
+                f"cannot resume: the saved state has {key}={state[key]} but this {what} has "
+                f"{key}={getattr(order, key)}; resume with the same data set and settings"
+            )
+
+
 class EpochSampler(OrderCursor):
     """The order of one rank's samples for each epoch, and a cursor into it.
 
@@ -149,13 +171,8 @@ class EpochSampler(OrderCursor):
         self.n = int(n)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
-        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.rank, self.world_size = ranks_for(self.n, rank, world_size, drop_last)
         self.drop_last = bool(drop_last)
-        if self.drop_last and self.n < self.world_size:
-            raise ValueError(
-                f"{self.n} samples cannot give each of {self.world_size} ranks one with drop_last=True; "
-                "use drop_last=False or fewer ranks"
-            )
         self.epoch = 0
         self.position = 0
         self._cache: tuple[int, np.ndarray] | None = None
@@ -197,12 +214,7 @@ class EpochSampler(OrderCursor):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next sample is exactly the one after the last consumed."""
-        for key in ("n", "world_size", "seed", "shuffle", "drop_last"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot resume: the saved state has {key}={state[key]} but this sampler has "
-                    f"{key}={getattr(self, key)}; resume with the same data set and settings"
-                )
+        check_same_settings(state, self, ("n", "world_size", "seed", "shuffle", "drop_last"), "sampler")
         position = int(state["position"])
         if not 0 <= position <= len(self):
             raise ValueError(f"cannot resume: position {position} is outside this epoch's {len(self)} samples")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..data.base import StreamingReader, provides
-from .sampler import EpochSampler, OrderCursor, dist_rank_world, per_rank
+from .sampler import EpochSampler, OrderCursor, check_same_settings, per_rank, ranks_for
 
 _WINDOW_SALT = 0x5E9_0D3  # the in-window shuffle's stream, apart from the shard shuffle's
 
@@ -104,13 +104,8 @@ class StreamingOrder(OrderCursor):
         self.window = int(window)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
-        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.rank, self.world_size = ranks_for(self.n, rank, world_size, drop_last)
         self.drop_last = bool(drop_last)
-        if self.drop_last and self.n < self.world_size:
-            raise ValueError(
-                f"{self.n} samples cannot give each of {self.world_size} ranks one with drop_last=True; "
-                "use drop_last=False or fewer ranks"
-            )
         self._shard_of = np.repeat(np.arange(len(self.bounds) - 1), np.diff(self.bounds))
         self.layout = hashlib.sha1(self.bounds.tobytes()).hexdigest()[:16]
         self.epoch = 0
@@ -204,12 +199,7 @@ class StreamingOrder(OrderCursor):
                 "cannot resume: the saved state is from the random-access order, this data set streams shards; "
                 "resume with the data set it was saved with"
             )
-        for key in ("n", "seed", "shuffle", "drop_last", "window", "layout"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot resume: the saved state has {key}={state[key]} but this order has "
-                    f"{key}={getattr(self, key)}; resume with the same data set and settings"
-                )
+        check_same_settings(state, self, ("n", "seed", "shuffle", "drop_last", "window", "layout"), "order")
         history = [(int(w), int(p)) for w, p in state.get("history", [])]
         position = int(state["position"])
         saved_world = int(state.get("world_size", self.world_size))
