@@ -251,6 +251,14 @@ def _stage_loader(stage: str, bench: _Bench, ramp: Progressive | None = None) ->
     return DALIIterator(bench.packed, batch_size, controller=ctrl, **common), ctrl
 
 
+def _consume(images: torch.Tensor, labels: torch.Tensor, trainer: Any, ctrl: Any, bench: _Bench) -> None:
+    """One batch's work in a timed epoch: a training step, or on a GPU the copy to the device a step makes."""
+    if trainer is not None:
+        trainer.step(images, labels, ctrl)
+    elif bench.gpu:
+        images.to("cuda", non_blocking=True)
+
+
 def _measure_sizes(
     stage: str,
     loader: Any,
@@ -275,10 +283,7 @@ def _measure_sizes(
             t0, seen = time.perf_counter(), 0
             with mon.phase(f"{stage}#{size}#{k}"):
                 for images, labels in loader:
-                    if trainer is not None:
-                        trainer.step(images, labels, ctrl)
-                    elif bench.gpu:
-                        images = images.to("cuda", non_blocking=True)
+                    _consume(images, labels, trainer, ctrl, bench)
                     seen += len(labels)
                 if bench.gpu:
                     torch.cuda.synchronize()
@@ -342,10 +347,7 @@ def _measure(stage: str, loader: Any, ctrl: Any, trainer: Any, mon: Any, epochs:
                 images, labels = batch[0], batch[1]
                 if len(batch) > 2 and epoch > 0:
                     hits += int(batch[2])
-                if trainer is not None:
-                    trainer.step(images, labels, ctrl)
-                elif bench.gpu:
-                    images = images.to("cuda", non_blocking=True)
+                _consume(images, labels, trainer, ctrl, bench)
                 seen += len(labels)
             if bench.gpu:
                 torch.cuda.synchronize()
