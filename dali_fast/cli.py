@@ -119,8 +119,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if ignored:
             raise UserError(
                 f"{ignored[0]} belongs to the loader rows; --stages runs its own fixed stages (it takes "
-                "--images, --epochs, --batch-size, --image-size, --model, --cache-bytes, --out, --total-epochs "
-                "and --total-images)"
+                "--images, --epochs, --batch-size, --image-size, --model, --cache-bytes, --progressive, --out, "
+                "--total-epochs and --total-images)"
             )
         return _cmd_stages(args)
     if args.total_epochs != 90 or args.total_images != 1_281_167:

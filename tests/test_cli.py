@@ -178,3 +178,21 @@ def test_on_a_terminal_the_bar_is_closed_before_the_error_line(tmp_path):
     at = text.index("dali-fast pack: error:")
     assert at == 0 or text[at - 1] == "\n", repr(text[max(0, at - 120) : at + 60])
     assert not (tmp_path / "p").exists()
+
+
+def test_the_stages_refusal_names_exactly_the_options_stages_takes(tmp_path, capsys):
+    """Every bench option --stages honours is named in its refusal line, and none it refuses."""
+    import re
+
+    from dali_fast.cli import STAGES_IGNORE
+    from dali_fast.cli_options import build_parser
+
+    bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]  # noqa: SLF001
+    taken = {
+        a.option_strings[0]
+        for a in bench._actions  # noqa: SLF001
+        if a.option_strings and a.dest not in (*STAGES_IGNORE, "help", "stages")
+    }
+    assert main(["bench", str(tmp_path), "--stages", "--mixup", "0.2"]) == 2
+    named = set(re.findall(r"--[a-z-]+", capsys.readouterr().err.split("(it takes", 1)[1]))
+    assert named == taken
