@@ -454,3 +454,31 @@ def test_sharded_batch_reads_and_checks_match_the_unsharded(photo_folder, tmp_pa
     assert bad_a == {} and bad_b == {pos: "truncated JPEG (no end-of-image marker)"}
     assert la.tolist() == lb.tolist()
     assert [bytes(x) for x in va[:pos] + va[pos + 1 :]] == [bytes(x) for x in vb[:pos] + vb[pos + 1 :]]
+
+
+def test_verify_shows_progress_only_when_asked_and_counts_every_record(small_folder, tmp_path, monkeypatch, caplog):
+    """verify() is quiet by default; with progress=True on a terminal its bar ends at records/records,
+    and without a terminal it says one line instead."""
+    import io
+    import logging
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    dst = tmp_path / "p"
+    pack(small_folder, dst, progress=False)
+    r = MemmapReader(dst)
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+        assert r.verify() == []
+        assert screen.getvalue() == "" and caplog.messages == []
+        assert r.verify(progress=True) == []
+    assert f"{r.count}/{r.count}" in screen.getvalue().rsplit("\r", 1)[-1]
+    assert caplog.messages == []  # a bar was drawn: no line as well
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+        r.verify(progress=True)
+    assert caplog.messages == [f"verify: {r.count} records ..."]

@@ -254,3 +254,60 @@ def test_rank_and_world_size_without_a_process_group_are_used_and_said(monkeypat
         "them, so this process reads 1/2 of the data and nothing synchronises the processes; start the process "
         "group before the first pass, or pass rank=0, world_size=1 to read all of it"
     )
+
+
+class _FakeAccelerate:
+    """What `accelerate.state` looks like to the sampler: `PartialState._shared_state`, a dict Accelerate
+    fills when an Accelerator (or PartialState) is made in this process."""
+
+    def __init__(self, shared):
+        self.PartialState = type("PartialState", (), {"_shared_state": shared})
+
+
+def test_accelerate_s_count_is_read_only_when_it_holds_both_numbers(monkeypatch):
+    """With no process group, Accelerate's own count (process_index of num_processes) decides once an
+    Accelerator was made; an empty or partial state (nothing made yet), or no Accelerate imported at all,
+    leaves RANK/WORLD_SIZE to decide; and the numbers are read as ints."""
+    import sys
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)
+    assert dist_rank_world() == (1, 4)  # Accelerate not imported: the launcher's word
+    for shared in ({}, {"num_processes": 2}, {"process_index": 1}, None, ["num_processes", "process_index"]):
+        monkeypatch.setitem(sys.modules, "accelerate.state", _FakeAccelerate(shared))
+        assert dist_rank_world() == (1, 4), shared  # nothing (or not all) said: the launcher's word
+    monkeypatch.setitem(sys.modules, "accelerate.state", object())  # no PartialState
+    assert dist_rank_world() == (1, 4)
+    monkeypatch.setitem(sys.modules, "accelerate.state", _FakeAccelerate({"num_processes": "3", "process_index": "2"}))
+    assert dist_rank_world() == (2, 3)
+    assert type(dist_rank_world()[0]) is int and type(dist_rank_world()[1]) is int
+    assert EpochSampler(12, shuffle=False).indices(0).tolist() == [2, 5, 8, 11]
+    assert sharding_note() == (
+        "RANK/WORLD_SIZE say rank 1 of 4, but Accelerate runs this process as rank 2 of 3 (no torch.distributed "
+        "process group, so nothing synchronises the processes): sharding as rank 2 of 3, so each process reads "
+        "all the data; on CPUs, make the Accelerator with cpu=True for distributed training"
+    )
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert sharding_note() is None  # they agree
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert sharding_note() is None  # the launcher says nothing: nothing to disagree with
+
+
+def test_sharding_note_compares_unless_both_rank_and_world_size_are_given(monkeypatch):
+    """One of rank/world_size given is not enough to skip the comparison; both given is."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    expected = (
+        "RANK/WORLD_SIZE say rank 1 of 2, but no torch.distributed process group is initialised: sharding by "
+        "them, so this process reads 1/2 of the data and nothing synchronises the processes; start the process "
+        "group before the first pass, or pass rank=0, world_size=1 to read all of it"
+    )
+    assert sharding_note(rank=0) == expected
+    assert sharding_note(world_size=2) == expected
+    assert sharding_note(0, 2) is None

@@ -1,6 +1,7 @@
 """`pack`: exact bytes and labels, what is left out and why, atomic and parallel writes, shards."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -541,3 +542,47 @@ def test_more_workers_than_cpus_are_capped_with_a_warning(small_folder, tmp_path
     assert any(
         m.startswith("workers=999: more than the ") and f"packing with {available_cpus()}" in m for m in caplog.messages
     )
+
+
+@pytest.mark.parametrize("cpus", [1, 3])
+def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, tmp_path, caplog, monkeypatch, cpus):
+    """As many workers as CPUs: no warning, that many processes; one more: one line naming both numbers
+    (in words: '1 CPU', '3 CPUs'), and the CPUs' count of processes. The pool forks (the caller's script
+    is not re-run in each worker) and its workers die with this process."""
+    import concurrent.futures
+    import multiprocessing
+
+    import dali_fast.data.writer as writer
+    from dali_fast.system import die_with_parent
+
+    monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
+    started = []
+    real = concurrent.futures.ProcessPoolExecutor.__init__
+
+    def spy(self, max_workers=None, *args, **kwargs):
+        started.append((max_workers, kwargs))
+        real(self, max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "__init__", spy)
+    pack(small_folder, tmp_path / "ref", progress=False, workers=1)
+    want = sorted(MemmapReader(tmp_path / "ref").records["crc32"])
+    started.clear()
+    for name, workers in (("same", cpus), ("more", cpus + 1)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dali_fast.data.writer"):
+            pack(small_folder, tmp_path / name, progress=False, workers=workers)
+        assert sorted(MemmapReader(tmp_path / name).records["crc32"]) == want
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        if workers == cpus:
+            assert said == []
+        else:
+            unit = "1 CPU" if cpus == 1 else f"{cpus} CPUs"
+            assert said == [f"workers={workers}: more than the {unit} this process may use; packing with {cpus}"]
+    if cpus == 1:
+        assert started == []  # one worker: packed in this process
+    else:
+        assert [n for n, _ in started] == [cpus, cpus]
+        for _, kwargs in started:
+            assert kwargs["mp_context"].get_start_method() == "fork"
+            assert isinstance(kwargs["mp_context"], type(multiprocessing.get_context("fork")))
+            assert kwargs["initializer"] is die_with_parent and kwargs["initargs"] == (os.getpid(),)
