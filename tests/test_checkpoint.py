@@ -265,3 +265,18 @@ def test_a_file_that_is_not_a_checkpoint_is_named_in_one_line(tmp_path):
         f"{path}: not a dali-fast checkpoint of this version (no DFCKPT header); "
         "resume with the version that wrote it, or delete it to start over"
     )
+
+
+def test_a_field_only_one_side_s_setting_has_is_named_against_none():
+    """A recipe saved before a field existed (or after one was dropped): the refusal names that field, the
+    side without it standing for None."""
+    saved = {**CONFIG, "recipe": {"image_size": 32}}
+    current = {**CONFIG, "recipe": {"image_size": 32, "random_erasing": 0.25}}
+    tail = "; resume with the same settings or use a new --checkpoint folder"
+    with pytest.raises(ValueError) as e:
+        check_resume_config("ck/checkpoint.pt", saved, current)
+    was, now = "recipe.random_erasing=None", "recipe.random_erasing=0.25"
+    assert str(e.value) == f"ck/checkpoint.pt: saved with {was}, this run has {now}{tail}"
+    with pytest.raises(ValueError) as e:
+        check_resume_config("ck/checkpoint.pt", current, saved)
+    assert str(e.value) == f"ck/checkpoint.pt: saved with {now}, this run has {was}{tail}"

@@ -983,6 +983,99 @@ def test_what_abandons_a_pass_is_named_in_the_debug_log(index_reader, caplog):
     ]
 
 
+def _fresh_sampler_state(**kw):
+    return {
+        "epoch": 0,
+        "position": 0,
+        "seed": 4,
+        "n": 37,
+        "rank": 0,
+        "world_size": 1,
+        "shuffle": True,
+        "drop_last": False,
+        **kw,
+    }
+
+
+def test_close_before_any_pass_is_harmless_and_a_new_loader_s_state_is_exact(index_reader):
+    loader = ListBackend(index_reader, 8, device="cpu", seed=4)
+    expected = {"sampler": _fresh_sampler_state(), "finished": False, "batch_size": 8, "backend": "list"}
+    assert loader.state_dict() == expected and loader.state_dict()["finished"] is False
+    loader.close()  # no pass yet: nothing to end
+    assert loader.state_dict() == expected
+    assert sorted(listed(loader)) == list(range(37))
+
+
+def test_looping_again_without_set_epoch_saves_the_next_epoch_as_not_finished(index_reader):
+    loader = ListBackend(index_reader, 8, device="cpu", seed=4)
+    listed(loader)
+    assert loader.state_dict()["finished"] is True
+    it = iter(loader)
+    next(it)  # the next epoch's first batch
+    state = loader.state_dict()
+    assert state == {
+        "sampler": _fresh_sampler_state(epoch=1, position=8),
+        "finished": False,
+        "batch_size": 8,
+        "backend": "list",
+    }
+    assert state["finished"] is False
+    it.close()
+
+
+def test_close_mid_pass_closes_the_backend_s_run_before_its_close_runs(index_reader):
+    """The run of the pass in progress is closed first (its finally blocks release what it holds), then the
+    backend's close() runs: a backend never releases what its own run still uses."""
+
+    class Releasing(LoaderBase):
+        backend = "releasing"
+
+        def __init__(self, *args, **kw):
+            self.events = []
+            super().__init__(*args, **kw)
+
+        def _run(self, plan, start):
+            try:
+                for batch in plan:
+                    yield torch.zeros(len(batch), 1), torch.as_tensor(batch, dtype=torch.int64), len(batch)
+            finally:
+                self.events.append("run released")
+
+        def close(self):
+            self.events.append("backend close")
+
+    loader = Releasing(index_reader, 8, device="cpu")
+    it = iter(loader)
+    next(it)
+    loader.close()
+    assert loader.events == ["run released", "backend close"]
+    with pytest.raises(RuntimeError, match=r"^this pass over the loader ended when the loader was closed"):
+        next(it)
+
+
+def test_a_backend_whose_run_returns_a_plain_iterator_works(index_reader):
+    """_run may return any iterator of (images, labels, consumed), not only a generator."""
+
+    class Eager(LoaderBase):
+        backend = "eager"
+
+        def _run(self, plan, start):
+            return iter([(torch.zeros(len(b), 1), torch.as_tensor(b, dtype=torch.int64), len(b)) for b in plan])
+
+        def close(self):
+            pass
+
+    loader = Eager(index_reader, 8, device="cpu", seed=4)
+    first = listed(loader)
+    assert sorted(first) == list(range(37)) and loader.state_dict()["finished"] is True
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"^this pass over the loader ended when the loader was closed"):
+        next(it)
+    assert sorted(listed(loader)) == list(range(37))
+
+
 def test_the_batch_size_can_change_once_the_running_pass_is_abandoned(index_reader):
     loader = ListBackend(index_reader, 4, device="cpu")
     it = iter(loader)

@@ -410,3 +410,13 @@ def test_an_elastic_resume_never_gives_again_what_a_rank_had_read(new):
             after.extend(o.indices().tolist())
         assert not taken & set(after), position
         assert taken | set(after) == set(range(N)), position
+
+
+def test_a_refused_setting_is_named_with_both_values_in_one_line():
+    o = StreamingOrder(BOUNDS, seed=1, rank=0, world_size=1)
+    with pytest.raises(ValueError) as e:
+        o.load_state_dict(StreamingOrder(BOUNDS, seed=2, rank=0, world_size=1).state_dict())
+    assert str(e.value) == (
+        "cannot resume: the saved state has seed=2 but this order has seed=1; "
+        "resume with the same data set and settings"
+    )

@@ -586,3 +586,40 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, 
             assert kwargs["mp_context"].get_start_method() == "fork"
             assert isinstance(kwargs["mp_context"], type(multiprocessing.get_context("fork")))
             assert kwargs["initializer"] is die_with_parent and kwargs["initargs"] == (os.getpid(),)
+
+
+
+def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_every_cpu(tmp_path, monkeypatch):
+    """workers=None: under PACK_SMALL images, this process packs (starting workers would cost more than the
+    work), however many CPUs there are; from PACK_SMALL images on, one worker per CPU. The bytes are the same."""
+    import concurrent.futures
+
+    import dali_fast.data.writer as writer
+
+    monkeypatch.setattr(writer, "available_cpus", lambda: 2)
+    started = []
+    real = concurrent.futures.ProcessPoolExecutor.__init__
+
+    def spy(self, max_workers=None, *args, **kwargs):
+        started.append(max_workers)
+        real(self, max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "__init__", spy)
+    n = writer.PACK_SMALL
+    half = n // 2
+    src = make_folder(
+        tmp_path / "src",
+        {
+            "a": [jpeg_bytes(8 + i % 5, 8) for i in range(half)],
+            "b": [jpeg_bytes(9, 8 + i % 3) for i in range(n - half)],
+        },
+    )
+    report = pack(src, tmp_path / "all", progress=False)
+    assert started == [2] and report.records == n
+    (src / "b" / f"{n - half - 1:03d}.jpg").unlink()
+    started.clear()
+    report = pack(src, tmp_path / "under", progress=False)
+    assert started == [] and report.records == n - 1
+    pack(src, tmp_path / "one", progress=False, workers=1)
+    for name in (INDEX_FILE, DATA_FILE, "paths.bin"):
+        assert (tmp_path / "under" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
