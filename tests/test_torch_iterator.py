@@ -240,7 +240,6 @@ def _resources() -> tuple[int, set[str], set[int]]:
     """(open fds, /dev/shm entries, child processes) of this process."""
     import gc
     import os
-
     import time
 
     # Threads of an earlier loader (queue feeders) may still be closing their pipes: read once the count
