@@ -703,4 +703,6 @@ def test_one_pixel_is_a_size_and_a_size_that_is_not_a_square_is_named_in_pixels(
     c.begin_epoch()
     c.end_epoch(0)
     assert c.set_pixels(20000) == 32  # 2x the pixels: 100% predicted at 64, 50% at 32
-    assert c.history[-1]["reason"].startswith("image size 100 → 20000 pixels")
+    assert c.history[-1]["reason"] == "image size 10000 → 20000 pixels: predicted 100% at 64 > 50%"
+    c.set_pixels(22500)  # 150 x 150 after a size that is not a square: in pixels too
+    assert c.history[-1]["reason"].startswith("image size 20000 → 22500 pixels: ")

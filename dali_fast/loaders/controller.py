@@ -131,7 +131,7 @@ class BatchSizeController:
         if new != old:
             pred = self.predict(old * scale)
             why = f"predicted {pred:.0%} at {old}" if pred is not None else f"batch {old} over the ceiling"
-            reason = f"image size {_side(old_pixels)} → {_side(pixels)} px: {why} > {limit:.0%}"
+            reason = f"image size {_size_change(old_pixels, pixels)}: {why} > {limit:.0%}"
             self.history.append(
                 {
                     "epoch": None,
@@ -291,9 +291,12 @@ def _as_batch(x: float) -> float | int:
     return int(x) if float(x).is_integer() else float(x)
 
 
-def _side(pixels: int) -> str:
-    side = round(pixels**0.5)
-    return str(side) if side * side == pixels else f"{pixels} pixels"
+def _size_change(old: int, new: int) -> str:
+    """'160 → 192 px' for square images (their sides), else the pixel counts: '10000 → 20000 pixels'."""
+    sides = [round(p**0.5) for p in (old, new)]
+    if sides[0] * sides[0] == old and sides[1] * sides[1] == new:
+        return f"{sides[0]} → {sides[1]} px"
+    return f"{old} → {new} pixels"
 
 
 # pragma: no mutate block (rank agreement: tested with real processes and fakes)
