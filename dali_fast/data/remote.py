@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import weakref
 import zlib
 from collections import Counter
@@ -383,9 +384,13 @@ def _pack_index(part: dict[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+# np.load parses headers with ast, which CPython 3.11 cannot run in two threads at once (gh-106905)
+_NPY_LOAD = threading.Lock()
+
+
 def _load_index(path: Path) -> dict[str, Any] | None:
     try:
-        with np.load(path) as z:
+        with _NPY_LOAD, np.load(path) as z:
             part = {k: z[k] for k in ("offset", "size", "labels", "names", "name_ends")}
             part["crc"] = int(z["crc"])
             meta = json.loads(bytes(z["meta"]))
