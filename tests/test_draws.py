@@ -58,3 +58,51 @@ def test_erasing_boxes_follow_torchvisions_rule():
     assert abs((top / slack).mean() - 0.5) < 0.02 and abs((left / slack).mean() - 0.5) < 0.02
     assert (erasing_boxes(recipe.with_(random_erasing=0.0), 0, 0, np.arange(100)) == 0).all()
     assert (erasing_boxes(recipe, 0, 0, np.zeros(0, np.int64))).shape == (0, 4)
+
+
+def test_crop_draws_are_per_sample_whatever_the_batch_and_differ_by_epoch_and_seed():
+    from dali_fast.transforms.draws import CROP_DRAWS, crop_draws
+
+    batch = crop_draws(7, 3, [5, 9, 2])
+    assert len(batch) == 3 and all(len(row) == CROP_DRAWS for row in batch)
+    assert batch == [crop_draws(7, 3, [i])[0] for i in (5, 9, 2)]  # the same alone or in any batch
+    assert crop_draws(7, 4, [5]) != crop_draws(7, 3, [5]) and crop_draws(8, 3, [5]) != crop_draws(7, 3, [5])
+    assert all(0.0 <= u < 1.0 for row in batch for u in row)
+
+
+def test_sample_draws_take_each_uniform_once_in_the_generator_calls_the_crop_makes():
+    from dali_fast.transforms.draws import SampleDraws
+
+    d = SampleDraws([0.25, 0.5, 0.0, 1 - 2**-53, 0.75])
+    assert d.random() == 0.25
+    assert d.uniform(2.0, 4.0) == 3.0
+    assert d.integers(3, 8) == 3  # the lowest for 0.0
+    assert d.integers(0, 5) == 4  # never the upper bound, even for the largest uniform
+    assert d.integers(6, 7) == 6
+    with pytest.raises(IndexError):
+        d.random()  # more asked for than drawn: a bug, never a silent reuse
+
+
+def test_crop_boxes_from_sample_draws_fit_and_follow_a_generator_s_distribution():
+    """The crop and flip rule with the counter-based draws: boxes inside the image and of the ratio range
+    asked, their areas distributed as a numpy generator's draws give them, about half the samples mirrored."""
+    from dali_fast.transforms.draws import SampleDraws, crop_draws
+    from dali_fast.transforms.resize import random_resized_crop_box
+
+    def areas_and_flips(rngs):
+        areas, flips = [], 0
+        for rng in rngs:
+            left, top, w, h = random_resized_crop_box(rng, 500, 375)
+            assert 0 <= left and left + w <= 500 and 0 <= top and top + h <= 375 and w > 0 and h > 0
+            assert 3 / 4 - 0.02 <= w / h <= 4 / 3 + 0.02 or (w, h) == (500, 375)
+            areas.append(w * h / (500 * 375))
+            flips += rng.random() < 0.5
+        return np.array(areas), flips
+
+    ours, our_flips = areas_and_flips(SampleDraws(row) for row in crop_draws(0, 1, list(range(4000))))
+    numpy_rng = np.random.default_rng(0)
+    theirs, _ = areas_and_flips(numpy_rng for _ in range(4000))
+    assert 1850 < our_flips < 2150
+    assert ours.min() < 0.09 and ours.max() > 0.95
+    assert abs(ours.mean() - theirs.mean()) < 0.02
+    assert all(abs(np.quantile(ours, q) - np.quantile(theirs, q)) < 0.04 for q in (0.1, 0.25, 0.5, 0.75, 0.9))

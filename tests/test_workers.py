@@ -8,7 +8,7 @@ import torch
 from conftest import IndexReader, jpeg_bytes
 
 from dali_fast.loaders.workers import BatchMaker, OutputPool, SlotRing, Task, image_shape, slot_layout
-from dali_fast.transforms.draws import sample_rng
+from dali_fast.transforms.draws import SampleDraws, crop_draws
 from dali_fast.transforms.recipe import Recipe
 from dali_fast.transforms.resize import decode_crop
 
@@ -82,7 +82,7 @@ def test_a_batch_is_written_into_its_slot_with_bad_records_listed_not_raised():
     assert (ring.buffer[1, :5].float().mean((1, 2, 3)) > 20).all()  # good samples packed at the front
     # each image is exactly what decode_crop draws for its (seed, epoch, index), mirrored as drawn
     for k, i in enumerate([0, 1, 3, 4, 5]):
-        rng = sample_rng(5, 0, i)
+        rng = SampleDraws(crop_draws(5, 0, [i])[0])
         img = decode_crop(items[i], train=True, recipe=m.recipe, rng=rng)
         if rng.random() < m.recipe.hflip:
             img = img.flip(1)

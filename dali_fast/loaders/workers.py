@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from ..data.base import Reader, read_batch_checked
 from ..transforms.autoaugment import apply_policy
 from ..transforms.decode import Decoder
-from ..transforms.draws import sample_erasing_box, sample_rng
+from ..transforms.draws import SampleDraws, crop_draws, sample_erasing_box, sample_rng
 from ..transforms.recipe import AUGMENT_SALT, Recipe
 from ..transforms.resize import BadImage, decode_crop
 
@@ -256,6 +256,7 @@ class BatchMaker(Dataset):
         else:  # one read of the whole part: O(1) checks per packed record, files read in parallel
             datas, found, reasons = read_batch_checked(self.reader, [key[0] for key in keys])
         slot = self.buffer[task.slot].numpy()
+        draws = self._draws(keys)
         at = task.offset
         labels: list[int] = []
         boxes: list[tuple[int, int, int, int]] = []
@@ -264,7 +265,7 @@ class BatchMaker(Dataset):
             index = key[0]
             reason = reasons.get(pos)
             if reason is None:
-                reason, box = self._sample(datas[pos], index, key[1], slot[at])
+                reason, box = self._sample(datas[pos], index, key[1], slot[at], draws[pos])
             if reason is not None:
                 bad.append((index, reason))
                 continue
@@ -285,13 +286,22 @@ class BatchMaker(Dataset):
             "bad": bad,
         }
 
+    def _draws(self, keys: list[tuple]) -> list[list[float]]:
+        """Each key's crop and flip uniforms (`crop_draws`), for the part at once."""
+        if not self.train or not keys:
+            return [[]] * len(keys)
+        epoch = keys[0][1]
+        if all(key[1] == epoch for key in keys):
+            return crop_draws(self.seed, epoch, [key[0] for key in keys])
+        return [crop_draws(self.seed, key[1], [key[0]])[0] for key in keys]
+
     def _sample(
-        self, data: Any, index: int, epoch: int, out: np.ndarray
+        self, data: Any, index: int, epoch: int, out: np.ndarray, uniforms: list[float]
     ) -> tuple[str | None, tuple[int, int, int, int] | None]:
         """Decode, crop, resize, augment and mirror one record into ``out`` (its place in the slot, in the
-        slot's layout); (why it is bad, erasing box)."""
+        slot's layout), the crop and flip drawn from ``uniforms``; (why it is bad, erasing box)."""
         recipe = self.recipe
-        rng = sample_rng(self.seed, epoch, index)
+        rng = SampleDraws(uniforms)
         tmp: torch.Tensor = self._tmp  # type: ignore[assignment]
         try:
             image = decode_crop(data, train=self.train, recipe=recipe, rng=rng, decoder=self._decoder, out=tmp)

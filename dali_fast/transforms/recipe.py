@@ -40,7 +40,7 @@ MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
 ERASING_FILL_255 = tuple(float(round(m * 255)) for m in IMAGENET_MEAN_01)
 # Salts of the per-sample generators: the crop and flip use (seed, epoch, index); these draw apart from
 # them, so turning an augmentation on leaves the crops and flips of the default recipe as they were.
-AUGMENT_SALT, ERASING_SALT = 1, 2
+AUGMENT_SALT, ERASING_SALT, CROP_SALT = 1, 2, 3
 
 
 def _pair(name: str, value: Any, low: float, high: float | None = None) -> tuple[float, float]:

@@ -35,6 +35,7 @@ import torch
 
 from ..data.checks import pillow_reason
 from .decode import Decoder
+from .draws import SampleDraws
 from .recipe import Recipe
 
 PIL_RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST", "lanczos": "LANCZOS"}
@@ -50,9 +51,10 @@ def plain_bilinear(src_hw: tuple[int, int], out_hw: tuple[int, int]) -> bool:
 
 
 def random_resized_crop_box(
-    rng: np.random.Generator, width: int, height: int, scale=Recipe.scale, ratio=Recipe.ratio
+    rng: np.random.Generator | SampleDraws, width: int, height: int, scale=Recipe.scale, ratio=Recipe.ratio
 ) -> tuple[int, int, int, int]:
-    """(left, top, w, h) of a random-resized-crop window (the usual 10-attempt algorithm)."""
+    """(left, top, w, h) of a random-resized-crop window (the usual 10-attempt algorithm), drawn from ``rng``
+    (a numpy generator, or one sample's `SampleDraws`)."""
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
@@ -142,7 +144,7 @@ def decode_crop(
     *,
     train: bool,
     recipe: Recipe,
-    rng: np.random.Generator,
+    rng: np.random.Generator | SampleDraws,
     decoder: Decoder | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
