@@ -99,8 +99,9 @@ def test_erased_boxes_hold_the_mean_pixel_in_every_loader(backend, normalized):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_recipe_output_is_bit_identical_to_before(backend):
     """The default recipe's bytes must not change unnoticed. DALI's fingerprints were taken before recipes
-    existed; TorchIterator's when its shrinks under 2x became plain bilinear, the rest of its resize torch's
-    antialiased kernels, after libjpeg-turbo (held to Pillow and to bilinear interpolation's definition by
+    existed; TorchIterator's when its crop and flip came from counter-based draws (`crop_draws`), after its
+    shrinks under 2x became plain bilinear, the rest of its resize torch's antialiased kernels, after
+    libjpeg-turbo (held to Pillow and to bilinear interpolation's definition by
     test_torch_iterator.py::test_train_output_is_pillows_within_stated_levels).
     tests/default_output.py takes them, on the versions they name."""
     if backend == "dali":
