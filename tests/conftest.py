@@ -26,6 +26,18 @@ def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90,
     return out.getvalue()
 
 
+def first_batch(loader):
+    """The loader's first batch, its pass then left and closed at once (not whenever the garbage collector
+    reaches the generator: a pass finalized later, in the middle of other code, runs its cleanup there)."""
+    batches = iter(loader)
+    try:
+        return next(batches)
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
 def png_bytes(w: int = 40, h: int = 30, mode: str = "RGBA") -> bytes:
     arr = np.full((h, w, len(mode)), 120, np.uint8)
     out = io.BytesIO()

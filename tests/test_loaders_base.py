@@ -10,7 +10,7 @@ import numpy as np
 import odd_images
 import pytest
 import torch
-from conftest import IndexReader, jpeg_bytes, one_line, png_bytes
+from conftest import IndexReader, first_batch, jpeg_bytes, one_line, png_bytes
 from contract import each_once, run_close_mid_pass, run_save_load_state
 from PIL import Image
 
@@ -261,7 +261,7 @@ def test_shape_dtype_and_normalization(make, train, dtype):
     rgb = (200, 30, 60)
     reader = IndexReader([flat_png(rgb)] * 3)
     loader = make(reader, 3, train=train, dtype=dtype, image_size=24)
-    images, labels = next(iter(loader))
+    images, labels = first_batch(loader)
     assert images.shape == (3, 3, 24, 24) and images.dtype == dtype
     assert labels.dtype == torch.int64 and labels.shape == (3,)
     got = images.float().mean(dim=(0, 2, 3)).tolist()
@@ -316,7 +316,7 @@ def special_images():
 def test_grayscale_cmyk_png_alpha_progressive_decode_to_rgb(make):
     reader = IndexReader(special_images())
     loader = make(reader, 4, train=False, image_size=16)
-    images, labels = next(iter(loader))
+    images, labels = first_batch(loader)
     assert images.shape == (4, 3, 16, 16)
     means = images.float().mean(dim=(2, 3)).numpy()
     rgb = means * np.array(IMAGENET_STD)[None] / 1 + np.array(IMAGENET_MEAN)[None]
@@ -403,7 +403,7 @@ def test_gpu_mode_outputs_on_cuda_exactly_once(make, index_reader):
         each_once(labels, range(37))
     rgb = (200, 30, 60)
     flat = make(IndexReader([flat_png(rgb)] * 4), 4, device="cuda", train=False)
-    images, _ = next(iter(flat))
+    images, _ = first_batch(flat)
     assert np.allclose(images.float().mean(dim=(0, 2, 3)).cpu().numpy(), normalized(rgb), atol=1e-2)
 
 
@@ -478,7 +478,7 @@ def test_resume_with_new_batch_size_and_drop_last_keeps_full_batches(make, index
 
 def test_peek_then_train_loses_nothing(make, index_reader):
     loader = make(index_reader, 8, seed=1)
-    images, labels = next(iter(loader))  # look at the shapes first
+    images, labels = first_batch(loader)  # look at the shapes first
     assert images.shape[0] == 8
     labels0, sizes = epoch_labels(loader, 0)
     assert sorted(labels0) == list(range(37)) and sizes == [8, 8, 8, 8, 5]
@@ -564,7 +564,7 @@ def test_defaults_are_the_documented_ones(index_reader):
     assert (loader.image_size, loader.seed, loader.train, loader.drop_last) == (224, 0, True, False)
     assert (loader.prefetch, loader.on_error) == (2, "raise")  # docs/loaders.md's signature
     assert loader.gpu is (auto_device() == "cuda") and loader.cache_stats() is None  # the GPU when usable; no cache
-    images, labels = next(iter(loader))
+    images, labels = first_batch(loader)
     assert images.shape == (8, 3, 224, 224) and images.device.type == auto_device() and images.dtype == torch.float32
     same = TorchIterator(index_reader, 8, num_workers=0, seed=0, image_size=224)
     assert epoch_labels(loader, 3)[0] == epoch_labels(same, 3)[0]
@@ -603,7 +603,7 @@ def test_bad_arguments_exact_message(make, index_reader, kw, message):
 
 def test_smallest_valid_arguments(make, index_reader):
     loader = make(index_reader, 1, image_size=1, num_threads=1, prefetch=1, cache_bytes=1)
-    images, labels = next(iter(loader))
+    images, labels = first_batch(loader)
     assert images.shape == (1, 3, 1, 1) and labels.shape == (1,)
     assert len(make(IndexReader([jpeg_bytes()]), 1).sampler) == 1  # a data set of one record
     with pytest.raises(ValueError) as e:

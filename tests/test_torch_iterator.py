@@ -9,7 +9,7 @@ import numpy as np
 import odd_images
 import pytest
 import torch
-from conftest import IndexReader
+from conftest import IndexReader, first_batch
 
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
@@ -143,12 +143,12 @@ def test_odd_images_decode_alike_in_all_three_loaders():
     refs = [_eval_reference(truth, size) for _, truth in odd.values()]
     got = {"baseline": [BaselineDataset(reader, train=False, image_size=size)[i][0] for i in range(len(names))]}
     torch_it = TorchIterator(reader, len(names), train=False, image_size=size, device="cpu", num_workers=0)
-    got["torch"] = list(next(iter(torch_it))[0])
+    got["torch"] = list(first_batch(torch_it)[0])
     if importlib.util.find_spec("nvidia.dali") is not None:
         from dali_fast import DALIIterator
 
         dali_it = DALIIterator(reader, len(names), train=False, image_size=size, device="cpu", num_threads=2)
-        got["dali"] = list(next(iter(dali_it))[0])
+        got["dali"] = list(first_batch(dali_it)[0])
     for loader, images in got.items():
         for name, ref, x in zip(names, refs, images, strict=True):
             diff = np.abs(_denormalized(x) - ref).mean()
@@ -200,7 +200,7 @@ def test_train_output_is_pillows_within_stated_levels():
     crop_diff, box_diff, inner_max, plain_diff, plain_def_max = [], [], 0, [], 0
     for epoch in (0, 1, 2):
         loader.set_epoch(epoch)
-        x, _ = next(iter(loader))
+        x, _ = first_batch(loader)
         for k, i in enumerate(loader.last_indices.tolist()):
             rgb = decode_rgb(items[i][0])
             im = Image.fromarray(rgb)
