@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import io
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
-
-if os.environ.get("MUTANT_UNDER_TEST") == "stats":
-    # mutmut's clean pass records which tests reach which functions in a ContextVar call stack; a
-    # generator finalized by the cycle collector in the middle of another call broke it ("'Pass' and
-    # 'int'"). Without the collector, objects go when their last reference does, where the code says.
-    gc.disable()
 
 if "mutmut" in sys.modules:
     # A mutation run forks a process per mutant from one that has run the tests: torch's OpenMP threads do
