@@ -631,16 +631,7 @@ def test_state_dict_is_exact_and_round_trips_everything(make, index_reader):
     epoch_labels(loader, limit=1)
     state = loader.state_dict()
     assert state == {
-        "sampler": {
-            "epoch": 2,
-            "position": 8,
-            "seed": 4,
-            "n": 37,
-            "rank": 0,
-            "world_size": 1,
-            "shuffle": True,
-            "drop_last": False,
-        },
+        "sampler": _fresh_sampler_state(epoch=2, position=8),
         "finished": False,
         "batch_size": 8,
         "backend": make.backend,

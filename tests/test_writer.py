@@ -523,40 +523,12 @@ def test_an_empty_class_folder_is_named_and_keeps_its_label(small_folder, tmp_pa
     assert any("'dodo' (label 1)" in m for m in caplog.messages)
 
 
-def test_more_workers_than_cpus_are_capped_with_a_warning(small_folder, tmp_path, caplog, monkeypatch):
+@pytest.fixture
+def pools(monkeypatch) -> list[tuple[int, dict]]:
+    """(max_workers, keyword arguments) of each process pool started while the test runs."""
     import concurrent.futures
 
-    from dali_fast.system import available_cpus
-
-    started = []
-    real = concurrent.futures.ProcessPoolExecutor.__init__
-
-    def spy(self, max_workers=None, *args, **kwargs):
-        started.append(max_workers)
-        real(self, max_workers, *args, **kwargs)
-
-    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "__init__", spy)
-    with caplog.at_level("WARNING"):
-        pack(small_folder, tmp_path / "p", progress=False, workers=999)
-    assert started == [available_cpus()] or (available_cpus() == 1 and started == [])
-    assert any(
-        m.startswith("workers=999: more than the ") and f"packing with {available_cpus()}" in m for m in caplog.messages
-    )
-
-
-@pytest.mark.parametrize("cpus", [1, 3])
-def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, tmp_path, caplog, monkeypatch, cpus):
-    """As many workers as CPUs: no warning, that many processes; one more: one line naming both numbers
-    (in words: '1 CPU', '3 CPUs'), and the CPUs' count of processes. The pool forks (the caller's script
-    is not re-run in each worker) and its workers die with this process."""
-    import concurrent.futures
-    import multiprocessing
-
-    import dali_fast.data.writer as writer
-    from dali_fast.system import die_with_parent
-
-    monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
-    started = []
+    started: list[tuple[int, dict]] = []
     real = concurrent.futures.ProcessPoolExecutor.__init__
 
     def spy(self, max_workers=None, *args, **kwargs):
@@ -564,6 +536,33 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, 
         real(self, max_workers, *args, **kwargs)
 
     monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "__init__", spy)
+    return started
+
+
+def test_more_workers_than_cpus_are_capped_with_a_warning(small_folder, tmp_path, caplog, pools):
+    from dali_fast.system import available_cpus
+
+    with caplog.at_level("WARNING"):
+        pack(small_folder, tmp_path / "p", progress=False, workers=999)
+    started = [n for n, _ in pools]
+    assert started == [available_cpus()] or (available_cpus() == 1 and started == [])
+    assert any(
+        m.startswith("workers=999: more than the ") and f"packing with {available_cpus()}" in m for m in caplog.messages
+    )
+
+
+@pytest.mark.parametrize("cpus", [1, 3])
+def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, tmp_path, caplog, monkeypatch, pools, cpus):
+    """As many workers as CPUs: no warning, that many processes; one more: one line naming both numbers
+    (in words: '1 CPU', '3 CPUs'), and the CPUs' count of processes. The pool forks (the caller's script
+    is not re-run in each worker) and its workers die with this process."""
+    import multiprocessing
+
+    import dali_fast.data.writer as writer
+    from dali_fast.system import die_with_parent
+
+    monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
+    started = pools
     pack(small_folder, tmp_path / "ref", progress=False, workers=1)
     want = sorted(MemmapReader(tmp_path / "ref").records["crc32"])
     started.clear()
@@ -588,23 +587,12 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, 
             assert kwargs["initializer"] is die_with_parent and kwargs["initargs"] == (os.getpid(),)
 
 
-
-def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_every_cpu(tmp_path, monkeypatch):
+def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_every_cpu(tmp_path, monkeypatch, pools):
     """workers=None: under PACK_SMALL images, this process packs (starting workers would cost more than the
     work), however many CPUs there are; from PACK_SMALL images on, one worker per CPU. The bytes are the same."""
-    import concurrent.futures
-
     import dali_fast.data.writer as writer
 
     monkeypatch.setattr(writer, "available_cpus", lambda: 2)
-    started = []
-    real = concurrent.futures.ProcessPoolExecutor.__init__
-
-    def spy(self, max_workers=None, *args, **kwargs):
-        started.append(max_workers)
-        real(self, max_workers, *args, **kwargs)
-
-    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "__init__", spy)
     n = writer.PACK_SMALL
     half = n // 2
     src = make_folder(
@@ -615,11 +603,11 @@ def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_e
         },
     )
     report = pack(src, tmp_path / "all", progress=False)
-    assert started == [2] and report.records == n
+    assert [w for w, _ in pools] == [2] and report.records == n
     (src / "b" / f"{n - half - 1:03d}.jpg").unlink()
-    started.clear()
+    pools.clear()
     report = pack(src, tmp_path / "under", progress=False)
-    assert started == [] and report.records == n - 1
+    assert pools == [] and report.records == n - 1
     pack(src, tmp_path / "one", progress=False, workers=1)
     for name in (INDEX_FILE, DATA_FILE, "paths.bin"):
         assert (tmp_path / "under" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
