@@ -64,7 +64,7 @@ def open_nvml(gpu: bool) -> tuple[Any, Any]:
     try:
         import pynvml
 
-        from dali_fast.system import nvml_handle
+        from dali_fast.machine import nvml_handle
 
         pynvml.nvmlInit()
         return pynvml, nvml_handle(pynvml, torch.cuda.current_device())

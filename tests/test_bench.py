@@ -129,7 +129,7 @@ def test_bench_puts_each_augmentation_side_by_side(tiny_packed, tmp_path):
 def test_the_limit_row_measures_decode_only_with_the_same_processes(tiny_packed, tmp_path):
     """The machine's ceiling on the same data, in the same run: every record read and decoded whole by
     as many processes as the loaders get; each loader row reads as a share of it."""
-    from dali_fast.system import available_cpus
+    from dali_fast.machine import available_cpus
 
     result = run_bench(
         str(tiny_packed / "images"),

@@ -552,7 +552,7 @@ def test_not_a_state_dict_is_one_line(make, index_reader):
 def auto_device() -> str:
     """Where device="auto" puts a loader's output on this host: a test that leaves the device to the
     loader asserts this, not "cpu" (the same suite runs on GPU hosts)."""
-    from dali_fast.system import cuda_usable
+    from dali_fast.machine import cuda_usable
 
     return "cuda" if cuda_usable() else "cpu"
 

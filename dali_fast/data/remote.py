@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from ..system import atomic_write, cache_folder, plural
+from ..files import atomic_write, cache_folder
+from ..text import plural
 from .base import check_on_error
 from .checks import check_index
 from .remote_cache import ShardCache, close_lock, open_lock

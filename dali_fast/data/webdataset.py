@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_write, default_cache_dir, plural
+from ..files import atomic_write, default_cache_dir
+from ..text import plural
 from .base import CheckedBatch, check_on_error, read_parallel
 from .checks import check_encoded, check_index
 from .shards import expand_shards, index_shard, refuse_compressed, shard_classes

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..system import cpus_per_local_rank, cuda_usable
+from ..machine import cpus_per_local_rank, cuda_usable
 
 
 def default_num_workers() -> int:

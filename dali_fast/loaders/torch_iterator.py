@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..data.base import Reader, read_checked
-from ..system import local_device_index
+from ..machine import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
 from .bad_records import BadRecordError, bad_record_message
 from .base import LoaderBase

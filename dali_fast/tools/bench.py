@@ -12,8 +12,10 @@ from typing import Any
 
 from ..data.open import open_dataset
 from ..data.synthetic import default_dataset
+from ..files import atomic_write, check_writable_folder
 from ..loaders.factory import BACKENDS
-from ..system import atomic_write, available_cpus, check_writable_folder, plural
+from ..machine import available_cpus
+from ..text import plural
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 from . import report

@@ -17,7 +17,8 @@ from ..data.open import open_dataset
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
 from ..loaders.workers import _as_is, worker_init
-from ..system import available_cpus, progress_bar
+from ..machine import available_cpus
+from ..text import progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix

@@ -34,10 +34,11 @@ from ..data.base import Reader
 from ..data.cache import CachedReader, LRUCache
 from ..data.open import open_dataset
 from ..data.synthetic import default_dataset
+from ..files import atomic_write, check_writable_folder
 from ..loaders.baseline import BaselineDataset, make_baseline_loader
 from ..loaders.dataloader import make_dataloader
 from ..loaders.factory import dali_status
-from ..system import atomic_write, available_cpus, check_writable_folder, memory_capacity
+from ..machine import available_cpus, memory_capacity
 from ..transforms.recipe import Progressive, Recipe
 from . import report
 from .bench import check_batch_fits
