@@ -9,7 +9,7 @@ from .base import Reader
 from .folder import ImageFolderReader
 from .format import INDEX_FILE
 from .packed import MemmapReader
-from .remote_store import is_remote
+from .remote.store import is_remote
 from .shards import is_webdataset
 from .webdataset import WebDatasetReader
 
@@ -20,7 +20,7 @@ def open_dataset(path: str | os.PathLike, **webdataset_kw: object) -> Reader:
     ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
     shards, streamed through a node-local cache (`remote.RemoteShardsReader`, which takes the keywords)."""
     if is_remote(path):
-        from .remote import RemoteShardsReader  # fsspec and its backends load with it
+        from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
 
         return RemoteShardsReader(str(path), **webdataset_kw)  # type: ignore[arg-type]
     p = Path(path)
