@@ -367,7 +367,7 @@ def step_failures(args: argparse.Namespace) -> None:
     finally:
         big.close()
         del hog
-        from dali_fast.loaders.probes import release_unused_memory
+        from dali_fast.loaders.memory_probes import release_unused_memory
 
         release_unused_memory()
 
@@ -523,7 +523,7 @@ def step_controller(args: argparse.Namespace) -> None:
     the first epoch). Per epoch: its batch size and decision, the peak it read, and the device memory in
     use right after it released the caches (the old pipeline must be gone by then)."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.loaders.probes import release_unused_memory
+    from dali_fast.loaders.memory_probes import release_unused_memory
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_controller import ScriptedProbe
 
-from dali_fast.loaders.probes import DeviceMemoryProbe, HostProbe, MaxProbe, NvmlProbe, TorchCudaProbe
+from dali_fast.loaders.memory_probes import DeviceMemoryProbe, HostProbe, MaxProbe, NvmlProbe, TorchCudaProbe
 
 
 def test_nvml_probe_reads_fake_handles(monkeypatch):

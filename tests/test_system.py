@@ -141,7 +141,7 @@ class EightGpuNvml:
 
 
 def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
-    from dali_fast.loaders.probes import NvmlProbe
+    from dali_fast.loaders.memory_probes import NvmlProbe
     from dali_fast.machine import nvml_handle
 
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host

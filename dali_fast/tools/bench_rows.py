@@ -16,7 +16,7 @@ from ..data.base import read_checked
 from ..data.open import open_dataset
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
-from ..loaders.workers import _as_is, worker_init
+from ..loaders.torch_worker import collate_as_is, worker_init
 from ..machine import available_cpus
 from ..text import progress_bar
 from ..train.trainer import Trainer
@@ -275,7 +275,7 @@ def limit_row(reader: Any, *, workers: int, batch_size: int, monitor: Any, progr
     order = list(range(len(reader)))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     kw: dict[str, Any] = {"persistent_workers": True, "worker_init_fn": worker_init} if workers else {}
-    loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=_as_is, **kw)
+    loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=collate_as_is, **kw)
     extra = {"workers": workers, "cache": None, "batch_decisions": []}
     return Row(LIMIT, LIMIT, loader, len(reader), int, monitor=monitor, progress=progress, extra=extra)
 
