@@ -56,7 +56,7 @@ FULL_STEPS=(
   "sigkill + resume|300|bash $PWD/benchmarks/gpu_kill_resume.sh $WORK/ckpt"
   "bench none|300|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out $WORK/none"
   "bench resnet50|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 128 --model resnet50 --controller --out $WORK/resnet50"
-  "bench stages|600|$PY -m dali_fast bench --stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $WORK/stages"
+  "bench stages|600|$PY -m dali_fast stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $WORK/stages"
   "bench recipes|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --loaders torch,dali --augment none,randaugment,trivialaugment,autoaugment --random-erasing 0.25 --mixup 0.8 --cutmix 1.0 --out $WORK/recipes"
   "progressive resnet50|600|$PY benchmarks/progressive.py --images 2048 --batch-size 128 --model resnet50 --repeats 1 --epochs 6 --ramp 160:224:1:4 --json $WORK/progressive.json"
   "torchrun 2 GPUs|300|$PY -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint $WORK/ddp-ckpt --out $WORK/ddp"

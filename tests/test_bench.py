@@ -176,14 +176,6 @@ def test_table_with_a_limit_row():
     assert failed[2].endswith("| 1.00x | - |") and "failed: OSError: gone" in failed[3]
 
 
-def test_no_limit_is_refused_with_stages(tmp_path, capsys):
-    from dali_fast.cli import main
-
-    assert main(["bench", str(tmp_path), "--stages", "--no-limit"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--no-limit" in err
-
-
 def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
     """--alternate: every row warms up, then the rows take turns, one timed epoch each."""
     from dali_fast.tools import bench_rows

@@ -129,7 +129,7 @@ def small_command(command: str) -> list[str]:
         else:
             out.append(w)
     command_name = next((w for w in words[1:] if not w.startswith("-")), "")
-    if command_name in ("bench", "train") and "--batch-size" not in out:
+    if command_name in ("bench", "stages", "train") and "--batch-size" not in out:
         out += ["--batch-size", "2"]
     if command_name == "train" and "--model" not in out:
         out += ["--model", "resnet_tiny"]
