@@ -23,7 +23,6 @@ from ..files import atomic_dir
 from ..machine import available_cpus, die_with_parent
 from ..text import plural, progress_bar
 from .checks import check_encoded, pillow_reason
-from .folder import scan_image_folder
 from .format import (
     DATA_FILE,
     FORMAT_VERSION,
@@ -32,11 +31,14 @@ from .format import (
     MAGIC,
     META_FILE,
     PATHS_FILE,
-    RECORD_DTYPE,
     SHARD_FILE,
+    TARGET_CODES,
+    encode_targets,
+    record_dtype,
 )
+from .pack_sources import PackItem, Source, pack_sources
 from .shards import is_webdataset
-from .webdataset import WebDatasetReader
+from .targets import ListTargets, check_target
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,13 @@ class PackReport:
     reencoded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    target: str = "class"  # what each record's target is (a target block per row unless "class")
+    target_width: int = 0  # K classes (multihot) or D numbers (float)
 
     def summary(self) -> str:
+        targets = "" if self.target == "class" else f" with {self.target} targets of width {self.target_width}"
         return (
-            f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
+            f"packed {self.records} records of {self.classes} classes{targets} ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
         )
 
@@ -90,19 +95,6 @@ def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | No
 # pragma: no mutate end
 
 
-Source = str | tuple[str, int, int]  # a file, or (file, offset, size) of a member inside one (a tar shard)
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One image to pack: where its bytes are, its label, its name in reports and in paths.bin."""
-
-    source: Source
-    label: int
-    shown: str
-    stored: bytes
-
-
 def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
     """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
     try:
@@ -134,8 +126,8 @@ PACK_SMALL = 256  # below this many images the default is one process (starting 
 
 
 def _prepared(
-    items: list[_Item], verify: bool, max_side: int | None, workers: int
-) -> Iterator[tuple[_Item, tuple[bytes | None, str | None, bool]]]:
+    items: list[PackItem], verify: bool, max_side: int | None, workers: int
+) -> Iterator[tuple[PackItem, tuple[bytes | None, str | None, bool]]]:
     """(path, label, prepared) for each item, in order: in this process, or by ``workers`` processes with
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
@@ -231,6 +223,8 @@ def pack(
     progress: bool = True,  # pragma: no mutate (display only)
     workers: int | None = None,
     shard_size: int | None = None,
+    target: str | None = None,
+    num_classes: int | None = None,
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
@@ -246,11 +240,18 @@ def pack(
     ``shard_size`` (bytes) writes the images into ``data-00000.bin``, ``data-00001.bin``, ... of at most
     that size each (no record spans two), under one index: files stay under file-system and object-store
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
+
+    ``target="multihot"`` (with ``num_classes``) or ``"float"`` packs each record's target too, as a
+    fixed-width block at the end of its index row (see `format`), read from the source's target lists
+    (`open_dataset`'s ``target``: each sample's ``.json``, or ``labels.csv`` beside the class folders); a
+    record whose target is bad (an index outside the classes, a number that is not finite) is left out
+    and listed, as an undecodable image is.
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     shards = _check_pack_arguments(src, dst, max_side, workers, shard_size)
-    classes, items, report = _sources(src, dst, shards)
+    check_target(target, num_classes)
+    classes, items, report, targets = _sources(src, dst, shards, target, num_classes)
     if workers is None:  # every CPU, where starting the worker processes pays off
         workers = available_cpus() if len(items) >= PACK_SMALL else 1
     workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
@@ -258,13 +259,17 @@ def pack(
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
         try:  # the bar is closed before any error is written under it
             prepared = _prepared(items, verify, max_side, workers)
-            rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
+            rows, data_bytes, paths_bytes = _write_records(
+                tmp, prepared, len(items), shard_size, report, bar, targets
+            )
         finally:
             bar.close()
-        _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size)
+        _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size, report)
         meta = {
             "format_version": FORMAT_VERSION,
             "classes": classes,
+            "target": report.target,
+            "target_width": report.target_width,
             "source_root": str(src.resolve()),
             "records": len(rows),
             "skipped": len(report.skipped),
@@ -306,38 +311,30 @@ def _check_pack_arguments(
     return shards
 
 
-def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item], PackReport]:
-    """(classes, the images to pack, the report so far: what is left out before reading any image)."""
-    if shards:  # WebDataset shards: converted to a packed set
-        wds = WebDatasetReader(str(src))
-        classes, other, unlisted = wds.classes, [], list(wds.skipped)
-        labels = wds.labels
-        items = []
-        for i in range(len(wds)):
-            name = wds.source(i)
-            items.append(_Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
-    else:
-        classes, found, other, unlisted = scan_image_folder(src)
-        items = [_Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
-    if not items:
-        raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
-    report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
-    report.skipped += unlisted
-    for p in other:
-        report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
-    return classes, items, report
+def _sources(
+    src: Path, dst: Path, shards: bool, target: str | None, num_classes: int | None
+) -> tuple[list[str], list[PackItem], PackReport, ListTargets | None]:
+    """(classes, the images to pack, the report so far: what is left out before reading any image, and
+    the items' targets, None for class targets; `pack_sources`)."""
+    found = pack_sources(src, shards, target, num_classes)
+    report = PackReport(dst=dst, records=0, classes=len(found.classes), data_bytes=0, skipped=found.left_out)
+    if found.targets is not None:
+        report.target, report.target_width = found.targets.kind, found.targets.width
+    return found.classes, found.items, report, found.targets
 
 
 def _write_records(
     tmp: Path,
-    prepared: Iterator[tuple[_Item, tuple[bytes | None, str | None, bool]]],
+    prepared: Iterator[tuple[PackItem, tuple[bytes | None, str | None, bool]]],
     count: int,
     shard_size: int | None,
     report: PackReport,
     bar: _PackProgress,
+    targets: ListTargets | None = None,
 ) -> tuple[np.ndarray, int, int]:
-    """Write the prepared images and their paths in order: (the index rows, data bytes, path bytes)."""
-    rows = np.zeros(count, dtype=RECORD_DTYPE)
+    """Write the prepared images and their paths in order: (the index rows, data bytes, path bytes). A
+    row's crc32 covers the record's bytes, then its target block."""
+    rows = np.zeros(count, dtype=record_dtype(report.target, report.target_width))
     n = offset = path_offset = 0
     data_out = _DataWriter(tmp, shard_size)
     with open(tmp / PATHS_FILE, "wb") as paths_f:
@@ -354,7 +351,13 @@ def _write_records(
                     "use a larger --shard-size"
                 )
             at = data_out.write(payload)
-            rows[n] = (at, len(payload), item.label, zlib.crc32(payload), len(pbytes), path_offset)
+            crc = zlib.crc32(payload)
+            if targets is None:
+                rows[n] = (at, len(payload), item.label, crc, len(pbytes), path_offset)
+            else:
+                block = encode_targets(targets.rows([item.target]), targets.kind, targets.width)[0]
+                crc = zlib.crc32(block.tobytes(), crc)
+                rows[n] = (at, len(payload), item.label, crc, len(pbytes), path_offset, block)
             paths_f.write(pbytes)
             offset += len(payload)
             path_offset += len(pbytes)
@@ -366,21 +369,28 @@ def _write_records(
 
 
 def _write_index(
-    tmp: Path, rows: np.ndarray, data_bytes: int, paths_bytes: int, classes: int, shard_size: int | None
+    tmp: Path,
+    rows: np.ndarray,
+    data_bytes: int,
+    paths_bytes: int,
+    classes: int,
+    shard_size: int | None,
+    report: PackReport,
 ) -> None:
-    """index.bin: the header (with the crc32 of the rows) and the rows."""
+    """index.bin: the header (with the crc32 of the rows, and what the rows' target blocks hold) and the rows."""
     header = np.zeros(1, dtype=HEADER_DTYPE)
     header[0] = (
         MAGIC,
         FORMAT_VERSION,
-        RECORD_DTYPE.itemsize,
+        rows.dtype.itemsize,
         len(rows),
         data_bytes,
         paths_bytes,
         zlib.crc32(rows.tobytes()),
         classes,
         shard_size or 0,
-        0,
+        TARGET_CODES[report.target],
+        report.target_width,
     )
     with open(tmp / INDEX_FILE, "wb") as f:
         f.write(header.tobytes())
