@@ -23,15 +23,16 @@ class UserError(Exception):
 def _cmd_make_synthetic(args: argparse.Namespace) -> int:
     from .data.synthetic import make_synthetic
 
-    make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed)
-    print(f"wrote {args.images} images in {args.classes} classes to {args.out}")
+    make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed, multi_label=args.multi_label)
+    where = f"{args.out} (targets in {Path(args.out) / 'labels.csv'})" if args.multi_label else args.out
+    print(f"wrote {args.images} images in {args.classes} classes to {where}")
     return 0
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .data.writer import pack
 
-    kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
+    kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None, **_targets(args)}
     report = pack(args.src, args.dst, verify=not args.no_verify, **kw)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
@@ -40,7 +41,27 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect_dataset
 
-    return inspect_dataset(args.dataset, verify=args.verify, emit=print)
+    return inspect_dataset(args.dataset, verify=args.verify, emit=print, **_targets(args))
+
+
+def _targets(args: argparse.Namespace) -> dict[str, Any]:
+    """``open_dataset``'s ``target`` and ``num_classes`` from --target and --num-classes."""
+    return {"target": args.target, "num_classes": args.num_classes}
+
+
+def _dataset_with_targets(args: argparse.Namespace) -> Any:
+    """``args.dataset`` opened with --target/--num-classes when either is given (else as it is: bench and
+    train open it themselves); the synthetic default set has class targets only."""
+    if args.target is None and args.num_classes is None:
+        return args.dataset
+    if args.dataset is None:
+        raise UserError(
+            f"--target {args.target or 'class'} needs a DATASET with targets (the default synthetic set has one "
+            "class per image); make one with `dali-fast make-synthetic OUT --multi-label`"
+        )
+    from .data.open import open_dataset
+
+    return open_dataset(args.dataset, **_targets(args))
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -117,7 +138,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}
     result = run_bench(
-        args.dataset,
+        _dataset_with_targets(args),
         images=args.images,
         loaders=loaders,
         epochs=args.epochs,
@@ -152,7 +173,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
-    run_train(open_dataset(args.dataset or default_dataset(args.images)[1]), config, emit=print)
+    if args.target is None and args.num_classes is None:
+        reader = open_dataset(args.dataset or default_dataset(args.images)[1])
+    else:
+        reader = _dataset_with_targets(args)
+    run_train(reader, config, emit=print)
     return 0
 
 

@@ -210,7 +210,7 @@ class TorchIterator(LoaderBase):
         nothing outside holds it, else new), labels, and on a GPU the event that marks the end of the copy
         out of the slot."""
         recipe = self.recipe
-        labels = torch.from_numpy(b["labels"])
+        labels = self._batch_targets(b["indices"], torch.from_numpy(b["labels"]))
         boxes = None if b["boxes"] is None else torch.from_numpy(b["boxes"])
         if self._layout == "HWC":
             pixels = pixels.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory
@@ -267,6 +267,7 @@ def _whole_batches(parts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 "n": sum(p["n"] for p in done),
                 "ranges": [(p["offset"], p["n"]) for p in done],
                 "labels": np.concatenate([p["labels"] for p in done]),
+                "indices": np.concatenate([p["indices"] for p in done]),
                 "boxes": np.concatenate(boxes) if boxes else None,
                 "consumed": sum(p["consumed"] for p in done),
                 "bad": [bad for p in done for bad in p["bad"]],
