@@ -91,9 +91,10 @@ def read_labels_csv(root: Path, files: Sequence[Path]) -> tuple[list[int], np.nd
                 try:
                     numbers.append(float(word))
                 except ValueError:
+                    header = "; a header row starts with 'path'" if not rows else ""
                     raise ValueError(
                         f"{path} line {line}: {word!r} is not a number; a row is an image's path, then its class "
-                        "indices (multihot) or numbers (float)"
+                        f"indices (multihot) or numbers (float){header}"
                     ) from None
             key = PurePosixPath(name).as_posix()
             if key in rows:

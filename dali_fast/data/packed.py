@@ -108,7 +108,8 @@ class MemmapReader:
         if version == 1:
             raise ValueError(
                 f"{index_path}: format version 1 (an older dali_fast, whose labels were not checksummed), "
-                f"this dali_fast reads version {FORMAT_VERSION}; pack the data set again with `dali-fast pack`"
+                f"this dali_fast reads versions {READ_VERSIONS[0]} to {FORMAT_VERSION}; pack the data set again "
+                "with `dali-fast pack`"
             )
         if version > FORMAT_VERSION:
             raise ValueError(
@@ -183,9 +184,10 @@ class MemmapReader:
             stored = kinds[code]
         wanted = self._target
         if wanted not in (None, "class", stored):
+            ways = f"target='{stored}'" + (" or 'class'" if stored != "class" else "")
             raise ValueError(
                 f"{self.path}: packed with {stored} targets, target={wanted!r} was asked for; open it with "
-                f"target='{stored}' or 'class', or pack it again from a source with {wanted} targets"
+                f"{ways}, or pack it again from a source with {wanted} targets"
             )
         if self._num_classes is not None and self._num_classes != width:
             raise ValueError(

@@ -127,13 +127,6 @@ class ListTargets:
         idx = np.asarray(indices, dtype=np.int64)
         return {int(pos): self.bad[int(idx[pos])] for pos in np.flatnonzero(self._bad_mask[idx])}
 
-    def positives(self) -> np.ndarray:
-        """Multi-hot targets: how many good records have each class (int64, ``width`` long)."""
-        if self.kind != "multihot":
-            raise ValueError("positives() counts the classes of multi-hot targets")
-        keep = ~np.repeat(self._bad_mask, self._ends - self._starts)
-        return np.bincount(self._cols[keep], minlength=self.width).astype(np.int64)
-
 
 def _firsts(rec: np.ndarray, wrong: np.ndarray) -> list[int]:
     """The position of each record's first wrong value (``rec``: the record of each value)."""

@@ -268,13 +268,13 @@ def pack(
         meta = {
             "format_version": FORMAT_VERSION,
             "classes": classes,
-            "target": report.target,
-            "target_width": report.target_width,
             "source_root": str(src.resolve()),
             "records": len(rows),
             "skipped": len(report.skipped),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if report.target != "class":
+            meta.update(target=report.target, target_width=report.target_width)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
     report.records, report.data_bytes = len(rows), data_bytes
     report.seconds = time.perf_counter() - t0
