@@ -13,14 +13,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import jpeg_bytes, make_folder, one_line
+from conftest import jpeg_bytes, make_folder
 from contract import run_save_load_state
-from test_loaders_base import loader_class
 
 from dali_fast import open_dataset, pack
 from dali_fast.data.folder import read_labels_csv
 from dali_fast.data.targets import ListTargets, SubsetTargets, check_target, target_spec
 from dali_fast.loaders.bad_records import BadRecordError
+
+
+def loader_class(backend: str):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+        from dali_fast import DALIIterator
+
+        return DALIIterator
+    from dali_fast import TorchIterator
+
+    return TorchIterator
+
+
+def one_line(excinfo) -> str:
+    """The message of a raised error, which must be one line."""
+    assert "\n" not in str(excinfo.value)
+    return str(excinfo.value)
+
 
 K = 5  # classes of the multi-hot sets
 N = 13  # samples: images img00 .. img12

@@ -9,8 +9,8 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import jpeg_bytes, make_folder, one_line
-from test_targets import K, N, row, sample_of, write_folder
+from conftest import jpeg_bytes, make_folder
+from test_targets import K, N, one_line, row, sample_of, write_folder
 
 from dali_fast import open_dataset, pack
 from dali_fast.data.format import (

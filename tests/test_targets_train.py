@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import one_line
+from test_targets import one_line
 
 from dali_fast import MixupCutmix, make_synthetic, open_dataset
 from dali_fast.train.metrics import average_precision, mean_average_precision

@@ -180,7 +180,9 @@ class MemmapReader:
             code, width = int(header["target_kind"]), int(header["target_width"])
             kinds = {v: k for k, v in TARGET_CODES.items()}
             if code not in kinds:
-                raise ValueError(f"{index_path}: target kind code {code} is not one of {sorted(kinds)}; pack the data set again")
+                raise ValueError(
+                    f"{index_path}: target kind code {code} is not one of {sorted(kinds)}; pack the data set again"
+                )
             stored = kinds[code]
         wanted = self._target
         if wanted not in (None, "class", stored):

@@ -397,8 +397,7 @@ class LoaderBase:
         target rows of ``indices`` (the records the images are, in order) as float32, on ``labels``' device."""
         if self._targets is None:
             return labels
-        rows = torch.from_numpy(self._targets.rows(indices))
-        return rows if labels.device.type == "cpu" else rows.to(labels.device, non_blocking=True)
+        return torch.from_numpy(self._targets.rows(indices)).to(labels.device)
 
     def _release_stale(self, batch_size: int) -> None:
         """Free what the backend keeps that the pass about to start at ``batch_size`` will not use. Called
