@@ -253,7 +253,8 @@ def test_bench_carries_the_targets(tags, tmp_path):
         reader, loaders=["baseline", "torch"], epochs=1, batch_size=16, image_size=32, model="resnet_tiny",
         out=tmp_path / "b", progress=False, limit=False, mix={"alpha_mixup": 0.2, "alpha_cutmix": 0.0, "label_smoothing": 0.1},
     )  # fmt: skip
-    assert [r.get("error") for r in result["rows"]] == [None, None]
+    assert [(r["loader"], r.get("error")) for r in result["rows"]] == [("baseline", None), ("torch", None)]
+    assert all(r["images_per_epoch"] == 160 for r in result["rows"])  # training, so the partial batch counts
 
 
 def test_make_synthetic_multi_label_from_the_command_line(tmp_path, capsys):

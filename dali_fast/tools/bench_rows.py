@@ -186,9 +186,9 @@ def loader_row(
         recipe=recipe,
         **iterator_only,
     )
-    kind, width = target_spec(reader)  # class labels, or the multi-hot / float rows the reader was opened with
-    mixer = MixupCutmix(**mix, num_classes=width, target=kind) if mix else None
-    trainer = Trainer(model, width, mix=mixer, target=kind) if model != "none" else None
+    target, width = target_spec(reader)  # class labels, or the multi-hot / float rows the reader was opened with
+    mixer = MixupCutmix(**mix, num_classes=width, target=target) if mix else None
+    trainer = Trainer(model, width, mix=mixer, target=target) if model != "none" else None
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.reset_peak_memory_stats()
