@@ -418,3 +418,20 @@ def test_jpeg_bytes_in_the_shards_are_the_images(tmp_path, cache):
     from PIL import Image
 
     assert Image.open(io.BytesIO(bytes(reader[3][0]))).size == (23, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_gpu_rows_arrive_on_the_images_device(tmp_path, backend):
+    """On a GPU, the rows come out on the device the images are on (DALI's labels are there already;
+    TorchIterator copies them beside the pixels), and are still each sample's own."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    reader = open_dataset(write_folder(tmp_path / "src", "multihot"), target="multihot", num_classes=K)
+    extra = {"num_workers": 1} if backend == "torch" else {}
+    loader = loader_class(backend)(reader, 4, train=True, image_size=16, device="cuda", **extra)
+    seen = []
+    for images, targets in loader:
+        assert targets.device == images.device and targets.device.type == "cuda"
+        seen += check_rows(reader, loader, targets, "multihot")
+    assert sorted(seen) == list(range(N))
