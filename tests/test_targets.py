@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from contract import run_save_load_state
 
 from dali_fast import open_dataset, pack
 from dali_fast.data.folder import read_labels_csv
-from dali_fast.data.targets import ListTargets, SubsetTargets, check_target, target_spec
+from dali_fast.data.targets import ListTargets, SubsetTargets, attach_targets, check_target, target_spec
 from dali_fast.loaders.bad_records import BadRecordError
 
 
@@ -336,6 +337,70 @@ def test_list_targets_rows_checks_and_counts():
     with pytest.raises(ValueError) as e:
         ListTargets("float", np.zeros(0), np.zeros(2, np.int64), source=lambda i: f"r{i}")
     assert one_line(e) == "r0: no numbers in the target lists; target='float' needs D >= 1 per sample"
+
+
+def test_list_targets_edges():
+    check_target("multihot", 1)  # one class is a class
+    ends = np.array([2, 4, 5], dtype=np.uint64)  # unsigned offsets are taken as signed
+    two = ListTargets("multihot", np.array([5, 6, 7, 9, 1]), ends, 5)
+    assert two.bad == {  # each record named by its first bad index
+        0: "class index 5 is outside 0..4 (num_classes=5)",
+        1: "class index 7 is outside 0..4 (num_classes=5)",
+    }
+    assert two.rows([2]).tolist() == [[0, 1, 0, 0, 0]] and two.check([]) == {} and two.check([2, 0]) == {1: two.bad[0]}
+    sub = SubsetTargets(two, np.array([2, 1]))
+    assert sub.rows([]).shape == (0, 5) and sub.check([]) == {} and sub.check([1]) == {0: two.bad[1]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a NaN index is a bad record, not a cast warning
+        nan = ListTargets("multihot", np.array([np.nan, 1.0]), np.array([1, 2]), 3)
+    assert nan.bad == {0: "class index nan is not a whole number"} and nan.rows([1]).tolist() == [[0, 1, 0]]
+    with pytest.raises(ValueError) as e:
+        ListTargets("float", np.zeros(0), np.zeros(0, np.int64), source=lambda i: f"r{i}")  # no record at all
+    assert one_line(e) == "r0: no numbers in the target lists; target='float' needs D >= 1 per sample"
+
+
+class ListReader:
+    """The least a reader of per-record lists writes to offer targets (a Parquet list column's reader, say):
+    its lists as (values, ends), then `attach_targets` at the end of its __init__."""
+
+    def __init__(self, lists: list[list[float]], target=None, num_classes=None):
+        self.classes = ["0"]
+        self.images = [np.frombuffer(jpeg_bytes(20 + i, 16), np.uint8) for i in range(len(lists))]
+        self.target_lists = (np.array([x for one in lists for x in one]), np.cumsum([len(one) for one in lists]))
+        attach_targets(self, target, num_classes)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], 0
+
+    def source(self, i):
+        return f"mem://{i}.jpg"
+
+
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_any_reader_offers_targets_through_attach_targets(backend):
+    from dali_fast.data.base import read_batch_checked, read_checked
+
+    lists = [[0, 2], [], [1], [9], [2, 1, 0]]
+    reader = ListReader(lists, "multihot", 3)
+    assert reader.target_kind == "multihot" and reader.targets.bad == {3: "class index 9 is outside 0..2 (num_classes=3)"}
+    assert read_checked(reader, 3)[2] == reader.targets.bad[3] and read_checked(reader, 2)[2] is None
+    assert read_batch_checked(reader, [3, 0, 3])[2] == {0: reader.targets.bad[3], 2: reader.targets.bad[3]}
+    extra = {"num_workers": 0} if backend == "torch" else {}
+    loader = loader_class(backend)(reader, 2, train=False, image_size=16, device="cpu", on_error="skip", **extra)
+    got = torch.cat([t for _, t in loader])
+    assert got.tolist() == [[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 1]] and loader.skipped == 1
+    assert ListReader(lists).target_kind == "class" and ListReader(lists).targets is None
+    for kw, message in [
+        ({"target": "multihot", "num_classes": 0}, "num_classes=0: must be a positive integer"),
+        ({"target": "float"}, "record 0 (mem://0.jpg) has 2 target numbers, most records have 1 (3 records differ): "
+         "float targets need the same count for every sample; fix its list"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            ListReader(lists, **kw)
+        assert one_line(e) == message
 
 
 def test_a_subset_and_a_cache_carry_the_targets(tmp_path):

@@ -92,6 +92,7 @@ def test_pack_writes_the_header_rows_and_crcs_exactly(packs, kind):
     assert isinstance(reader.targets, PackedTargets) and len(reader.targets) == N and reader.targets.width == width
     np.testing.assert_array_equal(reader.targets.rows(range(N)), np.stack([row(sample_of(reader.source(i)), kind) for i in range(N)]))
     assert reader.targets.check(range(N)) == {} and reader.verify() == [] and reader.index_intact()
+    assert reader.targets.rows([]).shape == (0, width) and reader.targets.rows([]).dtype == np.float32
 
 
 @pytest.mark.parametrize("kind", ["multihot", "float"])
@@ -158,6 +159,14 @@ def test_what_a_pack_with_targets_opens_as(packs, tmp_path):
         with pytest.raises(ValueError) as e:
             open_dataset(dst, **kw)
         assert one_line(e) == message
+    for kw, message in [
+        ({"target": "multihot", "num_classes": 0}, "num_classes=0: must be a positive integer"),
+        ({"target": "float", "num_classes": 5}, "num_classes=5 is for target='multihot' (the width of its rows); "
+         "class targets take the data set's classes and float targets the length of their lists"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            MemmapReader(dst, **kw)
+        assert one_line(e) == message
     for opened in (as_class, MemmapReader(dst)):  # workers reopen it as it was opened
         back = pickle.loads(pickle.dumps(opened))
         assert (back.target_kind, back.path) == (opened.target_kind, dst)
@@ -221,3 +230,34 @@ def test_pack_leaves_out_images_without_a_row(tmp_path):
         (str(src / "a" / "notes.txt"), "not a .jpg/.jpeg/.png file"),
     ]
     assert open_dataset(tmp_path / "p").targets.rows([0]).tolist() == [[0.0, 1.0]]
+
+
+def test_pack_class_targets_as_before_and_list_problems_named(small_folder, tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    pack(small_folder, tmp_path / "default", progress=False)
+    pack(small_folder, tmp_path / "class", progress=False, target="class")  # no labels.csv needed
+    assert (tmp_path / "class" / INDEX_FILE).read_bytes() == (tmp_path / "default" / INDEX_FILE).read_bytes()
+    src = write_folder(tmp_path / "src", "float", lists={8: [1.0]})
+    with pytest.raises(ValueError) as e:
+        pack(src, tmp_path / "bad", target="float", progress=False)
+    assert one_line(e) == (
+        f"record 8 ({src / 'b' / 'img08.jpg'}) has 1 target number, most records have 3 (1 record differ): float "
+        "targets need the same count for every sample; fix its list"
+    )
+    real_scandir = os.scandir
+
+    def scandir(path="."):  # class folder b cannot be listed
+        if Path(path).name == "b":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    ok = write_folder(tmp_path / "ok", "float")
+    (ok / "labels.csv").write_text("\n".join(f"a/img{i:02d}.jpg,1,2,3" for i in range(1, 7)) + "\n")
+    report = pack(ok, tmp_path / "p", target="float", progress=False)
+    assert report.records == 6 and report.skipped == [
+        (str(ok / "b"), "folder cannot be listed: Permission denied"),
+        (str(ok / "a" / "img00.jpg"), "no row in labels.csv"),
+    ]

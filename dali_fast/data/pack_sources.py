@@ -18,13 +18,13 @@ Source = str | tuple[str, int, int]  # a file, or (file, offset, size) of a memb
 @dataclass(frozen=True)
 class PackItem:
     """One image to pack: where its bytes are, its label, its name in reports and in paths.bin, and its
-    record in the source's targets (-1 without targets)."""
+    record in the source (its row in the source's targets, where it has targets)."""
 
     source: Source
     label: int
     shown: str
     stored: bytes
-    target: int = -1
+    index: int
 
 
 @dataclass
@@ -52,7 +52,7 @@ def pack_sources(src: Path, shards: bool, target: str | None, num_classes: int |
         items = []
         for i in range(len(wds)):
             name = wds.source(i)
-            items.append(PackItem(wds.member(i), int(labels[i]), name, os.fsencode(name), i if lists else -1))
+            items.append(PackItem(wds.member(i), int(labels[i]), name, os.fsencode(name), i))
     else:
         classes, found, other, left_out = scan_image_folder(src)
         if lists and found:
@@ -61,14 +61,11 @@ def pack_sources(src: Path, shards: bool, target: str | None, num_classes: int |
             left_out += [(str(p), f"no row in {LABELS_CSV}") for k, (p, _) in enumerate(found) if k not in kept]
             found = [found[k] for k in keep]
             targets = ListTargets(str(target), values, ends, num_classes, lambda i: str(found[i][0]))
-        items = [
-            PackItem(str(p), label, str(p), os.fsencode(p.relative_to(src)), k if lists else -1)
-            for k, (p, label) in enumerate(found)
-        ]
+        items = [PackItem(str(p), label, str(p), os.fsencode(p.relative_to(src)), k) for k, (p, label) in enumerate(found)]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     left_out += [(str(p), "not a .jpg/.jpeg/.png file") for p in other]
     if targets is not None:
-        left_out += [(item.shown, targets.bad[item.target]) for item in items if item.target in targets.bad]
-        items = [item for item in items if item.target not in targets.bad]
+        left_out += [(item.shown, targets.bad[item.index]) for item in items if item.index in targets.bad]
+        items = [item for item in items if item.index not in targets.bad]
     return PackSources(classes, items, left_out, targets)

@@ -60,8 +60,8 @@ class ListTargets:
         num_classes: int | None = None,
         source: Callable[[int], str] = str,
     ) -> None:
-        values = np.asarray(values, dtype=np.float64)
-        ends = np.asarray(ends, dtype=np.int64)
+        values = np.asarray(values)  # any numeric dtype: the readers give float64
+        ends = np.asarray(ends, dtype=np.int64)  # signed: Arrow's offsets may come as uint64
         starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         counts = ends - starts
         self.kind = kind
@@ -129,11 +129,9 @@ class ListTargets:
 
 
 def _firsts(rec: np.ndarray, wrong: np.ndarray) -> list[int]:
-    """The position of each record's first wrong value (``rec``: the record of each value)."""
+    """The position of each record's first wrong value (``rec``: the record of each value, in order)."""
     at = np.flatnonzero(wrong)
-    if not len(at):
-        return []
-    first = np.concatenate([[True], rec[at][1:] != rec[at][:-1]])
+    _, first = np.unique(rec[at], return_index=True)
     return at[first].tolist()
 
 

@@ -355,7 +355,7 @@ def _write_records(
             if targets is None:
                 rows[n] = (at, len(payload), item.label, crc, len(pbytes), path_offset)
             else:
-                block = encode_targets(targets.rows([item.target]), targets.kind, targets.width)[0]
+                block = encode_targets(targets.rows([item.index]), targets.kind, targets.width)[0]
                 crc = zlib.crc32(block.tobytes(), crc)
                 rows[n] = (at, len(payload), item.label, crc, len(pbytes), path_offset, block)
             paths_f.write(pbytes)
