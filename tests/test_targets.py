@@ -153,6 +153,13 @@ def test_the_baseline_yields_the_rows_too(tmp_path):
     np.testing.assert_array_equal(torch.cat(got).numpy(), expected)
 
 
+def test_a_reader_that_says_nothing_of_targets_yields_its_labels(index_reader):
+    loader = loader_class("torch")(index_reader, 8, train=False, image_size=16, num_workers=0)
+    assert loader.target_kind == "class" and target_spec(index_reader) == ("class", 37)
+    labels = torch.cat([y for _, y in loader])
+    assert labels.dtype == torch.int64 and labels.tolist() == list(range(37))
+
+
 def test_class_targets_stay_the_default_and_labels_csv_is_read_only_when_asked(tmp_path):
     root = write_folder(tmp_path / "src", "multihot")
     reader = open_dataset(root)
