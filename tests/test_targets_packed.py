@@ -239,6 +239,14 @@ def test_pack_class_targets_as_before_and_list_problems_named(small_folder, tmp_
     pack(small_folder, tmp_path / "default", progress=False)
     pack(small_folder, tmp_path / "class", progress=False, target="class")  # no labels.csv needed
     assert (tmp_path / "class" / INDEX_FILE).read_bytes() == (tmp_path / "default" / INDEX_FILE).read_bytes()
+    for kw, message in [
+        ({"target": "multihot", "num_classes": 0}, "num_classes=0: must be a positive integer"),
+        ({"num_classes": 3}, "num_classes=3 is for target='multihot' (the width of its rows); class targets take "
+         "the data set's classes and float targets the length of their lists"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            pack(small_folder, tmp_path / "refused", progress=False, **kw)
+        assert one_line(e) == message and not (tmp_path / "refused").exists()
     src = write_folder(tmp_path / "src", "float", lists={8: [1.0]})
     with pytest.raises(ValueError) as e:
         pack(src, tmp_path / "bad", target="float", progress=False)
