@@ -40,11 +40,6 @@ class LoaderBase:
     ``recipe`` (a `dali_fast.Recipe`) is the per-image transform; ``image_size``, ``dtype`` and
     ``memory_format`` adjust the default recipe and must agree with a given one.
 
-    The second tensor of a batch is what the data set's target is (``open_dataset(path, target=...)``):
-    the int64 labels ``(N,)``, or for a reader with other targets (`data.base.TargetReader`) their float32
-    rows ``(N, K)`` (multihot) or ``(N, D)`` (float), made from the batch's indices (`_batch_targets`). A
-    record whose target was found bad at open is a bad record, as an undecodable one is.
-
     The position is the number of this rank's samples already *yielded* in the current epoch
     (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
     resumes at exactly the next sample. ``last_indices`` holds the data set indices the last
@@ -55,8 +50,7 @@ class LoaderBase:
 
     - ``_run(plan, start)``: for each batch of ``plan`` (arrays of data set indices, in order; ``start``
       is the position of the first), yield ``(images, labels, consumed)``, ``consumed`` being the planned
-      samples the batch accounts for, bad records it skipped included; ``labels`` passed through
-      `_batch_targets` with the indices of the images it holds. In order, nothing dropped or
+      samples the batch accounts for, bad records it skipped included. In order, nothing dropped or
       repeated; it may work ahead (the base counts what was yielded, not what was asked for). Bad records
       follow ``self.on_error``: `BadRecordError` naming the record, or ``self._skips.add(...)``.
     - ``close()``: release what the backend holds between passes (processes, a pipeline, buffers); the
@@ -135,8 +129,7 @@ class LoaderBase:
         self.prefetch = int(prefetch)
         self.memory_format = self.recipe.memory_format
         self._data = dataset
-        self.target_kind: str = getattr(dataset, "target_kind", "class")
-        self._targets = reader_targets(dataset)  # rows by index, or None: the labels are the targets
+        self._targets = reader_targets(dataset)  # rows by index (`batch_targets`); None: the labels are targets
         # A reader that streams shards (remote data) is told each pass's order, to download ahead.
         self._streaming: Any = dataset if provides(dataset, StreamingReader) and dataset.streaming else None  # type: ignore[attr-defined]
         self.order: EpochSampler | StreamingOrder = self._new_order(self.rank, self.world_size)
@@ -391,13 +384,6 @@ class LoaderBase:
         finally:
             if self._current_pass is token:
                 self._epoch_bs = None
-
-    def _batch_targets(self, indices: Any, labels: torch.Tensor) -> torch.Tensor:
-        """What a batch yields beside its images: ``labels`` (int64) for class targets, else the reader's
-        target rows of ``indices`` (the records the images are, in order) as float32, on ``labels``' device."""
-        if self._targets is None:
-            return labels
-        return torch.from_numpy(self._targets.rows(indices)).to(labels.device)
 
     def _release_stale(self, batch_size: int) -> None:
         """Free what the backend keeps that the pass about to start at ``batch_size`` will not use. Called

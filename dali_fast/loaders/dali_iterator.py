@@ -22,6 +22,7 @@ from ..transforms.dali import default_num_threads
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
+from .batch_targets import batch_targets
 from .dali_pipeline import BatchSource, build_pipeline, derive_seed, shutdown_pipeline, undecodable
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class DALIIterator(LoaderBase):
                 images = out["images"]
                 if self.memory_format == torch.channels_last:
                     images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
-                yield images, self._batch_targets(fed.kept, out["labels"].reshape(-1)), fed.consumed, fed.batches
+                yield images, batch_targets(self._targets, fed.kept, out["labels"].reshape(-1)), fed.consumed, fed.batches
         finally:
             if ended:
                 self._kept = kept
