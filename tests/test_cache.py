@@ -100,7 +100,7 @@ def test_cached_reader_hits_and_copies():
 
 def test_cached_values_are_private_copies_not_views_of_the_file(tmp_path):
     """A hit must not depend on the memory map: the cache holds its own bytes."""
-    from conftest import jpeg_bytes, make_folder
+    from builders import jpeg_bytes, make_folder
 
     from dali_fast.data.format import DATA_FILE
     from dali_fast.data.packed import MemmapReader
@@ -173,7 +173,7 @@ class BatchReader(ListReader):
 
 
 def test_cached_batch_reads_check_once_and_never_cache_a_bad_record():
-    from conftest import jpeg_bytes
+    from builders import jpeg_bytes
 
     good = [jpeg_bytes(30 + k, 20) for k in range(3)]
     base = BatchReader([good[0], b"not an image", good[1], good[2]])

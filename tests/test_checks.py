@@ -5,7 +5,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import jpeg_bytes
+from builders import APP0, EOI, SOI, SOS, jpeg_bytes, jpeg_segment
 
 from dali_fast.data.checks import check_encoded, check_index
 
@@ -17,20 +17,11 @@ def test_check_encoded():
     assert "empty" in check_encoded(b"")
     assert "truncated JPEG" in check_encoded(good[:-200])
     assert "not a JPEG or PNG" in check_encoded(b"hello world")
-    from conftest import png_bytes
+    from builders import png_bytes
 
     png = png_bytes()
     assert check_encoded(png) is None
     assert "truncated PNG" in check_encoded(png[:-20])
-
-
-def _seg(marker: int, body: bytes) -> bytes:
-    return bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
-
-
-SOI, EOI = b"\xff\xd8", b"\xff\xd9"
-APP0 = _seg(0xE0, b"JFIF\x00" + bytes(9))
-SOS = _seg(0xDA, bytes(10))
 
 
 @pytest.mark.parametrize(
@@ -40,9 +31,9 @@ SOS = _seg(0xDA, bytes(10))
         (SOI + APP0 + b"\xff\xff\xff" + SOS + b"\x12" + EOI, None),  # fill bytes before a marker
         (SOI + b"\xff\x01" + b"\xff\xd0" + APP0 + SOS + EOI, None),  # TEM, RST0: markers without a length
         (SOI + APP0 + SOS + b"\x12\x34" + EOI + b"trailer" * 300, None),  # data after the image
-        (SOI + _seg(0xE1, bytes(300)) + SOS + b"\x12" + EOI, None),  # a segment of 256 bytes or more
+        (SOI + jpeg_segment(0xE1, bytes(300)) + SOS + b"\x12" + EOI, None),  # a segment of 256 bytes or more
         (SOI + b"\xff\xe0\x00\x02" + SOS + EOI, None),  # the shortest segment: its length field only
-        (SOI + _seg(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12", "truncated JPEG (no end-of-image marker)"),
+        (SOI + jpeg_segment(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12", "truncated JPEG (no end-of-image marker)"),
         (SOI + APP0 + SOS + b"\x12\x34", "truncated JPEG (no end-of-image marker)"),
         (SOI + APP0 + b"\xff\xda\x00\x02", "truncated JPEG (no end-of-image marker)"),  # ends at the scan
         (SOI + APP0 + EOI, "corrupt JPEG (end of image before any scan)"),
@@ -108,7 +99,7 @@ def test_check_encoded_gives_one_verdict_for_bytes_arrays_and_views():
 
     cases = {**odd_images.odd_valid(), **odd_images.corrupt()}
     cases["two_images"] = odd_images.good_jpeg() + odd_images.good_jpeg()[:-2]  # an EOI inside, none at the end
-    cases["thumbnail_eoi_only"] = SOI + _seg(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12\x34"
+    cases["thumbnail_eoi_only"] = SOI + jpeg_segment(0xE1, b"Exif" + SOI + EOI) + SOS + b"\x12\x34"
     for name, data in cases.items():
         verdict = check_encoded(data)
         big = np.frombuffer(b"\x00" * 7 + data + b"\x00" * 5, np.uint8)[7 : 7 + len(data)]  # a view inside a buffer

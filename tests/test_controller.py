@@ -4,26 +4,10 @@ import logging
 
 import pytest
 import torch
+from fakes import ScriptedProbe
 
 from dali_fast.loaders.controller import BatchSizeController
 from dali_fast.loaders.memory_probes import MaxProbe, NvmlProbe, TorchCudaProbe
-
-
-class ScriptedProbe:
-    """A test double: returns the given readings, one per epoch (None = cannot read)."""
-
-    name = "scripted"
-    capacity_bytes = 80 * 2**30
-
-    def __init__(self, readings):
-        self.readings = list(readings)
-        self.resets = 0
-
-    def reset_peak(self):
-        self.resets += 1
-
-    def peak_fraction(self):
-        return self.readings.pop(0)
 
 
 class LinearProbe:

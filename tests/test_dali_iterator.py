@@ -9,8 +9,9 @@ import numpy as np
 import odd_images
 import pytest
 import torch
-from conftest import IndexReader, jpeg_bytes
-from test_loaders_base import ScriptedController, epoch_labels, loader_class
+from builders import IndexReader, jpeg_bytes
+from fakes import ScriptedController
+from loader_cases import epoch_labels, loader_class
 
 from dali_fast.transforms.recipe import IMAGENET_STD, Recipe
 
@@ -409,7 +410,7 @@ def test_a_new_batch_size_shuts_the_old_pipeline_before_memory_is_released_and_m
 def test_dali_finds_a_packed_record_damaged_inside_after_packing_by_decoding(on_error, tmp_path):
     """Read time checks a packed record's ends only (pack walked its headers): damage in between reaches
     DALI, and the failed batch's records are then checked one by one, which names it."""
-    from conftest import make_folder
+    from builders import make_folder
 
     from dali_fast.data.format import DATA_FILE
     from dali_fast.data.packed import MemmapReader
@@ -443,7 +444,7 @@ def test_dali_over_a_folder_keeps_its_threads_over_epochs(tmp_path):
     """The read pool is made once per process: epochs over a folder add no threads (nor memory for them)."""
     import threading
 
-    from conftest import make_folder
+    from builders import make_folder
 
     from dali_fast.data.folder import ImageFolderReader
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_loaders_base import bad_reader
+from loader_cases import bad_reader
 
 from dali_fast.transforms.recipe import Recipe
 

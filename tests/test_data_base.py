@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import IndexReader, jpeg_bytes, make_folder
+from builders import IndexReader, jpeg_bytes, make_folder
 
 from dali_fast.data.base import (
     ON_ERROR,
@@ -43,7 +43,7 @@ def test_labels_outside_the_classes_are_bad_records():
 
 
 def test_batch_read_of_a_reader_without_one_checks_record_by_record():
-    from conftest import IndexReader
+    from builders import IndexReader
 
     from dali_fast.data.base import read_batch_checked, read_checked
 

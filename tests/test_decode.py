@@ -7,7 +7,7 @@ import io
 import numpy as np
 import odd_images
 import pytest
-from conftest import jpeg_bytes
+from builders import jpeg_bytes
 from PIL import Image
 
 from dali_fast.transforms.decode import Decoder, decode_rgb, fast_path_header, jpeg_header, reduction

@@ -194,7 +194,6 @@ def docs_env(tmp_path_factory):
 def _s3(env: dict) -> str:
     """The local S3 server's endpoint, with the template's shards in `s3://bucket/`."""
     if env["s3"] is None:
-        sys.path.insert(0, str(ROOT / "tests"))
         from object_store import S3Server
 
         server = S3Server()

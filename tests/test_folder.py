@@ -4,11 +4,11 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import jpeg_bytes, make_folder
+from builders import jpeg_bytes, make_folder
+from spies import ConcurrencySpy
 
 from dali_fast.data.folder import ImageFolderReader
 from dali_fast.data.open import open_dataset
@@ -54,26 +54,14 @@ def test_folder_batch_reads_overlap_in_the_read_threads_and_keep_their_order(tmp
     images = [jpeg_bytes(20 + k, 20) for k in range(32)]
     root = make_folder(tmp_path / "imgs", {"a": images})
     reader = ImageFolderReader(root)
-    lock, state = threading.Lock(), {"now": 0, "most": 0, "threads": set()}
-    real = folder._read_file_checked
-
-    def slow(path):
-        with lock:
-            state["now"] += 1
-            state["most"] = max(state["most"], state["now"])
-            state["threads"].add(threading.current_thread().name)
-        time.sleep(0.02)
-        with lock:
-            state["now"] -= 1
-        return real(path)
-
-    monkeypatch.setattr(folder, "_read_file_checked", slow)
+    spy = ConcurrencySpy(folder._read_file_checked)
+    monkeypatch.setattr(folder, "_read_file_checked", spy)
     order = list(range(31, -1, -1))
     datas, labels, bad = reader.read_batch_checked(order)
     assert bad == {} and [bytes(d) for d in datas] == [images[k] for k in order] and labels.tolist() == [0] * 32
-    assert state["most"] >= 4, state
-    assert threading.current_thread().name not in state["threads"]
-    assert all(name.startswith("dali_fast-read") for name in state["threads"])
+    assert spy.most >= 4, spy
+    assert threading.current_thread().name not in spy.threads
+    assert all(name.startswith("dali_fast-read") for name in spy.threads)
 
 
 def test_folder_batch_reads_name_unreadable_and_broken_files(tmp_path):

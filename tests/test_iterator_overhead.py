@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import jpeg_bytes, make_folder
+from builders import jpeg_bytes, make_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,25 +10,16 @@ import numpy as np
 import odd_images
 import pytest
 import torch
-from conftest import IndexReader, first_batch, jpeg_bytes, one_line, png_bytes
+from builders import IndexReader, first_batch, jpeg_bytes, one_line, png_bytes
 from contract import each_once, run_close_mid_pass, run_save_load_state
+from fakes import CountingController, ScriptedController
+from loader_cases import bad_reader, epoch_labels, loader_class, take_then_save
 from PIL import Image
 
 from dali_fast.loaders.base import LoaderBase
 from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD
 
 BACKENDS = ["dali", "torch"]
-
-
-def loader_class(backend):
-    if backend == "dali":
-        pytest.importorskip("nvidia.dali")
-        from dali_fast import DALIIterator
-
-        return DALIIterator
-    from dali_fast import TorchIterator
-
-    return TorchIterator
 
 
 @pytest.fixture(params=BACKENDS)
@@ -45,55 +36,6 @@ def make(request):
 
     factory.backend = request.param
     return factory
-
-
-def epoch_labels(loader, epoch=None, limit=None):
-    if epoch is not None:
-        loader.set_epoch(epoch)
-    out, sizes = [], []
-    for k, (images, labels) in enumerate(loader):
-        assert images.shape[0] == labels.shape[0]
-        out += labels.tolist()
-        sizes.append(len(labels))
-        if limit is not None and k + 1 >= limit:
-            break
-    return out, sizes
-
-
-def take_then_save(loader, batches):
-    """Labels of the first ``batches`` batches of the current epoch, then the loader's state."""
-    seen = []
-    for k, (_, labels) in enumerate(loader):
-        seen += labels.tolist()
-        if k + 1 == batches:
-            return seen, loader.state_dict()
-    raise AssertionError(f"the epoch had fewer than {batches} batches")
-
-
-class ScriptedController:
-    """A test double for BatchSizeController: plays a fixed list of batch sizes, one per epoch."""
-
-    def __init__(self, sizes):
-        self.sizes = list(sizes)
-        self.max_batch = max(sizes)
-        self.epochs_ended = 0
-        self.batch_size = self.sizes[0]
-
-    def attach(self, batch_size):
-        pass
-
-    def begin_epoch(self):
-        pass
-
-    def end_epoch(self, epoch):
-        self.epochs_ended += 1
-        self.batch_size = self.sizes[min(self.epochs_ended, len(self.sizes) - 1)]
-
-    def state_dict(self):
-        return {"epochs_ended": self.epochs_ended}
-
-    def load_state_dict(self, sd):
-        self.epochs_ended = sd["epochs_ended"]
 
 
 def test_exactly_once_per_epoch_shuffled(make, index_reader):
@@ -325,15 +267,6 @@ def test_grayscale_cmyk_png_alpha_progressive_decode_to_rgb(make):
     assert by_label[1][0] > 200 and by_label[1][1] < 60  # CMYK red came out red
     assert np.allclose(by_label[2], 120, atol=3)  # PNG with alpha: RGB of the pixels
     assert by_label[3][1] > 150 and by_label[3][0] < 60  # progressive green
-
-
-def bad_reader():
-    good = [jpeg_bytes(32, 24, (i * 20, 100, 50)) for i in range(10)]
-    items = list(good)
-    items[2] = good[2][: len(good[2]) // 2]  # truncated JPEG
-    items[5] = bytes(np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8))  # random bytes
-    items[7] = b""  # empty record
-    return IndexReader(items)
 
 
 def test_bad_record_raise_names_it(make):
@@ -671,15 +604,6 @@ def test_last_indices_name_the_records_of_the_last_batch(make, index_reader):
     loader.set_epoch(1)
     for _, labels in loader:
         assert loader.last_indices.tolist() == labels.tolist()  # labels are the record indices here
-
-
-class CountingController(ScriptedController):
-    def __init__(self, sizes):
-        super().__init__(sizes)
-        self.begins = 0
-
-    def begin_epoch(self):
-        self.begins += 1
 
 
 def test_controller_measures_each_epoch_once_also_after_a_resume(make, index_reader):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from default_output import ListReader, images
-from test_recipe import loader
+from loader_cases import loader
 
 from dali_fast.transforms.mix import MixupCutmix, soft_target_cross_entropy
 

@@ -1,7 +1,7 @@
 """`open_dataset`: which reader opens what, and what it says about what it cannot open."""
 
 import pytest
-from conftest import jpeg_bytes, one_line
+from builders import jpeg_bytes, one_line
 
 from dali_fast.data.open import open_dataset
 
@@ -29,7 +29,7 @@ def test_a_url_opens_remote_shards_with_the_keywords(monkeypatch):
 
 
 def test_a_folder_is_told_by_what_it_holds_and_a_mix_is_refused(tmp_path, cache):
-    from test_shards import write_shards  # skipped without the webdataset package
+    from builders import write_shards  # skipped without the webdataset package
 
     from dali_fast.data.writer import pack
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import jpeg_bytes, make_folder, one_line
-from test_checks import EOI, SOI, SOS
+from builders import EOI, SOI, SOS, jpeg_bytes, make_folder, one_line
 
 from dali_fast.data.checks import QUICK_MIN, check_encoded
 from dali_fast.data.format import DATA_FILE, FORMAT_VERSION, HEADER_DTYPE, INDEX_FILE, RECORD_DTYPE

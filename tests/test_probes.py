@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from test_controller import ScriptedProbe
+from fakes import ScriptedProbe
 
 from dali_fast.loaders.memory_probes import DeviceMemoryProbe, HostProbe, MaxProbe, NvmlProbe, TorchCudaProbe
 

@@ -9,23 +9,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import one_line
+from builders import one_line
 from default_output import GOLDEN, ListReader, fingerprint, images, versions
+from loader_cases import loader
 from PIL import Image
 
 from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD, Recipe
 
 BACKENDS = ["torch", "dali"]
-
-
-def loader(backend, reader, batch_size=8, **kw):
-    """A loader of ``backend`` on the CPU, in-process (no worker pool), seed 1 unless given."""
-    from dali_fast import DALIIterator, TorchIterator
-
-    if backend == "dali":
-        pytest.importorskip("nvidia.dali")
-        return DALIIterator(reader, batch_size, device="cpu", num_threads=1, **{"seed": 1, **kw})
-    return TorchIterator(reader, batch_size, device="cpu", num_workers=0, **{"seed": 1, **kw})
 
 
 def epoch(it) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +94,7 @@ def test_default_recipe_output_is_bit_identical_to_before(backend):
     shrinks under 2x became plain bilinear, the rest of its resize torch's antialiased kernels, after
     libjpeg-turbo (held to Pillow and to bilinear interpolation's definition by
     test_torch_iterator.py::test_train_output_is_pillows_within_stated_levels).
-    tests/default_output.py takes them, on the versions they name."""
+    tests/helpers/default_output.py takes them, on the versions they name."""
     if backend == "dali":
         pytest.importorskip("nvidia.dali")
     golden = json.loads(GOLDEN.read_text())

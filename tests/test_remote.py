@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import jpeg_bytes
+from builders import jpeg_bytes
 from contract import each_once, run_save_load_state
 
 from dali_fast import open_dataset

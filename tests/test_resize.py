@@ -9,7 +9,8 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import jpeg_bytes
+from bilinear import plain_reference
+from builders import jpeg_bytes
 from PIL import Image
 
 from dali_fast.transforms.recipe import Recipe
@@ -58,25 +59,6 @@ def test_bilinear_and_bicubic_are_pillows_filters(interpolation):
         mean, top = level_diff(out.numpy(), pillow(src, (x0, y0, x1, y1), 112, interpolation))
         assert mean < 0.05 and top <= 1, (interpolation, (x0, y0, x1, y1), mean, top)
     assert len(PILLOW_BOXES) == 4
-
-
-def plain_reference(src: np.ndarray, size: int | tuple[int, int]) -> np.ndarray:
-    """Bilinear interpolation by its definition (pixel centres, the 2x2 source neighbours), in float64, to
-    ``size`` (a square's side, or (width, height))."""
-    h, w = src.shape[:2]
-    width, height = (size, size) if isinstance(size, int) else size
-
-    def taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        pos = np.clip((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0, n_in - 1)
-        lo = np.floor(pos).astype(int)
-        return lo, np.minimum(lo + 1, n_in - 1), pos - lo
-
-    y0, y1, fy = taps(h, height)
-    x0, x1, fx = taps(w, width)
-    a = src.astype(np.float64)
-    rows = a[y0] * (1 - fy)[:, None, None] + a[y1] * fy[:, None, None]
-    out = rows[:, x0] * (1 - fx)[None, :, None] + rows[:, x1] * fx[None, :, None]
-    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
 # shrinks of 1.1x to 1.96x, square and not, at 112 px

@@ -123,7 +123,7 @@ def test_controller_decisions_printed(learnable):
 
 
 def test_labels_outside_the_classes_stop_training_before_any_step():
-    from conftest import IndexReader, jpeg_bytes
+    from builders import IndexReader, jpeg_bytes
 
     reader = IndexReader([jpeg_bytes() for _ in range(6)], classes=4)  # labels 0..5 (the index), 4 classes
     with pytest.raises(ValueError, match=r"^record 4 \(mem://4.jpg\) has label 4"):
@@ -348,7 +348,7 @@ def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loa
 
 
 def test_the_settings_are_one_config_checked_before_any_work(tmp_path):
-    from conftest import IndexReader, jpeg_bytes
+    from builders import IndexReader, jpeg_bytes
 
     from dali_fast.train.config import TrainConfig
 

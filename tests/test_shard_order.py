@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import IndexReader
+from builders import IndexReader
 
 from dali_fast.loaders.sampler import EpochSampler
 from dali_fast.loaders.shard_order import StreamingOrder, make_order

@@ -7,37 +7,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import jpeg_bytes, png_bytes
+from builders import jpeg_bytes, write_shards
 
 from dali_fast import open_dataset
 from dali_fast.data.shards import expand_shards, scan_tar
 from dali_fast.data.webdataset import WebDatasetReader
 
 wds = pytest.importorskip("webdataset")
-
-
-N_SHARDS, PER_SHARD = 3, 7
-
-
-def write_shards(root: Path, *, label: str = "cls", extra: dict | None = None) -> list[tuple[bytes, int]]:
-    """Shards root/train-000000.tar ...; returns (image bytes, label) of every sample in order."""
-    root.mkdir(parents=True, exist_ok=True)
-    samples = []
-    for s in range(N_SHARDS):
-        with wds.TarWriter(str(root / f"train-{s:06d}.tar")) as sink:
-            for k in range(PER_SHARD):
-                i = s * PER_SHARD + k
-                image = png_bytes(20 + i, 10 + k, "RGB") if i % 5 == 0 else jpeg_bytes(30 + i, 20 + k)
-                lab = i % 4
-                sample = {"__key__": f"sample{i:05d}", "jpg" if i % 5 else "png": image}
-                if label == "cls":
-                    sample["cls"] = str(lab).encode()
-                else:
-                    sample["json"] = json.dumps({"label": lab, "caption": f"image {i}"}).encode()
-                sample.update((extra or {}).get(i, {}))
-                sink.write(sample)
-                samples.append((image, lab))
-    return samples
 
 
 def test_missing_labels_other_members_and_a_truncated_shard_are_counted_or_named(tmp_path, cache):

@@ -9,7 +9,7 @@ import numpy as np
 import odd_images
 import pytest
 import torch
-from conftest import IndexReader, first_batch
+from builders import IndexReader, first_batch
 
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
@@ -185,9 +185,9 @@ def test_train_output_is_pillows_within_stated_levels():
     1 level of bilinear interpolation's definition, and 1.5-2 levels on average from Pillow's filter on
     these images (its triangle widens a little on every shrink; pixel-sized noise is where two filters
     differ most; on real photos under a level, docs/loaders.md), so under 3 here."""
+    from bilinear import plain_reference
     from default_output import ListReader, images
     from PIL import Image
-    from test_resize import plain_reference
 
     from dali_fast.transforms.decode import decode_rgb
     from dali_fast.transforms.draws import SampleDraws, crop_draws

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_controller import ScriptedProbe
+from fakes import ScriptedProbe
 
 from dali_fast.loaders.controller import BatchSizeController
 from dali_fast.train.trainer import oom_safe_step

@@ -7,8 +7,9 @@ import os
 
 import numpy as np
 import pytest
+from builders import write_shards
 from contract import run_save_load_state
-from test_shards import write_shards
+from spies import ConcurrencySpy
 
 from dali_fast import open_dataset
 from dali_fast.data.webdataset import WebDatasetReader
@@ -87,31 +88,18 @@ def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, mo
     """The DALI source reads members through the read pool (several at once, in order); a member damaged or
     cut off after indexing is a bad record named by its reason, not an error."""
     import threading
-    import time
 
     import dali_fast.data.webdataset as w
 
     samples = write_shards(tmp_path / "shards")
     r = WebDatasetReader(tmp_path / "shards")
     order = [20, 0, 7, 7, 13, -1, *range(21)]
-    lock, state = threading.Lock(), {"now": 0, "most": 0, "threads": set()}
-    real = w._pread
-
-    def slow(member):
-        with lock:
-            state["now"] += 1
-            state["most"] = max(state["most"], state["now"])
-            state["threads"].add(threading.current_thread().name)
-        time.sleep(0.02)
-        with lock:
-            state["now"] -= 1
-        return real(member)
-
-    monkeypatch.setattr(w, "_pread", slow)
+    spy = ConcurrencySpy(w._pread)
+    monkeypatch.setattr(w, "_pread", spy)
     datas, labels, bad = r.read_batch_checked(order)
     assert bad == {} and [bytes(d) for d in datas] == [samples[i][0] for i in order]
     assert labels.dtype == np.int64 and labels.tolist() == [samples[i][1] for i in order]
-    assert state["most"] >= 4 and threading.current_thread().name not in state["threads"]
+    assert spy.most >= 4 and threading.current_thread().name not in spy.threads
     views, plain_labels = r.read_batch(order)
     assert [bytes(v) for v in views] == [bytes(d) for d in datas] and plain_labels.tolist() == labels.tolist()
     monkeypatch.undo()

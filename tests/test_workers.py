@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import IndexReader, jpeg_bytes
+from builders import IndexReader, jpeg_bytes
 
 from dali_fast.loaders.torch_slots import OutputPool, SlotRing, Task, image_shape, slot_layout
 from dali_fast.loaders.torch_worker import BatchMaker

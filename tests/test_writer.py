@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import jpeg_bytes, make_folder, one_line
+from builders import jpeg_bytes, make_folder, one_line
 
 from dali_fast.data.format import DATA_FILE, HEADER_DTYPE, INDEX_FILE, RECORD_DTYPE
 from dali_fast.data.open import open_dataset
@@ -470,7 +470,7 @@ def test_a_destination_that_cannot_be_created_is_one_line(small_folder, tmp_path
 
 
 def test_pack_converts_shards_to_a_packed_set(tmp_path, cache):
-    from test_shards import write_shards  # skipped without the webdataset package
+    from builders import write_shards  # skipped without the webdataset package
 
     samples = write_shards(tmp_path / "shards", label="json")
     report = pack(

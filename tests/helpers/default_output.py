@@ -1,7 +1,7 @@
 """Fingerprints of the loaders' output under the default recipe, to hold it bit-identical over time.
 
-``python tests/default_output.py`` rewrites ``tests/data/default_output.json`` with the fingerprints of
-this code on these library versions; the test compares against them when the versions match.
+``python tests/helpers/default_output.py`` rewrites ``tests/fixtures/default_output.json`` with the
+fingerprints of this code on these library versions; the test compares against them when the versions match.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-GOLDEN = Path(__file__).parent / "data" / "default_output.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "default_output.json"
 PACKAGES = ("numpy", "pillow", "torch", "nvidia-dali-cuda120", "simplejpeg")  # simplejpeg: TorchIterator's JPEG path
 
 
