@@ -338,7 +338,7 @@ def test_not_run_blocks_are_few_and_give_a_reason():
 
 # ---------------------------------------------------------------------------------------------- references
 
-TEST_REF = re.compile(r"tests/(test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
+TEST_REF = re.compile(r"tests/((?:\w+/)*test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
 BARE_REF = re.compile(r"(?<![\w/])(test_\w+\.py)")
 
 

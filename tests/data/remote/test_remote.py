@@ -37,7 +37,7 @@ from object_store import RangeHTTPServer, S3Server  # noqa: E402
 SHARDS, PER_SHARD = 6, 8
 N = SHARDS * PER_SHARD
 SPEC = "s3://data/train-{000000..000005}.tar"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def shard_bytes(first: int, count: int, *, cut: int | None = None) -> tuple[bytes, dict[int, bytes]]:
