@@ -22,7 +22,7 @@ from dali_fast.train.checkpoint import load_checkpoint, read_index_records
 from dali_fast.train.run import run_train
 from dali_fast.transforms.recipe import Progressive, Recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STEPS = [
     ("data", 40),
     ("doctor and decode", 45),

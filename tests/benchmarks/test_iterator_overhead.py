@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from builders import jpeg_bytes, make_folder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_file_reader_row_bounds_the_decoder_paddings_by_its_threads(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from dali_fast.train.checkpoint import (
     save_checkpoint,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_checkpoint_write_is_atomic_and_versioned(tmp_path):
