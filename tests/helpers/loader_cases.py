@@ -62,3 +62,18 @@ def loader(backend, reader, batch_size=8, **kw):
         pytest.importorskip("nvidia.dali")
         return DALIIterator(reader, batch_size, device="cpu", num_threads=1, **{"seed": 1, **kw})
     return TorchIterator(reader, batch_size, device="cpu", num_workers=0, **{"seed": 1, **kw})
+
+
+def fresh_sampler_state(**kw):
+    """A new loader's sampler state (seed 4, the 37 records of `index_reader`), with ``kw`` changed."""
+    return {
+        "epoch": 0,
+        "position": 0,
+        "seed": 4,
+        "n": 37,
+        "rank": 0,
+        "world_size": 1,
+        "shuffle": True,
+        "drop_last": False,
+        **kw,
+    }

@@ -97,3 +97,21 @@ def test_device_memory_probe_samples_the_epoch_s_peak():
     dead = DeviceMemoryProbe(0, mem_get_info=broken)
     dead.reset_peak()
     assert dead.capacity_bytes is None and dead.peak_fraction() is None
+
+
+@pytest.mark.gpu
+def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from dali_fast.loaders.memory_probes import release_unused_memory
+
+    probe = TorchCudaProbe(torch.cuda.current_device())
+    probe.reset_peak()
+    big = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    del big
+    large = probe.peak_fraction()
+    release_unused_memory()
+    probe.reset_peak()
+    small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+    del small
+    assert probe.peak_fraction() < large / 10  # the cached 2 GiB no longer counts
