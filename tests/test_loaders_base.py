@@ -984,6 +984,8 @@ def _fresh_sampler_state(**kw):
         "world_size": 1,
         "shuffle": True,
         "drop_last": False,
+        "even": True,
+        "history": [],
         **kw,
     }
 
