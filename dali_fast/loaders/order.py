@@ -64,7 +64,7 @@ def unreached(taken: np.ndarray, rest: np.ndarray) -> np.ndarray:
     """``rest`` without the samples in ``taken``, each sample once (where it first comes), in its order."""
     rest = rest[~np.isin(rest, taken)]
     _, first = np.unique(rest, return_index=True)
-    return rest[np.sort(first)].astype(np.int64)
+    return rest[np.sort(first)]
 
 
 def check_same_settings(state: dict, order: Any, keys: Sequence[str], what: str) -> None:
@@ -116,7 +116,6 @@ class OrderCursor:
         self.position = 0
         self.history: list[tuple[int, int]] = []  # (world_size, position) of earlier parts of this epoch
         self._cache: dict[tuple, np.ndarray] = {}  # dealt orders: a few epochs (the current, the next...)
-        self._parts: dict[tuple, np.ndarray] = {}  # what an epoch's current part deals, after its history
 
     # ------------------------------------------------------------------ what a subclass writes
     def _sequence(self, epoch: int) -> np.ndarray:
@@ -134,16 +133,9 @@ class OrderCursor:
     def _part(self, epoch: int, history: Sequence[tuple[int, int]]) -> np.ndarray:
         """The samples the current part of ``epoch`` deals to its ranks, once the earlier parts in
         ``history`` took what their ranks had reached."""
-        key = (epoch, tuple(history))
-        hit = self._parts.get(key)
-        if hit is not None:
-            return hit
         seq = self._sequence(epoch)
         for part, (world, position) in enumerate(history):
             seq = unreached(*self._split(seq, epoch, world, position, part))
-        if len(self._parts) >= 2:
-            self._parts.pop(next(iter(self._parts)))
-        self._parts[key] = seq
         return seq
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
@@ -156,7 +148,7 @@ class OrderCursor:
         if hit is not None:
             return hit
         seq = self._part(epoch, history)
-        out = self._deal(seq, epoch, self.world_size, self.rank, len(history)).astype(np.int64)
+        out = self._deal(seq, epoch, self.world_size, self.rank, len(history))
         if len(self._cache) >= 4:
             self._cache.pop(next(iter(self._cache)))
         self._cache[key] = out
@@ -169,7 +161,9 @@ class OrderCursor:
 
     def __len__(self) -> int:
         """Samples of the current epoch (its part since an elastic resume) on this rank."""
-        return self._length(self.epoch, self.history, self.world_size, self.rank)
+        if not self.history:
+            return per_rank(self.n, self.world_size, self.drop_last, self.even, self.rank)
+        return len(self.indices())
 
     # ------------------------------------------------------------------ the cursor
     def remaining(self) -> int:
