@@ -16,7 +16,7 @@ import pytest
 from conftest import jpeg_bytes, make_folder
 from contract import each_once
 
-from dali_fast.loaders.order import kept_global_batch, per_rank, unreached
+from dali_fast.loaders.order import kept_global_batch, per_rank, share, unreached
 from dali_fast.loaders.sampler import EpochSampler
 from dali_fast.loaders.shard_order import StreamingOrder, cut
 from dali_fast.train.checkpoint import rank_state, resume_batch_size
@@ -178,6 +178,9 @@ def test_a_position_outside_the_saved_epoch_is_refused_in_one_line():
         with pytest.raises(ValueError) as e:
             new.load_state_dict({**state, "position": position, "rank": rank})
         assert str(e.value) == f"cannot resume: position {position} is outside that epoch's {length} samples"
+    no_rank = {k: v for k, v in state.items() if k != "rank"}  # a state without its rank: rank 0's
+    new.load_state_dict({**no_rank, "position": 4})
+    assert new.history == [(3, 4)]
     elastic = EpochSampler(10, rank=0, world_size=2)
     elastic.load_state_dict(saved_at(sampler(10), 3, 2))  # 8 left after 3 ranks took 2 each
     assert len(elastic) == 2 and len(elastic.indices()) == 2
@@ -196,16 +199,46 @@ def test_a_position_outside_the_saved_epoch_is_refused_in_one_line():
         "cannot resume: the saved state has even=False but this sampler has even=True; "
         "resume with the same data set and settings"
     )
+    with pytest.raises(ValueError) as e:
+        streaming(rank=0, world_size=2).load_state_dict(saved_at(streaming, 3, 0, even=False))
+    assert str(e.value) == (
+        "cannot resume: the saved state has even=False but this order has even=True; "
+        "resume with the same data set and settings"
+    )
+
+
+def test_make_order_deals_evenly_unless_told_and_passes_even_on():
+    from conftest import IndexReader
+
+    from dali_fast.loaders.shard_order import make_order
+
+    class Streaming(IndexReader):
+        streaming, shuffle_window, shard_bounds = True, 2, BOUNDS
+
+        def __init__(self):
+            self.items, self.classes = [b"x"] * N, ["0"]
+
+        def schedule(self, order, then=None):
+            pass
+
+        def advance(self, n):
+            pass
+
+    kw = {"seed": 1, "shuffle": True, "rank": 0, "world_size": 2, "drop_last": False}
+    for data, kind in ((Streaming(), StreamingOrder), (IndexReader([b"x"] * N), EpochSampler)):
+        assert type(make_order(data, **kw)) is kind
+        assert make_order(data, **kw).even is True and make_order(data, **kw, even=False).even is False
 
 
 def test_helpers_exactly():
     assert unreached(np.array([5, 1]), np.array([3, 5, 2, 3, 1, 7, 2])).tolist() == [3, 2, 7]
     assert unreached(np.array([], np.int64), np.array([4, 4])).tolist() == [4]
     assert unreached(np.array([1]), np.array([], np.int64)).tolist() == []
-    assert [per_rank(10, 3, False, False, r) for r in range(3)] == [4, 3, 3]
-    assert [per_rank(9, 3, False, False, r) for r in range(3)] == [3, 3, 3]
-    assert [per_rank(10, 3, False, True, r) for r in range(3)] == [4, 4, 4]
-    assert [per_rank(10, 3, True, False, r) for r in range(3)] == [3, 3, 3]  # drop_last cuts, even or not
+    assert [share(10, 3, r, False, False) for r in range(3)] == [4, 3, 3]
+    assert [share(9, 3, r, False, False) for r in range(3)] == [3, 3, 3]
+    assert [share(10, 3, r, False, True) for r in range(3)] == [4, 4, 4]
+    assert [share(10, 3, r, True, False) for r in range(3)] == [3, 3, 3]  # drop_last cuts, even or not
+    assert [share(10, 3, r, True, True) for r in range(3)] == [3, 3, 3]
     seq = np.arange(10, 15)
     assert [cut(seq, 4, r, False, False).tolist() for r in range(4)] == [[10, 11], [12], [13], [14]]
     assert [cut(seq, 2, r, False, False).tolist() for r in range(2)] == [[10, 11, 12], [13, 14]]
@@ -215,7 +248,7 @@ def test_helpers_exactly():
 def test_the_global_batch_is_kept_where_it_divides(caplog):
     with caplog.at_level(logging.INFO, logger="dali_fast.loaders.order"):
         got = [kept_global_batch(b, w, v) for b, w, v in ((3, 4, 2), (3, 2, 3), (3, 1, 4), (4, 1, 4), (3, 4, 1))]
-    assert got == [6, 2, 3, 1, 12]
+    assert got == [6, 2, 3, 1, 12] and all(type(g) is int for g in got)
     assert caplog.messages[0] == (
         "loader: resumed on 2 ranks instead of 4: batch size 3 → 6 per rank, a global batch of 12 (was 12)"
     )
@@ -375,7 +408,7 @@ def test_elastic_resume_of_each_local_data_kind_in_both_loaders(kinds, kind, bac
         run_elastic(make, old, new, labels)
 
 
-def test_a_loader_with_a_controller_keeps_its_batch_size_and_the_eval_default_is_uneven(index_reader):
+def test_a_loader_with_a_controller_keeps_its_batch_size_and_the_eval_default_is_uneven(index_reader, caplog):
     from dali_fast import BatchSizeController, TorchIterator
 
     kw = {"image_size": 16, "device": "cpu", "num_workers": 0}
@@ -386,6 +419,11 @@ def test_a_loader_with_a_controller_keeps_its_batch_size_and_the_eval_default_is
     plain = TorchIterator(index_reader, 4, rank=0, world_size=1, **kw)
     plain.load_state_dict(saved)
     assert plain.state_dict()["batch_size"] == 8
+    same = TorchIterator(index_reader, 4, rank=0, world_size=2, **kw)
+    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.order"):
+        same.load_state_dict({**saved, "batch_size": 6})  # the same world size: the batch size as saved
+        ctrl.load_state_dict(saved)
+    assert same.batch_size == 6 and caplog.messages == []  # nothing rescaled, nothing said
     assert (plain.even, TorchIterator(index_reader, 4, train=False, **kw).even) == (True, False)
     assert TorchIterator(index_reader, 4, train=False, even=True, **kw).even is True
     assert TorchIterator(index_reader, 4, rank=1, world_size=2, even=False, **kw).order.even is False

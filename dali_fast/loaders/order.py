@@ -36,14 +36,17 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def per_rank(n: int, world_size: int, drop_last: bool, even: bool = True, rank: int = 0) -> int:
-    """Samples rank ``rank`` of ``world_size`` gets of ``n``: an equal share with the tail cut (``drop_last``)
-    or padded with repeats (``even``); else its own share, each sample on one rank only (the first
-    ``n % world_size`` ranks get one more)."""
-    if drop_last:
-        return n // world_size
-    if even:
-        return math.ceil(n / world_size)
+def per_rank(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples each of ``world_size`` ranks gets of ``n`` in equal shares: the tail cut (``drop_last``) or
+    padded with repeats."""
+    return n // world_size if drop_last else math.ceil(n / world_size)
+
+
+def share(n: int, world_size: int, rank: int, drop_last: bool, even: bool) -> int:
+    """Samples rank ``rank`` of ``world_size`` gets of ``n``: an equal share (`per_rank`) with ``drop_last``
+    or ``even``; else its own, each sample on one rank only (the first ``n % world_size`` ranks get one more)."""
+    if drop_last or even:
+        return per_rank(n, world_size, drop_last)
     return n // world_size + (rank < n % world_size)
 
 
@@ -157,12 +160,12 @@ class OrderCursor:
     def _length(self, epoch: int, history: Sequence[tuple[int, int]], world: int, rank: int) -> int:
         """Samples rank ``rank`` of ``world`` gets in the part of ``epoch`` after ``history``."""
         n = len(self._part(epoch, history)) if history else self.n
-        return per_rank(n, world, self.drop_last, self.even, rank)
+        return share(n, world, rank, self.drop_last, self.even)
 
     def __len__(self) -> int:
         """Samples of the current epoch (its part since an elastic resume) on this rank."""
         if not self.history:
-            return per_rank(self.n, self.world_size, self.drop_last, self.even, self.rank)
+            return share(self.n, self.world_size, self.rank, self.drop_last, self.even)
         return len(self.indices())
 
     # ------------------------------------------------------------------ the cursor
