@@ -178,6 +178,16 @@ def test_a_position_outside_the_saved_epoch_is_refused_in_one_line():
         with pytest.raises(ValueError) as e:
             new.load_state_dict({**state, "position": position, "rank": rank})
         assert str(e.value) == f"cannot resume: position {position} is outside that epoch's {length} samples"
+    even = EpochSampler(10, rank=2, world_size=3)  # equal shares: rank 2 has 4 (one padded), like rank 0
+    even.load_state_dict({**saved_at(sampler(10), 3, 0), "position": 4})
+    assert even.position == 4 and even.remaining() == 0
+    two_hops = {**saved_at(sampler(29), 3, 0), "history": [[4, 3]]}  # 4 ranks took 3 each: 17 left, 6 a rank
+    new29 = EpochSampler(29, rank=1, world_size=2)
+    new29.load_state_dict({**two_hops, "position": 6})
+    assert new29.history == [(4, 3), (3, 6)]
+    with pytest.raises(ValueError) as e:
+        new29.load_state_dict({**two_hops, "position": 7})
+    assert str(e.value) == "cannot resume: position 7 is outside that epoch's 6 samples"
     no_rank = {k: v for k, v in state.items() if k != "rank"}  # a state without its rank: rank 0's
     new.load_state_dict({**no_rank, "position": 4})
     assert new.history == [(3, 4)]
@@ -283,6 +293,13 @@ def test_each_rank_resumes_from_its_own_state_or_rank_zero_s():
     assert str(e.value) == (
         "ck/checkpoint.pt: the 2 saved ranks stopped at different places in the epoch ([1, 12, []], [1, 8, []]); "
         "resume on 2 processes"
+    )
+    for r in (older := _ranks(8, 12)):  # states saved before the history was kept
+        del r["loader"]["sampler"]["history"]
+    with pytest.raises(ValueError) as e:
+        rank_state("ck", older, 0, 1)
+    assert str(e.value).startswith(
+        "ck: the 2 saved ranks stopped at different places in the epoch ([1, 12, []], [1, 8, []])"
     )
     mixed = [*_ranks(8), *_ranks(8, history=[[4, 2]])[:1]]
     with pytest.raises(ValueError, match=r"^ck: the 2 saved ranks stopped at different places"):

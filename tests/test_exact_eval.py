@@ -230,3 +230,51 @@ def test_train_s_held_out_accuracy_on_two_ranks_equals_one_process_s(tmp_path):
     loss, acc = trainer.evaluate(make_loader(held_out, 5, backend="torch", train=False, rank=0, world_size=1, **kw))
     assert row["val_acc"] == acc and 0 < acc < 1  # correct / 23 on both sides
     assert row["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+LIGHTNING_DDP = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import pytorch_lightning as pl
+from test_lightning import Model, Recorder, loader, reader
+backends, out = sys.argv[1].split(","), sys.argv[2]
+data = reader()
+for backend in backends:  # one launch, one process group, a Trainer per backend
+    rec = Recorder()
+    model = Model({{"train": lambda: loader(backend, data, batch_size=4),
+                    "val": lambda: loader(backend, data, batch_size=4, train=False)}})
+    t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, num_sanity_val_steps=0,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[rec])
+    t.fit(model)
+    with open(os.path.join(out, f"{{backend}}-rank{{t.global_rank}}.json"), "w") as f:
+        json.dump({{"val": rec.val, "batches": t.num_val_batches}}, f)
+"""
+
+
+@pytest.mark.slow
+def test_lightning_ddp_validation_sees_each_record_once_with_unequal_ranks(tmp_path):
+    """Lightning's DDP validation (through the DDP-wrapped model while fitting) over 37 records on 2 ranks:
+    19 and 18, nothing repeated, and no rank waits for the other."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("pytorch_lightning")
+    backends = [b for b in ("torch", "dali") if b != "dali" or importlib.util.find_spec("nvidia.dali")]
+    script = tmp_path / "ddp_val.py"
+    script.write_text(LIGHTNING_DDP.format(tests=str(Path(__file__).parent)))
+    env = {"PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, str(script), ",".join(backends), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for backend in backends:
+        ranks = [json.loads((tmp_path / f"{backend}-rank{r}.json").read_text()) for r in (0, 1)]
+        assert [r["batches"] for r in ranks] == [[5], [5]]  # 19 and 18 records in batches of 4
+        shares = [[i for batch in r["val"] for i in batch] for r in ranks]
+        assert [len(s) for s in shares] == [19, 18], backend
+        each_once(shares[0] + shares[1], range(37))

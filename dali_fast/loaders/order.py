@@ -159,8 +159,7 @@ class OrderCursor:
 
     def _length(self, epoch: int, history: Sequence[tuple[int, int]], world: int, rank: int) -> int:
         """Samples rank ``rank`` of ``world`` gets in the part of ``epoch`` after ``history``."""
-        n = len(self._part(epoch, history)) if history else self.n
-        return share(n, world, rank, self.drop_last, self.even)
+        return share(len(self._part(epoch, history)), world, rank, self.drop_last, self.even)
 
     def __len__(self) -> int:
         """Samples of the current epoch (its part since an elastic resume) on this rank."""

@@ -157,8 +157,8 @@ def resume_batch_size(
         )
     if world == saved_world:
         return given, None
-    if total % world == 0 and (most is None or total // world <= most):
-        kept = total // world
+    kept = total // world
+    if total % world == 0 and (most is None or kept <= most):
         return (
             kept,
             f"{world} ranks instead of {saved_world}: batch size {saved} → {kept} per rank, the global batch stays {total}",
