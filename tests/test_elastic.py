@@ -260,10 +260,10 @@ def test_the_global_batch_is_kept_where_it_divides(caplog):
         got = [kept_global_batch(b, w, v) for b, w, v in ((3, 4, 2), (3, 2, 3), (3, 1, 4), (4, 1, 4), (3, 4, 1))]
     assert got == [6, 2, 3, 1, 12] and all(type(g) is int for g in got)
     assert caplog.messages[0] == (
-        "loader: resumed on 2 ranks instead of 4: batch size 3 → 6 per rank, a global batch of 12 (was 12)"
+        "loader: resumed with ranks 4 → 2: batch size 3 → 6 per rank, a global batch of 12 (was 12)"
     )
     assert caplog.messages[2] == (
-        "loader: resumed on 4 ranks instead of 1: batch size 3 → 3 per rank, a global batch of 12 (was 3)"
+        "loader: resumed with ranks 1 → 4: batch size 3 → 3 per rank, a global batch of 12 (was 3)"
     )
 
 
@@ -311,25 +311,25 @@ def test_the_batch_size_of_a_resume_and_what_it_says():
     assert resume_batch_size(16, 2, 8, 2) == (8, "batch size 16 → 8 as given")
     assert resume_batch_size(5, 2, 5, 1) == (
         10,
-        "1 ranks instead of 2: batch size 5 → 10 per rank, the global batch stays 10",
+        "ranks 2 → 1: batch size 5 → 10 per rank, the global batch stays 10",
     )
     assert resume_batch_size(8, 4, 8, 2, most=16) == (
         16,
-        "2 ranks instead of 4: batch size 8 → 16 per rank, the global batch stays 32",
+        "ranks 4 → 2: batch size 8 → 16 per rank, the global batch stays 32",
     )
     assert resume_batch_size(5, 2, 5, 3) == (
         5,
-        "3 ranks instead of 2: a global batch of 10 does not split into 3 equal batches, so the batch size stays 5 "
+        "ranks 2 → 3: a global batch of 10 does not split into 3 equal batches, so the batch size stays 5 "
         "per rank (a global batch of 15; the learning rate is unchanged)",
     )
     assert resume_batch_size(8, 4, 8, 2, most=15) == (
         8,
-        "2 ranks instead of 4: a global batch of 32 does not split into 2 equal batches of at most 15 samples, so "
+        "ranks 4 → 2: a global batch of 32 does not split into 2 equal batches of at most 15 samples, so "
         "the batch size stays 8 per rank (a global batch of 16; the learning rate is unchanged)",
     )
     assert resume_batch_size(5, 2, 4, 1) == (
         4,
-        "batch size 5 → 4 as given, on 1 ranks instead of 2 (a global batch of 4, was 10)",
+        "batch size 5 → 4 as given, with ranks 2 → 1 (a global batch of 4, was 10)",
     )
 
 
@@ -479,7 +479,7 @@ def test_torchrun_two_ranks_killed_mid_epoch_then_resumed_on_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert f"resumed from {ck / 'checkpoint.pt'}: epoch 0, step {cut_step}" in lines
-    assert "1 ranks instead of 2: batch size 5 → 10 per rank, the global batch stays 10" in lines
+    assert "ranks 2 → 1: batch size 5 → 10 per rank, the global batch stays 10" in lines
     before = [
         x for r in (0, 1) for x in read_index_records(tmp_path / f"before.jsonl.rank{r}") if x["step"] <= cut_step
     ]

@@ -1,6 +1,7 @@
-"""`OrderCursor`: an epoch's order dealt to ranks, the cursor into this rank's part, and the elastic resume;
-what the random-access order (`sampler.EpochSampler`) and the shard-streaming one (`shard_order.StreamingOrder`)
-share. numpy only.
+"""What every epoch order shares (`OrderCursor`): dealing to ranks, the cursor, the elastic resume. numpy only.
+
+The random-access order (`sampler.EpochSampler`) and the shard-streaming one (`shard_order.StreamingOrder`)
+are its subclasses: each says how it orders an epoch and deals it to ranks; the rest lives here, once.
 
 **Elastic resume, the one rule.** In a lockstep run (DDP) every rank has yielded the same number of
 batches of the same size, so after ``p`` samples each, the ranks have together consumed the first ``p``
@@ -57,8 +58,8 @@ def kept_global_batch(batch_size: int, saved_world: int, world_size: int) -> int
     total = batch_size * saved_world
     kept = total // world_size if total % world_size == 0 else batch_size
     log.info(
-        "loader: resumed on %d ranks instead of %d: batch size %d → %d per rank, a global batch of %d (was %d)",
-        *(world_size, saved_world, batch_size, kept, kept * world_size, total),
+        "loader: resumed with ranks %d → %d: batch size %d → %d per rank, a global batch of %d (was %d)",
+        *(saved_world, world_size, batch_size, kept, kept * world_size, total),
     )
     return kept
 

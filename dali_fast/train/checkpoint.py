@@ -152,7 +152,7 @@ def resume_batch_size(
         if world == saved_world:
             return given, f"batch size {saved} → {given} as given"
         return given, (
-            f"batch size {saved} → {given} as given, on {world} ranks instead of {saved_world} "
+            f"batch size {saved} → {given} as given, with ranks {saved_world} → {world} "
             f"(a global batch of {given * world}, was {total})"
         )
     if world == saved_world:
@@ -161,10 +161,10 @@ def resume_batch_size(
     if total % world == 0 and (most is None or kept <= most):
         return (
             kept,
-            f"{world} ranks instead of {saved_world}: batch size {saved} → {kept} per rank, the global batch stays {total}",
+            f"ranks {saved_world} → {world}: batch size {saved} → {kept} per rank, the global batch stays {total}",
         )
     return saved, (
-        f"{world} ranks instead of {saved_world}: a global batch of {total} does not split into {world} equal batches"
+        f"ranks {saved_world} → {world}: a global batch of {total} does not split into {world} equal batches"
         + ("" if total % world else f" of at most {most} samples")
         + f", so the batch size stays {saved} per rank (a global batch of {saved * world}; the learning rate is unchanged)"
     )

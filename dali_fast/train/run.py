@@ -240,7 +240,7 @@ def _resume_batch_size(run: _Run, saved: int, saved_world: int) -> None:
     world = run.ctx.world_size
     if run.ctrl is not None:  # the controller sizes each rank's batch from its own memory
         if world != saved_world:
-            run.emit(f"{world} ranks instead of {saved_world}: the controller sizes each rank's batch")
+            run.emit(f"ranks {saved_world} → {world}: the controller sizes each rank's batch")
         return
     most = len(run.train_set) // world if run.config.drop_last else None
     batch_size, line = resume_batch_size(saved, saved_world, run.config.batch_size, world, most)
