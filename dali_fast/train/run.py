@@ -236,7 +236,8 @@ def _resume(run: _Run) -> None:
 
 def _resume_batch_size(run: _Run, saved: int, saved_world: int) -> None:
     """The batch size of a resume: ``--batch-size`` as given; the same one on another number of processes
-    keeps the global batch where it can (`resume_batch_size`); said in one line when it changes."""
+    keeps the global batch where it can (`resume_batch_size`); said in one line when it changes. Positions
+    count samples, so any batch size resumes exactly (e.g. a smaller one after an out-of-memory)."""
     world = run.ctx.world_size
     if run.ctrl is not None:  # the controller sizes each rank's batch from its own memory
         if world != saved_world:
@@ -302,9 +303,7 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
         # A new input shape: cudnn.benchmark (on on a GPU) times its convolution algorithms again on the
         # first batch, once per size (sizes seen before stay cached), and the controller has already
         # scaled the batch size to the pixels.
-        tuned = (
-            " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
-        )
+        tuned = " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
         run.emit(f"epoch {epoch}: training at {size} px, was {before} px{tuned}")
     t0, n = time.perf_counter(), 0
     loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step
