@@ -289,7 +289,7 @@ class LoaderBase:
             raise ValueError(
                 "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
             )
-        saved_kind, kind = sampler.get("order", "random"), getattr(self.order, "kind", "random")
+        saved_kind, kind = sampler.get("order", "random"), self.order.kind
         if saved_kind != kind:
             raise ValueError(
                 f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
