@@ -75,5 +75,7 @@ def fresh_sampler_state(**kw):
         "world_size": 1,
         "shuffle": True,
         "drop_last": False,
+        "even": True,
+        "history": [],
         **kw,
     }

@@ -231,6 +231,7 @@ def test_a_new_order_and_its_state_exactly():
         "world_size": 2,
         "shuffle": True,
         "drop_last": False,
+        "even": True,
         "window": 4,
         "layout": layout,
     }

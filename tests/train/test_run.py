@@ -1,18 +1,20 @@
 """`run_train`: the loss falls with every loader, the settings are checked before any work, checkpoints
 resume at the exact sample (under torchrun and after SIGKILL too)."""
 
-import contextlib
 import math
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 from contract import each_once
+from train_runs import (
+    dist_backend,
+    kill_at_first_checkpoint,
+    skip_without_enough_gpus,
+    train_args,
+    train_command,
+    train_env,
+)
 
 from dali_fast.data.base import split
 from dali_fast.data.open import open_dataset
@@ -176,35 +178,6 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
     assert lines[1] == "batch size 16 → 8 as given" and [r["batch_size"] for r in rows] == [16, 8]
 
 
-def _skip_without_enough_gpus(nproc: int) -> None:
-    """On a GPU host each rank needs its own GPU (nccl); on a CPU host ranks share the CPU (gloo)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
-        pytest.skip(f"{nproc} ranks need {nproc} GPUs; this host has {torch.cuda.device_count()}")
-
-
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _command(nproc: int, args: list[str]) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "dali_fast", *args]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, "-m", "dali_fast", *args]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def _train_args(data: Path, loader: str, tmp: Path, tag: str, epochs: int = 2) -> list[str]:
-    return [
-        "train", str(data), "--loader", loader, "--epochs", str(epochs), "--model", "resnet_tiny",
-        "--image-size", "32", "--batch-size", "5", "--num-workers", "0", "--no-drop-last",
-        "--record-indices", str(tmp / f"{tag}.jsonl"),
-    ]  # fmt: skip
-
-
 def _records(tmp: Path, tag: str, nproc: int) -> dict[int, list[dict]]:
     if nproc == 1:
         return {0: read_index_records(tmp / f"{tag}.jsonl")}
@@ -231,14 +204,14 @@ def _check_epoch_cover(per_rank: dict[int, list[int]], train: list[int], nproc: 
 def test_torchrun_two_ranks_shard_each_epoch_exactly_once(odd_set, tmp_path, loader):
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
-    _skip_without_enough_gpus(2)
-    args = _train_args(odd_set, loader, tmp_path, "idx") + ["--out", str(tmp_path / "out")]
-    proc = subprocess.run(_command(2, args), env=_env(), capture_output=True, text=True, timeout=600)
+    skip_without_enough_gpus(2)
+    args = train_args(odd_set, loader, tmp_path, "idx") + ["--out", str(tmp_path / "out")]
+    proc = subprocess.run(train_command(2, args), env=train_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Only rank 0 prints and writes.
     lines = proc.stdout.splitlines()
     assert sum(x.startswith("epoch 0:") for x in lines) == 1 and sum(x.startswith("epoch 1:") for x in lines) == 1
-    assert f"2 ranks ({_backend()})" in proc.stdout and "replicas in sync after training: yes" in proc.stdout
+    assert f"2 ranks ({dist_backend()})" in proc.stdout and "replicas in sync after training: yes" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.json"]
     recs, train = _records(tmp_path, "idx", 2), _train_indices(odd_set)
     orders = []
@@ -251,75 +224,16 @@ def test_torchrun_two_ranks_shard_each_epoch_exactly_once(odd_set, tmp_path, loa
     assert orders[0] != orders[1]  # reshuffled per epoch
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (torchrun starts each rank in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    return tree
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, sig)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def _kill_at_first_checkpoint(cmd: list[str], ckpt: Path, timeout: float = 600) -> None:
-    """Start ``cmd``; the moment ``ckpt`` appears, freeze every process of the run, then SIGKILL them all."""
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    tree: list[int] = []
-    try:
-        while not ckpt.exists():
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                pytest.fail(f"training ended (rc {proc.returncode}) before its first checkpoint:\n{out[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail("no checkpoint before the timeout")
-            time.sleep(0.005)
-        tree = _process_tree(proc.pid)
-        _signal_all(tree, signal.SIGSTOP)  # no rank takes another step or writes another checkpoint
-        tree = _process_tree(proc.pid)
-        _signal_all(tree, signal.SIGKILL)  # no chance to clean up, as on a preempted node
-    finally:
-        _signal_all(tree or [proc.pid], signal.SIGKILL)
-        proc.wait(timeout=60)
-        if proc.stdout:
-            proc.stdout.close()
-    end = time.monotonic() + 60
-    while not all(_gone(p) for p in tree) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert all(_gone(p) for p in tree) and proc.returncode == -signal.SIGKILL
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "loader"), [(1, "torch"), (2, "dali")])  # each backend, each rank count
 def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loader):
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
-    _skip_without_enough_gpus(nproc)
+    skip_without_enough_gpus(nproc)
     ck = tmp_path / "ck"
     extra = ["--checkpoint", str(ck), "--checkpoint-every", "3"]
-    _kill_at_first_checkpoint(
-        _command(nproc, _train_args(odd_set, loader, tmp_path, "before") + extra), ck / "checkpoint.pt"
+    kill_at_first_checkpoint(
+        train_command(nproc, train_args(odd_set, loader, tmp_path, "before") + extra), ck / "checkpoint.pt"
     )
     state = load_checkpoint(ck / "checkpoint.pt")
     cut = int(state["step"])
@@ -329,8 +243,8 @@ def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loa
     assert len(set(positions)) == 1 and 0 < positions[0] < per_rank_len, positions  # killed mid-epoch
 
     proc = subprocess.run(
-        _command(nproc, _train_args(odd_set, loader, tmp_path, "after") + extra + ["--resume"]),
-        env=_env(), capture_output=True, text=True, timeout=600,
+        train_command(nproc, train_args(odd_set, loader, tmp_path, "after") + extra + ["--resume"]),
+        env=train_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {ck / 'checkpoint.pt'}: epoch {state['epoch']}, step {cut}" in proc.stdout
