@@ -265,9 +265,9 @@ class ParquetReader:
         """`read_batch_checked` without the verdicts (a null image is an empty array); a row group that
         cannot be read raises OSError."""
         datas, labels, bad = self.read_batch_checked(indices)
-        for pos, why in bad.items():
-            if why.startswith("unreadable"):
-                raise OSError(why)
+        unreadable = next((why for why in bad.values() if why.startswith("unreadable")), None)
+        if unreadable is not None:
+            raise OSError(unreadable)
         return [d if d is not None else np.zeros(0, np.uint8) for d in datas], labels
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
