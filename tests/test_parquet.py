@@ -293,3 +293,18 @@ def test_parquet_in_object_storage_is_refused_in_one_line_with_what_to_do():
             f"{url}: Parquet in object storage is not read yet; copy the files to a local folder "
             "(e.g. `aws s3 sync`, `huggingface-cli download`) and open that"
         )
+
+
+def test_the_fingerprint_follows_the_contents_not_where_the_files_are(tmp_path, cache):
+    """A copy that keeps names and mtimes (another node's mount, `cp -p`) resumes; other labels do not."""
+    import shutil
+
+    write_hf(tmp_path / "snap")
+    r = open_dataset(tmp_path / "snap")
+    shutil.copytree(tmp_path / "snap", tmp_path / "copy")  # copy2: names and mtimes kept, new inodes
+    copy = open_dataset(tmp_path / "copy")
+    assert copy.index_file != r.index_file and copy.fingerprint == r.fingerprint
+    write_hf(tmp_path / "other", names=NAMES, bad={3: (sample(3), 0)})  # one label differs
+    for f in (tmp_path / "other" / "data").iterdir():  # the same names and mtimes as the first set
+        os.utime(f, ns=(0, (tmp_path / "snap" / "data" / f.name).stat().st_mtime_ns))
+    assert open_dataset(tmp_path / "other").fingerprint != r.fingerprint

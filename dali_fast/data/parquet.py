@@ -21,6 +21,7 @@ label, a label outside the class names and bytes that are not an image are bad r
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import weakref
@@ -68,9 +69,10 @@ class _Group:
         import pyarrow.compute as pc
 
         chunks = [pc.struct_field(c, image_field) if image_field else c for c in column.chunks]
-        arr = chunks[0] if len(chunks) == 1 else pa.concat_arrays([c.cast(pa.large_binary()) for c in chunks])
-        if not chunks:
-            arr = pa.array([], pa.binary())
+        if len(chunks) == 1:
+            arr = chunks[0]
+        else:  # a row group of several chunks (or none): one array, with 64-bit offsets
+            arr = pa.concat_arrays([c.cast(pa.large_binary()) for c in chunks] or [pa.array([], pa.large_binary())])
         wide = pa.types.is_large_binary(arr.type)
         _, offsets, data = arr.buffers()
         self.offsets = np.frombuffer(offsets, np.int64 if wide else np.int32)[arr.offset : arr.offset + len(arr) + 1]
@@ -235,7 +237,16 @@ class ParquetReader:
 
     @property
     def fingerprint(self) -> str:
-        return f"parquet:{len(self)}:{self.index_file.stem[:16]}"
+        """What identifies the contents (a resume on other data is refused by it): each file's name, size
+        and mtime, the row groups and the labels; the same on every node that mounts the files, and for
+        a copy that keeps names and mtimes (the index's key also has inodes and devices)."""
+        h = hashlib.sha1()
+        for f in self.files:
+            st = os.stat(f)
+            h.update(f"{Path(f).name}|{st.st_size}|{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        h.update(self.group_rows.tobytes())
+        h.update(self._labels.tobytes())
+        return f"parquet:{len(self)}:{h.hexdigest()[:16]}"
 
     def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
         """The images of ``indices`` (views into their row groups, each group read once), their labels,
