@@ -3,10 +3,12 @@ bad rows), the same pixels as the same JPEGs in an ImageFolder, pack, inspect, L
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from contract import each_once, run_save_load_state
@@ -234,3 +236,76 @@ def test_train_refuses_a_bad_label_up_front_or_skips_it(tmp_path, cache):
         run_train(r, **kw)
     rows = run_train(r, on_error="skip", **kw)
     assert len(rows) == 1
+
+
+class _Unlabelled:
+    """A reader with no label column (labels only through reader[i]) and no folder."""
+
+    def __init__(self, items):
+        self.items, self.classes = items, ["a", "b", "c"]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return np.frombuffer(self.items[i], np.uint8), i % 3
+
+    def source(self, i):
+        return f"mem://{i}"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pack_takes_any_reader_as_its_source(tmp_path, workers):
+    from conftest import IndexReader, jpeg_bytes
+
+    from dali_fast import pack
+    from dali_fast.data.packed import MemmapReader
+
+    images = [jpeg_bytes(40 + i, 30) for i in range(6)]
+    for reader, name, labels in (
+        (IndexReader(images), "IndexReader", list(range(6))),
+        (_Unlabelled(images), "_Unlabelled", [0, 1, 2] * 2),
+    ):
+        dst = tmp_path / name
+        report = pack(reader, dst, workers=workers, progress=False)
+        assert (report.dst, report.records, report.classes, report.data_bytes) == (
+            dst,
+            6,
+            len(reader.classes),
+            sum(map(len, images)),
+        )
+        assert report.skipped == [] and report.reencoded == 0
+        packed = MemmapReader(dst)
+        assert [(bytes(packed[i][0]), packed[i][1], packed.source(i)) for i in range(6)] == [
+            (images[i], labels[i], f"mem://{i}.jpg" if name == "IndexReader" else f"mem://{i}") for i in range(6)
+        ]
+        assert json.loads((dst / "meta.json").read_text())["source_root"] == str(Path(name).resolve())
+    small = pack(IndexReader(images), tmp_path / "small", workers=workers, max_side=16, progress=False)
+    assert small.reencoded == 6 and max(MemmapReader(tmp_path / "small").read_batch(range(6))[0][0].shape) > 0
+    zero = bytearray(images[0])
+    at = zero.find(b"\xff\xc0")
+    zero[at + 5 : at + 9] = bytes(4)  # a 0x0 frame: the markers pass the structural check; Pillow refuses it
+    cut = IndexReader([bytes(zero), *images[1:]])
+    assert [p for p, _ in pack(cut, tmp_path / "cut", workers=workers, progress=False).skipped] == ["mem://0.jpg"]
+    assert pack(cut, tmp_path / "unverified", workers=workers, verify=False, progress=False).records == 6
+
+
+def test_read_rows_without_a_reader_says_so():
+    from dali_fast.data.pack_sources import read_rows, use_reader
+
+    use_reader(None)
+    with pytest.raises(RuntimeError, match=r"^pack's reader is not set in this process \(use_reader\)$"):
+        read_rows([0])
+
+
+def test_open_dataset_refuses_column_names_for_other_formats_and_remote_parquet(tmp_path):
+    from conftest import jpeg_bytes, one_line
+
+    (tmp_path / "folder" / "a").mkdir(parents=True)
+    (tmp_path / "folder" / "a" / "x.jpg").write_bytes(jpeg_bytes())
+    for kw in ({"label_column": "cls"}, {"image_column": "jpg"}):
+        with pytest.raises(ValueError) as e:
+            open_dataset(tmp_path / "folder", **kw)
+        assert one_line(e).endswith("name the columns of Parquet files; this is not one")
+    with pytest.raises(ValueError, match="^s3://bucket/one.parquet/: Parquet in object storage is not read yet"):
+        open_dataset("s3://bucket/one.parquet/")

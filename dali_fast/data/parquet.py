@@ -168,7 +168,7 @@ class ParquetReader:
     def _warn_bad_labels(self) -> None:
         bad = np.flatnonzero(self._bad_label)
         if len(bad):
-            log.warning(
+            log.warning(  # pragma: no mutate (the words of a log line; the loaders name each record)
                 "%s of %s: a null label or one outside the %s (first: %s: %s); the loaders raise, or skip "
                 "and count them (on_error)",
                 plural(len(bad), "row"),
@@ -182,7 +182,7 @@ class ParquetReader:
         """File ``k`` as a ``pyarrow.parquet.ParquetFile`` (its footer parsed once per process, then
         shared): every read of a file goes through here."""
         meta = self._meta.get(k)
-        pf = self._pq.ParquetFile(self.files[k], metadata=meta, pre_buffer=False)
+        pf = self._pq.ParquetFile(self.files[k], metadata=meta, pre_buffer=False)  # pragma: no mutate (speed only)
         if meta is None:
             self._meta[k] = pf.metadata
         return pf
@@ -195,7 +195,9 @@ class ParquetReader:
         k = int(self.group_file[gid])
         try:
             table = self._open(k).read_row_group(
-                int(gid - self._group_base[k]), columns=[self.columns.image_leaf], use_threads=False
+                int(gid - self._group_base[k]),
+                columns=[self.columns.image_leaf],
+                use_threads=False,  # pragma: no mutate
             )
             return _Group(table.column(0), self.columns.image_field)
         except (OSError, pa.ArrowException) as e:
@@ -329,8 +331,8 @@ class ParquetReader:
         """This process's row-group LRU: hits, misses, hit_rate, evictions, bytes."""
         return self._cache.stats()
 
-    def __repr__(self) -> str:
-        return (
+    def __repr__(self) -> str:  # pragma: no mutate (display)
+        return (  # pragma: no mutate
             f"ParquetReader({plural(len(self.files), 'file')}, {plural(len(self.group_rows), 'row group')}, "
             f"records={len(self)}, classes={len(self.classes)}, {'streaming' if self.streaming else 'random access'})"
         )

@@ -312,7 +312,7 @@ def build_index(
 ) -> ParquetIndex:
     """The index of ``files`` from their footers and label columns (no image is read), the files read
     in parallel; files whose columns differ from the first file's are refused in one line."""
-    log.info("indexing %s (footers and label column)", plural(len(files), "Parquet file"))
+    log.info("indexing %s (footers and label column)", plural(len(files), "Parquet file"))  # pragma: no mutate
     first = open_file(0)
     columns = find_columns(first.schema_arrow, image_column, label_column, files[0][0])
     parts = read_parallel(lambda k: _index_file(open_file(k) if k else first, columns, files[k][0]), range(len(files)))
@@ -346,7 +346,7 @@ def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.n
         rows.append(group.num_rows)
         nbytes.append(chunk.total_uncompressed_size)
         nulls.append(stats.null_count if stats is not None and stats.has_null_count else -1)
-    labels = pf.read(columns=[columns.label], use_threads=False).column(0)
+    labels = pf.read(columns=[columns.label], use_threads=False).column(0)  # pragma: no mutate (threads: speed only)
     return np.asarray(rows, np.int64), np.asarray(nbytes, np.int64), np.asarray(nulls, np.int64), labels
 
 

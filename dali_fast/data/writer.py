@@ -184,7 +184,9 @@ def pack(
     """
     t0 = time.perf_counter()
     reader = src if isinstance(src, Reader) else None
-    src, dst = Path(str(getattr(src, "path", "reader")) if reader is not None else src), Path(dst)
+    if reader is not None:  # a reader: named by its folder where it has one (meta.json's source_root)
+        src = getattr(reader, "path", type(reader).__name__)
+    src, dst = Path(src), Path(dst)  # type: ignore[arg-type]
     kind = _check_pack_arguments(src, dst, max_side, workers, shard_size, reader is not None)
     if kind == "reader":
         reader = reader if reader is not None else open_dataset(src)
