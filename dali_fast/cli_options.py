@@ -102,12 +102,24 @@ def _progressive(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--progressive {text!r}: ")) from None
 
 
-def _add_data_args(s: argparse.ArgumentParser) -> None:
-    """The data and batch arguments `bench` and `train` share."""
+def _add_model_arg(s: argparse.ArgumentParser) -> None:
+    """``--model`` of the commands that time loading (bench, stages)."""
+    s.add_argument(
+        "--model",
+        default="none",
+        choices=["none", "resnet_tiny", "resnet18", "resnet50"],
+        help="a training step per batch with this model (none: loading only)",
+    )
+
+
+def _add_data_args(s: argparse.ArgumentParser, on_error: bool = True) -> None:
+    """The data and batch arguments `bench`, `stages` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
     s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
     s.add_argument("--batch-size", type=_count(1), default=64, help="images per batch")
     s.add_argument("--image-size", type=_count(1), default=224, help="output side in pixels")
+    if not on_error:
+        return
     s.add_argument(
         "--on-error",
         choices=ON_ERROR,
@@ -209,12 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(s)
     s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
     s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
-    s.add_argument(
-        "--model",
-        default="none",
-        choices=["none", "resnet_tiny", "resnet18", "resnet50"],
-        help="a training step per batch with this model (none: loading only)",
-    )
+    _add_model_arg(s)
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
@@ -230,16 +237,24 @@ def build_parser() -> argparse.ArgumentParser:
         "every row alike; all loaders stay alive meanwhile)",
     )
     _add_recipe_args(s, several=True)
-    s.add_argument(
-        "--stages",
-        action="store_true",
-        help="measure the optimizations cumulatively, one row each (baseline, +cache, +factory, +device ops, "
-        "+DALI, +controller, +progressive resizing), with the projected time of a whole training run",
+
+    s = _command(
+        sub, "stages", "measure what each optimization buys, cumulatively, one row each, and project a whole run"
     )
-    s.add_argument("--total-epochs", type=_count(1), default=90, help="with --stages: epochs of the projected run")
+    _add_data_args(s, on_error=False)
+    s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs of each stage after one warm-up epoch")
+    _add_model_arg(s)
+    s.add_argument("--cache-bytes", type=_size, default=None, help="LRU cache budget, e.g. 2G (default: half the data)")
+    s.add_argument("--out", default="stages-results", help="folder for stages.json and stages.png")
     s.add_argument(
-        "--total-images", type=_count(1), default=1_281_167, help="with --stages: images per epoch of the projected run"
+        "--progressive",
+        type=_progressive,
+        default=None,
+        metavar="START:END:FROM_EPOCH:TO_EPOCH",
+        help="the last row's resolution schedule (default: FFCV's ramp scaled to --total-epochs)",
     )
+    s.add_argument("--total-epochs", type=_count(1), default=90, help="epochs of the projected run")
+    s.add_argument("--total-images", type=_count(1), default=1_281_167, help="images per epoch of the projected run")
 
     s = _command(sub, "train", "train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
     _add_data_args(s)
@@ -292,4 +307,5 @@ def build_parser() -> argparse.ArgumentParser:
     usages = [c.format_usage().removeprefix("usage: ").rstrip() for c in sub.choices.values()]
     p.epilog = "synopsis:\n" + "\n".join("  " + u.replace("\n", "\n  ") for u in usages)
     p.epilog += "\n\n`dali-fast COMMAND --help` says what each option does."
+    p.commands = sub.choices  # type: ignore[attr-defined]  # each command's parser, by name
     return p

@@ -29,7 +29,7 @@ from .data.base import Reader
 from .data.format import INDEX_FILE
 from .data.open import open_dataset
 from .data.parquet_index import expand_parquet, is_parquet
-from .data.remote_store import is_remote
+from .data.remote.store import is_remote
 from .data.shards import expand_shards, is_webdataset
 from .loaders.base import LoaderBase
 from .loaders.controller import BatchSizeController

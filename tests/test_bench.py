@@ -129,7 +129,7 @@ def test_bench_puts_each_augmentation_side_by_side(tiny_packed, tmp_path):
 def test_the_limit_row_measures_decode_only_with_the_same_processes(tiny_packed, tmp_path):
     """The machine's ceiling on the same data, in the same run: every record read and decoded whole by
     as many processes as the loaders get; each loader row reads as a share of it."""
-    from dali_fast.system import available_cpus
+    from dali_fast.machine import available_cpus
 
     result = run_bench(
         str(tiny_packed / "images"),
@@ -174,14 +174,6 @@ def test_table_with_a_limit_row():
     assert t[4] == "| limit: decode only, 2 processes | 400 | 1.00 | 90 | 1.00 GiB | - | 4.00x | 100% |"
     failed = markdown_table([base], {"loader": "limit", "workers": 2, "error": "OSError: gone"}).splitlines()
     assert failed[2].endswith("| 1.00x | - |") and "failed: OSError: gone" in failed[3]
-
-
-def test_no_limit_is_refused_with_stages(tmp_path, capsys):
-    from dali_fast.cli import main
-
-    assert main(["bench", str(tmp_path), "--stages", "--no-limit"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--no-limit" in err
 
 
 def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):

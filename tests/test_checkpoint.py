@@ -130,10 +130,10 @@ def test_index_recorder_names_per_rank_and_survives_a_cut_line(tmp_path):
 
 # A child that writes a large checkpoint (version N: a header with the payload's digest, then
 # 24 MiB written in 256 KiB pieces) through the same atomic_write that save_checkpoint uses, and
-# says "begin" once the write has started. Importing dali_fast.system is quick (no torch).
+# says "begin" once the write has started. Importing dali_fast.files is quick (no torch).
 WRITER = """
 import hashlib, sys
-from dali_fast.system import atomic_write
+from dali_fast.files import atomic_write
 path, version = sys.argv[1], int(sys.argv[2])
 piece = hashlib.sha256(str(version).encode()).digest() * 8192
 payload = piece * 96

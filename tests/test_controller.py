@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dali_fast.loaders.controller import BatchSizeController
-from dali_fast.loaders.probes import MaxProbe, NvmlProbe, TorchCudaProbe
+from dali_fast.loaders.memory_probes import MaxProbe, NvmlProbe, TorchCudaProbe
 
 
 class ScriptedProbe:
@@ -437,7 +437,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
     import sys
     import types
 
-    from dali_fast.loaders import probes
+    from dali_fast.loaders import memory_probes as probes
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -460,7 +460,7 @@ def test_default_release_empties_torch_and_dali_caches(monkeypatch):
 def test_gpu_release_lets_the_reading_fall_after_a_larger_epoch():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dali_fast.loaders.probes import release_unused_memory
+    from dali_fast.loaders.memory_probes import release_unused_memory
 
     probe = TorchCudaProbe(torch.cuda.current_device())
     probe.reset_peak()
@@ -506,7 +506,7 @@ def test_without_nvml_the_default_probe_still_sees_dali_s_memory(monkeypatch):
     broken.nvmlInit = no_library
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     _FakeCuda().install(monkeypatch)
-    from dali_fast.loaders.probes import default_probe
+    from dali_fast.loaders.memory_probes import default_probe
 
     probe = default_probe()
     probe.reset_peak()

@@ -314,7 +314,7 @@ def test_gpu_one_pipeline_channels_last_and_bounded_decoder_memory(index_reader)
         pytest.skip("no CUDA device")
     import pynvml
 
-    from dali_fast.system import nvml_handle
+    from dali_fast.machine import nvml_handle
     from dali_fast.transforms.dali import DECODER_DEVICE_BUDGET
 
     pynvml.nvmlInit()

@@ -33,10 +33,16 @@ def test_make_dataloader_defaults_and_errors(monkeypatch):
             make_dataloader(ds, 4, **kw)
 
 
-def test_the_old_name_still_works_and_says_the_new_one():
+def test_create_optimized_dataloader_is_make_dataloader_by_its_first_class_name():
+    import warnings
+
     from dali_fast import create_optimized_dataloader
 
-    with pytest.warns(DeprecationWarning, match="create_optimized_dataloader is deprecated: call make_dataloader"):
+    with pytest.raises(ValueError, match="num_workers=-1: must be >= 0"):  # the same checks, the same words
+        create_optimized_dataloader(list(range(5)), 2, num_workers=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a first-class name: no DeprecationWarning, no other warning
         dl = create_optimized_dataloader(list(range(5)), 2, num_workers=0)
     assert [b.tolist() for b in dl] == [[0, 1], [2, 3], [4]]
+
 

@@ -9,7 +9,7 @@ def test_each_rank_drives_a_visible_gpu_when_the_launcher_shows_it_only_its_own(
     """SLURM --gpus-per-task=1: WORLD_SIZE=2, LOCAL_RANK=1, one visible GPU. Device 1 does not exist."""
     import torch.distributed as dist
 
-    import dali_fast.system as system
+    import dali_fast.machine as system
     import dali_fast.train.distributed as distributed
 
     monkeypatch.setattr(system, "cuda_usable", lambda: True)  # what local_device_index asks

@@ -109,11 +109,11 @@ def small_command(command: str) -> list[str]:
     words = shlex.split(command, comments=True)
     if words[0] == "make":
         return ["make", "-n", "-C", str(ROOT), *words[1:]]
-    if words[0] == "bash" and len(words) > 1 and words[1].startswith("benchmarks/"):
+    if words[0] == "bash" and len(words) > 1 and words[1].startswith(("benchmarks/", "gpu_check/", "scripts/")):
         return words
     if words[0] != "dali-fast":
         raise AssertionError(
-            f"`{command.strip()}`: a shell block runs dali-fast, make or bash benchmarks/... commands; "
+            f"`{command.strip()}`: a shell block runs dali-fast, make or bash benchmarks/, gpu_check/ or scripts/ commands; "
             "mark a block that cannot run here with <!-- not run: reason --> just before it"
         )
     out: list[str] = []
@@ -131,7 +131,7 @@ def small_command(command: str) -> list[str]:
         else:
             out.append(w)
     command_name = next((w for w in words[1:] if not w.startswith("-")), "")
-    if command_name in ("bench", "train") and "--batch-size" not in out:
+    if command_name in ("bench", "stages", "train") and "--batch-size" not in out:
         out += ["--batch-size", "2"]
     if command_name == "train" and "--model" not in out:
         out += ["--model", "resnet_tiny"]
@@ -270,7 +270,8 @@ def _page_dir(env: dict, page: str) -> Path:
     if folder is None:
         folder = env["base"] / "pages" / page.replace("/", "_")
         shutil.copytree(env["template"], folder, copy_function=os.link)
-        (folder / "benchmarks").symlink_to(ROOT / "benchmarks")
+        for name in ("benchmarks", "gpu_check", "scripts"):
+            (folder / name).symlink_to(ROOT / name)
         env["pages"][page] = folder
         env[("ran", page)] = set()
     return folder

@@ -84,7 +84,7 @@ def test_probe_nvml_without_a_driver():
 def test_hw_check_on_a_gpu_without_jpeg_engine(monkeypatch):
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
     # torch would report the real GPU's, which the fake does not know).
-    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+    monkeypatch.setattr("dali_fast.machine.cuda_device_uuid", lambda i: None)
 
     class NoEngine(FakeNvml):
         def nvmlDeviceGetJpgUtilization(self, h):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh, its measuring steps (gpu_steps.py) and its kill-and-resume step, checked here
+"""gpu_check/gpu_check.sh, its measuring steps (gpu_steps.py) and its kill-and-resume step, checked here
 without a GPU: the step list and its time limits, summary.md written step by step and on a timeout, and
 every measuring step run small in DALI's CPU-only mode."""
 
@@ -47,7 +47,7 @@ def _run(*args, env=None, timeout=600):
 
 def _dry_run(tmp_path, *flags):
     env = {"OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work")}
-    r = _run("benchmarks/gpu_check.sh", "--dry-run", *flags, env=env)
+    r = _run("gpu_check/gpu_check.sh", "--dry-run", *flags, env=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     steps = [STEP_LINE.match(x).groups() for x in lines[1:-1]]
@@ -72,7 +72,7 @@ def test_full_adds_the_long_steps_after_the_default_ones(tmp_path):
 
 
 def test_every_measuring_step_s_command_line_is_one_gpu_steps_accepts(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "gpu_check"))
     import gpu_steps
 
     steps, _ = _dry_run(tmp_path)
@@ -80,8 +80,8 @@ def test_every_measuring_step_s_command_line_is_one_gpu_steps_accepts(tmp_path):
     for _, _, cmd in steps:
         for part in re.split(r"&&|;", cmd):
             words = shlex.split(part)
-            if "benchmarks/gpu_steps.py" in words:
-                args = gpu_steps.parser().parse_args(words[words.index("benchmarks/gpu_steps.py") + 1 :])
+            if "gpu_check/gpu_steps.py" in words:
+                args = gpu_steps.parser().parse_args(words[words.index("gpu_check/gpu_steps.py") + 1 :])
                 calls += 1
                 if args.step == "data":
                     assert args.out == tmp_path / "work" / "data"
@@ -92,7 +92,7 @@ def test_every_measuring_step_s_command_line_is_one_gpu_steps_accepts(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
 def test_without_a_gpu_the_run_stops_in_one_line(tmp_path):
-    r = _run("benchmarks/gpu_check.sh", env={"OUT": str(tmp_path)})
+    r = _run("gpu_check/gpu_check.sh", env={"OUT": str(tmp_path)})
     assert r.returncode == 1 and r.stdout.count("\n") == 1 and r.stdout.startswith("no usable GPU: ")
     assert list(tmp_path.iterdir()) == []
 
@@ -123,7 +123,7 @@ def test_summary_md_grows_step_by_step_and_a_step_past_its_limit_is_stopped(tmp_
     summary = tmp_path / "out" / "summary.md"
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        ["bash", "benchmarks/gpu_check.sh"],
+        ["bash", "gpu_check/gpu_check.sh"],
         cwd=ROOT,
         env={**os.environ, "PYTHON": sys.executable, **env},
         stdout=subprocess.DEVNULL,
@@ -187,7 +187,7 @@ def test_the_measuring_steps_run_small_on_a_cpu(tmp_path):
         ["controller", "--data", data, "--out", str(out), *small],
     ]
     script = "import sys, gpu_steps\nfor argv in eval(sys.argv[1]):\n    gpu_steps.main(argv)\n"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'gpu_check'}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [sys.executable, "-c", script, repr(runs)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
@@ -219,7 +219,7 @@ def test_kill_and_resume_step_proves_exactly_once(tmp_path):
     pytest.importorskip("nvidia.dali")
     tiny = "--images 150 --model resnet_tiny --image-size 32 --batch-size 8 --num-workers 0"
     env = {"KILL_RESUME_ARGS": tiny, "DALI_FAST_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    r = _run("benchmarks/gpu_kill_resume.sh", str(tmp_path / "ck"), env=env)
+    r = _run("gpu_check/gpu_kill_resume.sh", str(tmp_path / "ck"), env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "killed the run after its first checkpoint" in r.stdout and "resumed from" in r.stdout
     assert "each sample of each epoch exactly once across the kill" in r.stdout

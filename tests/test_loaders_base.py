@@ -552,7 +552,7 @@ def test_not_a_state_dict_is_one_line(make, index_reader):
 def auto_device() -> str:
     """Where device="auto" puts a loader's output on this host: a test that leaves the device to the
     loader asserts this, not "cpu" (the same suite runs on GPU hosts)."""
-    from dali_fast.system import cuda_usable
+    from dali_fast.machine import cuda_usable
 
     return "cuda" if cuda_usable() else "cpu"
 
@@ -749,7 +749,7 @@ def test_dataloader_attributes_tell_the_truth(make, index_reader):
 
 
 def test_tests_that_leave_the_device_to_the_loader_assume_no_cpu():
-    """The suite runs on GPU hosts too (benchmarks/gpu_check.sh --full): a loader built without a device
+    """The suite runs on GPU hosts too (gpu_check/gpu_check.sh --full): a loader built without a device
     takes the GPU there, so a test that builds one must not assert CPU output or a CPU loader."""
     import ast
     import re

@@ -91,7 +91,7 @@ class OneGpuNvml:
 def test_gpu_memory_is_this_process_s_as_nvml_sees_it(monkeypatch):
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
     # torch would report the real GPU's, which the fake does not know).
-    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+    monkeypatch.setattr("dali_fast.machine.cuda_device_uuid", lambda i: None)
     mon = UtilizationMonitor(interval=5.0, nvml=OneGpuNvml())
     assert mon.kind == "gpu"
     with mon, mon.phase("epoch0"):

@@ -20,7 +20,7 @@ def test_open_dataset_errors(tmp_path):
 
 
 def test_a_url_opens_remote_shards_with_the_keywords(monkeypatch):
-    import dali_fast.data.remote as remote
+    import dali_fast.data.remote.reader as remote
 
     opened = []
     monkeypatch.setattr(remote, "RemoteShardsReader", lambda url, **kw: opened.append((url, kw)) or "remote")

@@ -472,13 +472,13 @@ def test_verify_shows_progress_only_when_asked_and_counts_every_record(small_fol
     r = MemmapReader(dst)
     screen = Terminal()
     monkeypatch.setattr(sys, "stderr", screen)
-    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.text"):
         assert r.verify() == []
         assert screen.getvalue() == "" and caplog.messages == []
         assert r.verify(progress=True) == []
     assert f"{r.count}/{r.count}" in screen.getvalue().rsplit("\r", 1)[-1]
     assert caplog.messages == []  # a bar was drawn: no line as well
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.text"):
         r.verify(progress=True)
     assert caplog.messages == [f"verify: {r.count} records ..."]

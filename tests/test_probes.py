@@ -8,13 +8,13 @@ import pytest
 import torch
 from test_controller import ScriptedProbe
 
-from dali_fast.loaders.probes import DeviceMemoryProbe, HostProbe, MaxProbe, NvmlProbe, TorchCudaProbe
+from dali_fast.loaders.memory_probes import DeviceMemoryProbe, HostProbe, MaxProbe, NvmlProbe, TorchCudaProbe
 
 
 def test_nvml_probe_reads_fake_handles(monkeypatch):
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
     # torch would report the real GPU's, which the fake does not know).
-    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+    monkeypatch.setattr("dali_fast.machine.cuda_device_uuid", lambda i: None)
 
     class Mem:
         def __init__(self, used, total):

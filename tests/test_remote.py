@@ -25,7 +25,7 @@ from conftest import jpeg_bytes
 from contract import each_once, run_save_load_state
 
 from dali_fast import open_dataset
-from dali_fast.data.remote import RemoteShardsReader
+from dali_fast.data.remote.reader import RemoteShardsReader
 from dali_fast.loaders.bad_records import BadRecordError
 from dali_fast.loaders.torch_iterator import TorchIterator
 
@@ -503,3 +503,32 @@ def test_the_command_line_takes_a_url(s3, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"data set: {SPEC} (RemoteShardsReader)" in proc.stdout and f"records:  {N}" in proc.stdout
+
+
+def test_bench_runs_every_loader_on_a_url_it_opens_once(s3, tmp_path, monkeypatch, capsys):
+    """`dali-fast bench s3://...` takes the URL `train` and `inspect` take (it once became ``s3:/...``, "the
+    pattern matches no file"), opens it once and reads every sample in each row."""
+    from dali_fast import cli
+    from dali_fast.data.remote import reader as remote_reader
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    opened = []
+    monkeypatch.setattr(
+        remote_reader.RemoteShardsReader, "_build", counted(opened, remote_reader.RemoteShardsReader._build)
+    )
+    out = tmp_path / "bench"
+    argv = ["bench", SPEC, "--loaders", "baseline,torch,dali", "--epochs", "1", "--batch-size", "8"]
+    assert cli.main([*argv, "--image-size", "32", "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [r["loader"] for r in result["rows"]] == ["baseline", "torch", "dali"]
+    assert all("error" not in r and r["images_per_epoch"] == N for r in result["rows"])
+    assert result["limit"]["images_per_epoch"] == N and result["settings"]["dataset"] == SPEC
+    assert len(opened) == 1  # one open for the limit and every row
+
+
+def counted(calls: list, method):
+    def wrapper(self, *args, **kwargs):
+        calls.append(1)
+        return method(self, *args, **kwargs)
+
+    return wrapper

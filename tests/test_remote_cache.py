@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from dali_fast.data.remote_cache import ShardCache
+from dali_fast.data.remote.cache import ShardCache
 
 
 def test_cache_keeps_pinned_shards_and_clears_dead_downloads(tmp_path):
@@ -30,7 +30,7 @@ def test_a_fork_never_falls_between_opening_a_lock_file_and_recording_it(tmp_pat
     file it does not know of (it would keep a flock lock past its parent's release: a stalled cache)."""
     import threading
 
-    from dali_fast.data import remote_cache
+    from dali_fast.data.remote import cache as remote_cache
 
     stop = threading.Event()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dali_fast.data.remote_store import is_remote
+from dali_fast.data.remote.store import is_remote
 
 
 def test_urls_are_remote_and_paths_are_not():

@@ -1,4 +1,4 @@
-"""`dali-fast bench --stages`: every row in order, cumulative settings, consistent projections, skipped stages."""
+"""`dali-fast stages`: every row in order, cumulative settings, consistent projections, skipped stages."""
 
 from __future__ import annotations
 
@@ -114,16 +114,15 @@ def test_bad_projection_arguments_one_line(argv, says, capsys):
     from dali_fast.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--stages", *argv])
+        main(["stages", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and says in err[0]
 
 
-def test_projection_arguments_need_stages(capsys):
-    from dali_fast.cli import main
-
-    assert main(["bench", "--total-epochs", "10"]) == 2
-    assert "use them with --stages" in capsys.readouterr().err
+def test_stages_refuses_a_cache_without_a_budget_in_one_line(tiny, tmp_path):
+    with pytest.raises(ValueError) as e:
+        run_stages(tiny, cache_bytes=0, out=tmp_path, progress=False)
+    assert str(e.value) == "--cache-bytes 0: the cache rows need a budget; leave it out for half the data"
 
 
 def test_library_refuses_bad_projection_in_one_line(tiny, tmp_path):

@@ -6,15 +6,8 @@ import sys
 import pytest
 import torch
 
-from dali_fast.system import (
-    atomic_dir,
-    atomic_write,
-    available_cpus,
-    clean_stale,
-    cpus_per_local_rank,
-    default_cache_dir,
-    read_proc_kib,
-)
+from dali_fast.files import atomic_dir, atomic_write, clean_stale, default_cache_dir
+from dali_fast.machine import available_cpus, cpus_per_local_rank, read_proc_kib
 
 
 def test_cpus_are_shared_between_local_ranks(monkeypatch):
@@ -148,12 +141,12 @@ class EightGpuNvml:
 
 
 def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
-    from dali_fast.loaders.probes import NvmlProbe
-    from dali_fast.system import nvml_handle
+    from dali_fast.loaders.memory_probes import NvmlProbe
+    from dali_fast.machine import nvml_handle
 
     # The fake NVML knows indices only: look devices up as where torch reports no UUID (on a CUDA host
     # torch would report the real GPU's, which the fake does not know).
-    monkeypatch.setattr("dali_fast.system.cuda_device_uuid", lambda i: None)
+    monkeypatch.setattr("dali_fast.machine.cuda_device_uuid", lambda i: None)
     nvml = EightGpuNvml()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
     assert nvml_handle(nvml, 1) == 6  # rank 1 (LOCAL_RANK=1, CUDA device 1) is NVML device 6
@@ -169,7 +162,7 @@ def test_nvml_device_follows_cuda_visible_devices(monkeypatch):
 def test_nvml_device_by_the_uuid_torch_reports(monkeypatch):
     import torch
 
-    from dali_fast.system import nvml_handle
+    from dali_fast.machine import nvml_handle
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # would say index 1; the UUID is what counts
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -189,7 +182,7 @@ class MigNvml(EightGpuNvml):
 def test_nvml_finds_a_mig_slice_by_its_mig_uuid(monkeypatch):
     import torch
 
-    from dali_fast.system import cuda_device_uuid, nvml_handle
+    from dali_fast.machine import cuda_device_uuid, nvml_handle
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     props = type("P", (), {"uuid": "4f8d1c2e-aaaa-bbbb-cccc-0123456789ab"})()  # torch's spelling: no prefix
@@ -208,7 +201,7 @@ def test_gpu_nvml_handle_is_the_cuda_device():
         pytest.skip("no CUDA device")
     import pynvml
 
-    from dali_fast.system import cuda_device_uuid, nvml_handle
+    from dali_fast.machine import cuda_device_uuid, nvml_handle
 
     pynvml.nvmlInit()
     for i in range(torch.cuda.device_count()):
@@ -218,7 +211,7 @@ def test_gpu_nvml_handle_is_the_cuda_device():
 
 
 def test_local_rank_picks_the_gpu(monkeypatch):
-    import dali_fast.system as system
+    import dali_fast.machine as system
 
     monkeypatch.setattr(system, "cuda_usable", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
@@ -230,14 +223,14 @@ def test_local_rank_picks_the_gpu(monkeypatch):
 def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeypatch, caplog):
     """SLURM's --gpus-per-task=1 (and other launchers) show each process only its own GPU through
     CUDA_VISIBLE_DEVICES: device LOCAL_RANK does not exist there ("invalid device ordinal")."""
-    import dali_fast.system as system
+    import dali_fast.machine as system
 
     monkeypatch.setattr(system, "cuda_usable", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(system, "_SAID", set())
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.machine"):
         assert system.local_device_index() == 0
         assert system.local_device_index() == 0
     said = [r.getMessage() for r in caplog.records]
@@ -246,7 +239,7 @@ def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeyp
         "using CUDA device 0 (LOCAL_RANK % 1)"
     ]  # once, not per loader
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with caplog.at_level(logging.INFO, logger="dali_fast.system"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.machine"):
         assert system.local_device_index() == 1  # 4 ranks on 2 visible GPUs: they share, and the log warns
     assert (
         caplog.records[-1].levelno == logging.WARNING and "several ranks share a GPU" in caplog.records[-1].getMessage()

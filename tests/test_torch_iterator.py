@@ -395,7 +395,7 @@ def test_parts_are_joined_into_batches_in_the_passs_order():
     """Parts come back in any order (and idle tasks' results among them): each batch is yielded once all
     its parts are in, in the pass's order."""
     from dali_fast.loaders.torch_iterator import _whole_batches
-    from dali_fast.loaders.workers import IDLE
+    from dali_fast.loaders.torch_slots import IDLE
 
     def part(batch, k, parts, offset, n):
         labels = np.arange(offset, offset + n) + 100 * batch
@@ -413,7 +413,7 @@ def test_a_full_ring_sends_idle_tasks_not_an_overbooking():
     """DataLoader sends a task for each result it hands over; while every slot holds a batch (batches done
     early wait for an earlier one), the plan answers with idle tasks until a slot is free."""
     from dali_fast.loaders.torch_iterator import _PlanSampler
-    from dali_fast.loaders.workers import IDLE, SlotRing
+    from dali_fast.loaders.torch_slots import IDLE, SlotRing
 
     plan = _PlanSampler()
     plan.keys = [[(i, 0)] for i in range(3)]

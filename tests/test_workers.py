@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import IndexReader, jpeg_bytes
 
-from dali_fast.loaders.workers import BatchMaker, OutputPool, SlotRing, Task, image_shape, slot_layout
+from dali_fast.loaders.torch_slots import OutputPool, SlotRing, Task, image_shape, slot_layout
+from dali_fast.loaders.torch_worker import BatchMaker
 from dali_fast.transforms.draws import SampleDraws, crop_draws
 from dali_fast.transforms.recipe import Recipe
 from dali_fast.transforms.resize import decode_crop
@@ -116,14 +117,14 @@ def test_tame_malloc_applies_on_glibc():
     import subprocess
     import sys
 
-    code = "from dali_fast.loaders.workers import tame_malloc; print(tame_malloc())"
+    code = "from dali_fast.loaders.torch_worker import tame_malloc; print(tame_malloc())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert out.strip() == str(glibc)
 
 
 def test_a_batch_is_split_evenly_among_the_workers_in_parts_of_four_or_more():
-    from dali_fast.loaders.workers import split
+    from dali_fast.loaders.torch_slots import split
 
     assert split(32, 2) == [(0, 16), (16, 32)]
     assert split(37, 3) == [(0, 12), (12, 24), (24, 37)]
@@ -137,7 +138,7 @@ def test_batches_go_whole_to_a_worker_except_the_passs_last_ones():
     """One task per batch (a worker's cost per task paid once per batch); the pass's last batches split, so
     the pass ends with every worker busy."""
     from dali_fast.loaders.torch_iterator import _PlanSampler
-    from dali_fast.loaders.workers import batch_parts
+    from dali_fast.loaders.torch_slots import batch_parts
 
     assert [batch_parts(b, 5, 32, 2) for b in range(5)] == [[(0, 32)]] * 2 + [[(0, 16), (16, 32)]] * 3
     assert [batch_parts(b, 4, 32, 2) for b in range(4)] == [[(0, 32)]] * 2 + [[(0, 16), (16, 32)]] * 2
@@ -162,7 +163,7 @@ def test_workers_dealt_tasks_in_turn_get_the_same_number_of_images(workers, imag
     """DataLoader deals tasks to its workers in turn: each worker must get as many images as the others
     (within one part), or it ends the pass while the others still decode (measured on 2 cpus: one worker
     with a whole batch more, the other idle for the last 40 ms of a 300 ms epoch)."""
-    from dali_fast.loaders.workers import batch_parts
+    from dali_fast.loaders.torch_slots import batch_parts
 
     sizes = [32] * (images // 32) + ([images % 32] if images % 32 else [])
     got = [0] * workers

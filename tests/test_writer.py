@@ -143,7 +143,7 @@ def test_non_utf8_file_names_are_packed_and_named(tmp_path):
 
 
 def test_two_packs_to_one_destination_say_so(small_folder, tmp_path, monkeypatch):
-    import dali_fast.system as system
+    import dali_fast.files as files
 
     dst = tmp_path / "p"
     real_rename = os.rename
@@ -155,7 +155,7 @@ def test_two_packs_to_one_destination_say_so(small_folder, tmp_path, monkeypatch
             raise OSError(39, "Directory not empty")
         return real_rename(src, target)
 
-    monkeypatch.setattr(system.os, "rename", rename)  # what atomic_dir renames with
+    monkeypatch.setattr(files.os, "rename", rename)  # what atomic_dir renames with
     with pytest.raises(FileExistsError) as e:
         pack(small_folder, dst, progress=False)
     assert one_line(e) == f"{dst}: appeared while packing (another pack to the same place?); this pack is discarded"
@@ -540,7 +540,7 @@ def pools(monkeypatch) -> list[tuple[int, dict]]:
 
 
 def test_more_workers_than_cpus_are_capped_with_a_warning(small_folder, tmp_path, caplog, pools):
-    from dali_fast.system import available_cpus
+    from dali_fast.machine import available_cpus
 
     with caplog.at_level("WARNING"):
         pack(small_folder, tmp_path / "p", progress=False, workers=999)
@@ -559,7 +559,7 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, 
     import multiprocessing
 
     import dali_fast.data.writer as writer
-    from dali_fast.system import die_with_parent
+    from dali_fast.machine import die_with_parent
 
     monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
     started = pools

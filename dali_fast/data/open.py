@@ -10,7 +10,7 @@ from .folder import ImageFolderReader
 from .format import INDEX_FILE
 from .packed import MemmapReader
 from .parquet_index import is_parquet
-from .remote_store import is_remote
+from .remote.store import is_remote
 from .shards import is_webdataset
 from .webdataset import WebDatasetReader
 
@@ -28,7 +28,7 @@ def open_dataset(path: str | os.PathLike, **reader_kw: object) -> Reader:
                 f"{path}: Parquet in object storage is not read yet; copy the files to a local folder "
                 "(e.g. `aws s3 sync`, `huggingface-cli download`) and open that"
             )
-        from .remote import RemoteShardsReader  # fsspec and its backends load with it
+        from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
 
         return RemoteShardsReader(str(path), **reader_kw)  # type: ignore[arg-type]
     p = Path(path)

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..system import default_cache_dir, plural
+from ..files import default_cache_dir
+from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .cache import LRUCache
 from .checks import check_encoded, check_index, check_label

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ..system import atomic_write, plural
+from ..files import atomic_write
+from ..text import plural
 from .base import read_parallel
 from .shards import expand_braces
 

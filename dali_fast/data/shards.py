@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import plural
+from ..text import plural
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 LABEL_EXTENSIONS = ("cls", "json")

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, available_cpus, die_with_parent, plural, progress_bar
+from ..files import atomic_dir
+from ..machine import available_cpus, die_with_parent
+from ..text import plural, progress_bar
 from .base import Reader
 from .folder import scan_image_folder
 from .format import (

@@ -18,7 +18,7 @@ import torch
 
 from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provides
 from ..data.cache import CachedReader, LRUCache
-from ..system import cuda_usable
+from ..machine import cuda_usable
 from ..transforms.recipe import Recipe, describe_resolution, describe_schedule, resolve_recipe
 from .bad_records import SkipLog
 from .passes import ABANDONED, CLOSED, Pass, close_ends_the_pass

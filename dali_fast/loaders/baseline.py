@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from ..data.base import Reader, check_on_error, read_checked
 from ..data.checks import pillow_reason
-from ..system import cpus_per_local_rank
+from ..machine import cpus_per_local_rank
 from ..transforms.decode import open_image, to_rgb
 from ..transforms.pillow import PillowTransform
 from ..transforms.recipe import Recipe, resolve_recipe

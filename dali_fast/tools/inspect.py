@@ -11,7 +11,7 @@ import numpy as np
 
 from ..data.open import open_dataset
 from ..data.packed import MemmapReader
-from ..system import plural
+from ..text import plural
 
 
 def inspect_dataset(path: str, *, verify: bool = False, emit: Callable[[str], None]) -> int:

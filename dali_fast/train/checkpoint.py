@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, TextIO
 
 import torch
 
-from ..system import atomic_write
+from ..files import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_VERSION = 2  # 2: a checksummed payload, and the data set's fingerprint in the saved settings

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..system import cuda_usable, local_device_index
+from ..machine import cuda_usable, local_device_index
 
 
 @dataclass(frozen=True)

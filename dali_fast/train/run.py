@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from ..data.base import Reader, SubsetReader, check_labels, fingerprint, split
+from ..files import atomic_write
 from ..loaders.base import LoaderBase
 from ..loaders.controller import BatchSizeController
 from ..loaders.factory import make_loader
-from ..system import atomic_write
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, describe_resolution
 from .checkpoint import (

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..loaders.controller import BatchSizeController
-from ..system import cuda_usable
+from ..machine import cuda_usable
 from ..transforms.mix import MixupCutmix, soft_target_cross_entropy
 from .distributed import DistContext
 from .models import build_model

@@ -1,12 +1,12 @@
-"""The measuring steps of benchmarks/gpu_check.sh, one subcommand each; every figure is printed as it is
+"""The measuring steps of gpu_check/gpu_check.sh, one subcommand each; every figure is printed as it is
 taken, as a line ``FIGURE <key> <value>``, and written to ``--out``/<step>.json at the end.
 
-    python benchmarks/gpu_steps.py data       --out DIR [--images 4096] [--size 500x375] [--quality 95]
-    python benchmarks/gpu_steps.py decode     --data PACKED --out DIR [--doctor-json FILE]
-    python benchmarks/gpu_steps.py failures   --data PACKED --out DIR
-    python benchmarks/gpu_steps.py ceiling    --data PACKED --out DIR [--threads 8,16] [--workers 16]
-    python benchmarks/gpu_steps.py models     --data PACKED --out DIR [--models resnet50,resnet18]
-    python benchmarks/gpu_steps.py controller --data PACKED --out DIR
+    python gpu_check/gpu_steps.py data       --out DIR [--images 4096] [--size 500x375] [--quality 95]
+    python gpu_check/gpu_steps.py decode     --data PACKED --out DIR [--doctor-json FILE]
+    python gpu_check/gpu_steps.py failures   --data PACKED --out DIR
+    python gpu_check/gpu_steps.py ceiling    --data PACKED --out DIR [--threads 8,16] [--workers 16]
+    python gpu_check/gpu_steps.py models     --data PACKED --out DIR [--models resnet50,resnet18]
+    python gpu_check/gpu_steps.py controller --data PACKED --out DIR
 
 Made for one GPU (``--device auto`` takes it); ``--device cpu`` and small sizes run every step on a CPU
 (DALI's CPU-only mode) so that the script itself is tested where there is no GPU. What a step cannot
@@ -64,7 +64,7 @@ def open_nvml(gpu: bool) -> tuple[Any, Any]:
     try:
         import pynvml
 
-        from dali_fast.system import nvml_handle
+        from dali_fast.machine import nvml_handle
 
         pynvml.nvmlInit()
         return pynvml, nvml_handle(pynvml, torch.cuda.current_device())
@@ -127,7 +127,7 @@ def _make_chunk(job: tuple[str, str, int, int, tuple[int, int], int, int]) -> st
     """One process's share of the data set: an ImageFolder of photos or of synthetic images."""
     kind, out, images, classes, size, quality, seed = job
     if kind == "photos":
-        sys.path.insert(0, str(ROOT / "benchmarks"))
+        sys.path.insert(0, str(ROOT / "scripts"))
         from photos import make_photos
 
         try:
@@ -160,7 +160,7 @@ def _make_folder(kind: str, root: Path, args: argparse.Namespace) -> None:
 
 
 def step_data(args: argparse.Namespace) -> None:
-    """Photographs (benchmarks/photos.py: scikit-image's sample photos, cut and saved as baseline JPEGs)
+    """Photographs (scripts/photos.py: scikit-image's sample photos, cut and saved as baseline JPEGs)
     where scikit-image and its sample photos are installed, else the package's synthetic images (about
     as large, but smoother: they decode faster than photos); then packed."""
     from dali_fast import open_dataset, pack
@@ -367,7 +367,7 @@ def step_failures(args: argparse.Namespace) -> None:
     finally:
         big.close()
         del hog
-        from dali_fast.loaders.probes import release_unused_memory
+        from dali_fast.loaders.memory_probes import release_unused_memory
 
         release_unused_memory()
 
@@ -523,7 +523,7 @@ def step_controller(args: argparse.Namespace) -> None:
     the first epoch). Per epoch: its batch size and decision, the peak it read, and the device memory in
     use right after it released the caches (the old pipeline must be gone by then)."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.loaders.probes import release_unused_memory
+    from dali_fast.loaders.memory_probes import release_unused_memory
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

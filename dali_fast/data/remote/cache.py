@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..system import pid_alive
+from ...machine import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .remote_cache import ShardCache
-from .remote_store import DownloadCancelled, ShardError
+from .cache import ShardCache
+from .store import DownloadCancelled, ShardError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train on the GPU, SIGKILL the run once its first mid-epoch checkpoint is on disk, then --resume,
 # and check from the recorded indices that the epoch saw each sample exactly once over both runs.
-#   bash benchmarks/gpu_kill_resume.sh CHECKPOINT_DIR
+#   bash gpu_check/gpu_kill_resume.sh CHECKPOINT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CK="${1:?usage: gpu_kill_resume.sh CHECKPOINT_DIR}"

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..system import nvml_handle, read_proc_kib
+from ..machine import nvml_handle, read_proc_kib
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .shards import expand_braces
+from ..shards import expand_braces
 
 log = logging.getLogger(__name__)
 

@@ -4,17 +4,17 @@ URL), read through a node-local shard cache. numpy only: no torch here.
 ``open_dataset("s3://bucket/train-{000000..000146}.tar")`` returns one. What it does:
 
 - **Open.** One listing (or one HEAD per shard) gives each shard's size and what identifies its content
-  (ETag, version or generation; `remote_store.list_shards`). Each shard's member index (offsets, sizes,
+  (ETag, version or generation; `store.list_shards`). Each shard's member index (offsets, sizes,
   labels) is built once, from the whole shard fetched into the cache, by the same rules as local shards
   (`shards.index_shard`), and saved under ``index_dir`` keyed on (URL, size, identity): a shard changed on
   the server gets a new index, and the old one is never used for it. Indexing leaves the shard in the
   cache when the budget has room.
-- **The shard cache** (`remote_cache.ShardCache`, ``cache_dir``, ``cache_limit`` bytes) is shared by every
+- **The shard cache** (`cache.ShardCache`, ``cache_dir``, ``cache_limit`` bytes) is shared by every
   process of the node: one download per shard per node, a size and crc32 check against the index
-  (`remote_store.ShardDownloader`), then a rename, so a crash never leaves a partial shard under a
+  (`store.ShardDownloader`), then a rename, so a crash never leaves a partial shard under a
   shard's name.
 - **Streaming.** The loaders give the reader their upcoming order (`schedule`) and what they have
-  delivered (`advance`); its `remote_stream.ShardStream` downloads ahead in that order, up to this rank's
+  delivered (`advance`); its `stream.ShardStream` downloads ahead in that order, up to this rank's
   share of the budget, and unpins a shard once every sample of it in the order was delivered.
 - **Faults.** Range requests are retried with backoff; a shard that is gone, changed or truncated on the
   server, or that still fails, is a bad shard: reading its samples raises `ShardError` (an ``OSError``),
@@ -40,13 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from ..system import atomic_write, cache_folder, plural
-from .base import check_on_error
-from .checks import check_index
-from .remote_cache import ShardCache, close_lock, open_lock
-from .remote_store import CHUNK_BYTES, ShardDownloader, ShardError, list_shards
-from .remote_stream import ShardStream
-from .shards import index_shard, shard_classes
+from ...files import atomic_write, cache_folder
+from ..base import check_on_error
+from ..checks import check_index
+from ..member_index import MemberIndexReader
+from ..shards import index_shard
+from .cache import ShardCache, close_lock, open_lock
+from .store import CHUNK_BYTES, ShardDownloader, ShardError, list_shards
+from .stream import ShardStream
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_readers_in_child)
 
 
-class RemoteShardsReader:
+class RemoteShardsReader(MemberIndexReader):
     """The reader interface over remote WebDataset shards, streamed through a `ShardCache`.
 
     ``cache_dir`` (default ``$DALI_FAST_CACHE/remote``) holds the shards (``shards/``) and, unless
@@ -152,19 +153,10 @@ class RemoteShardsReader:
         self.shard_crc = np.array([int(p["crc"]) for p in parts], dtype=np.int64)  # type: ignore[index]
         self.skipped: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["skipped"]]  # type: ignore[index,misc]
         self.ignored: Counter[str] = sum((Counter(p["ignored"]) for p in parts), Counter())  # type: ignore[index]
-        if self.skipped:
-            if self.on_error == "raise":
-                where, reason = self.skipped[0]
-                raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
-            log.warning(
-                "%s left out of %s (first: %s: %s)",
-                plural(len(self.skipped), "sample"),
-                plural(n, "remote shard"),
-                *self.skipped[0],
-            )
-        if not len(self._labels):
-            raise ValueError(f"{self.shards[0]}: no samples with an image and a label in {n} shard(s)")
-        self.classes = shard_classes(self._labels, self.source)
+        if self.skipped and self.on_error == "raise":
+            where, reason = self.skipped[0]
+            raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
+        self._index_done("remote shard")
 
     def _check_budget(self) -> None:
         limit = self.cache.limit
@@ -274,17 +266,6 @@ class RemoteShardsReader:
             log.warning("bad shard: %s", e)
             raise
 
-    def __len__(self) -> int:
-        return len(self._labels)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return self._labels
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self._size.sum())
-
     @property
     def fingerprint(self) -> str:
         h = hashlib.sha1("|".join(s.key(self.label_key) for s in self.infos).encode()).hexdigest()[:16]
@@ -296,13 +277,6 @@ class RemoteShardsReader:
         m = self._stream.map(s)
         off = int(self._offset[j])
         return m[off : off + int(self._size[j])], int(self._labels[j])
-
-    def source(self, i: int) -> str:
-        """``url:member`` of record ``i``."""
-        j = check_index(i, len(self))
-        start = int(self._name_ends[j - 1]) if j else 0
-        name = bytes(self._names[start : int(self._name_ends[j])]).decode("utf-8", "surrogateescape")
-        return f"{self.shards[int(self._shard_of[j])]}:{name}"
 
     def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
         """The records this process will read next, in order (the rest of the loader's pass), and optionally

@@ -2,9 +2,9 @@
 # The GPU path, checked in one call on a GPU host with the README's install plus the dev extra
 # (pip install -e '.[dev]'), or with DALI on PYTHONPATH and this checkout as the package.
 #
-#   bash benchmarks/gpu_check.sh            # the default run: fits 8 minutes on one GPU (sum of limits <= 480 s)
-#   bash benchmarks/gpu_check.sh --full     # the default run, then the long steps (whole suite, kill/resume, benches)
-#   bash benchmarks/gpu_check.sh --dry-run  # print the steps, each one's time limit and their sum; run nothing
+#   bash gpu_check/gpu_check.sh            # the default run: fits 8 minutes on one GPU (sum of limits <= 480 s)
+#   bash gpu_check/gpu_check.sh --full     # the default run, then the long steps (whole suite, kill/resume, benches)
+#   bash gpu_check/gpu_check.sh --dry-run  # print the steps, each one's time limit and their sum; run nothing
 #
 # The default run, in order: the data (photographs made on the host, else synthetic images); doctor --json
 # and the GPU-vs-CPU decode differences in pixel levels; the failure paths (float16 with random erasing, a
@@ -38,7 +38,7 @@ WORK="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check.$$}"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export DALI_FAST_CACHE="${DALI_FAST_CACHE:-$WORK/cache}"
-STEP="$PY benchmarks/gpu_steps.py"
+STEP="$PY gpu_check/gpu_steps.py"
 DATA="$WORK/data/packed"
 
 # name|limit in seconds|command
@@ -53,10 +53,10 @@ DEFAULT_STEPS=(
 )
 FULL_STEPS=(
   "whole suite|1200|$PY -m pytest -q tests -p no:cacheprovider"
-  "sigkill + resume|300|bash $PWD/benchmarks/gpu_kill_resume.sh $WORK/ckpt"
+  "sigkill + resume|300|bash $PWD/gpu_check/gpu_kill_resume.sh $WORK/ckpt"
   "bench none|300|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --out $WORK/none"
   "bench resnet50|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 128 --model resnet50 --controller --out $WORK/resnet50"
-  "bench stages|600|$PY -m dali_fast bench --stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $WORK/stages"
+  "bench stages|600|$PY -m dali_fast stages --images 4000 --epochs 2 --batch-size 128 --model resnet50 --out $WORK/stages"
   "bench recipes|600|$PY -m dali_fast bench --images 4000 --epochs 2 --batch-size 256 --model none --loaders torch,dali --augment none,randaugment,trivialaugment,autoaugment --random-erasing 0.25 --mixup 0.8 --cutmix 1.0 --out $WORK/recipes"
   "progressive resnet50|600|$PY benchmarks/progressive.py --images 2048 --batch-size 128 --model resnet50 --repeats 1 --epochs 6 --ramp 160:224:1:4 --json $WORK/progressive.json"
   "torchrun 2 GPUs|300|$PY -m torch.distributed.run --standalone --nproc_per_node=2 -m dali_fast train --images 2000 --loader dali --epochs 2 --model resnet18 --batch-size 128 --checkpoint $WORK/ddp-ckpt --out $WORK/ddp"

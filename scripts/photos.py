@@ -1,7 +1,7 @@
 """A set of real photographs for benchmarks: scikit-image's sample photos cut into many crops.
 
     pip install scikit-image      # its wheel carries the sample photos; nothing is downloaded
-    python benchmarks/photos.py OUT [--images 400] [--classes 10] [--size 470x370] [--quality 90] [--seed 0]
+    python scripts/photos.py OUT [--images 400] [--classes 10] [--size 470x370] [--quality 90] [--seed 0]
 
 Synthetic images decode faster than photographs (smooth areas compress well), so speed claims are
 measured on these. Each image is a random crop (40-100 % of the largest box of the output's aspect
@@ -41,7 +41,7 @@ def load_photos() -> list[Image.Image]:
     try:
         import skimage
     except ImportError:
-        sys.exit("benchmarks/photos.py needs scikit-image for its sample photos: pip install scikit-image")
+        sys.exit("scripts/photos.py needs scikit-image for its sample photos: pip install scikit-image")
     root = Path(skimage.__file__).parent / "data"
     return [Image.open(root / name).convert("RGB") for name in PHOTOS]
 
