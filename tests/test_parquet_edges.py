@@ -90,8 +90,10 @@ def test_an_index_that_cannot_be_saved_is_said_once_and_the_set_still_opens(tmp_
         r = ParquetReader(tmp_path / "snap", cache_dir=tmp_path / "ro")
     assert len(r) == 21
     [said] = [x.getMessage() for x in caplog.records]
-    assert said.startswith(f"cannot save the Parquet index to {r.index_file} (") and said.endswith(
-        "); set DALI_FAST_CACHE to a writable folder"
+    assert (
+        f"{tmp_path / 'ro'}')" in said
+        and said.startswith(f"cannot save the Parquet index to {r.index_file} (")
+        and said.endswith("); set DALI_FAST_CACHE to a writable folder")
     )
 
 
@@ -175,3 +177,54 @@ def test_classes_from_the_labels_leave_out_null_and_negative_ones(tmp_path, cach
     assert labels.tolist() == [-1, -4] and [bytes(d) for d in datas] == [sample(2), sample(3)]
     _, _, bad = r.read_batch_checked(np.array([[0], [3]]))  # any shape of indices, as one batch
     assert bad == {1: "label -4 is not one of the data set's 3 classes (0..2)"}
+
+
+def test_the_boundaries_of_the_classes_the_order_and_the_window(tmp_path, cache, caplog):
+    write_hf(tmp_path / "snap", bad={5: (sample(5), 4)})  # 4 names: label 4 is the first outside them
+    r = ParquetReader(tmp_path / "snap")
+    assert r.label_problems == {5: "label 4 is not one of the data set's 4 classes (0..3)"}
+    b = int(r.group_bytes.max())
+    assert not ParquetReader(tmp_path / "snap", row_group_cache=r.total_bytes).streaming  # it fits exactly
+    assert ParquetReader(tmp_path / "snap", row_group_cache=0).shuffle_window == 1  # the cache: 2 row groups
+    assert ParquetReader(tmp_path / "snap", row_group_cache=4 * b + 1).shuffle_window == 2
+    assert r.read_batch([4])[0][0].dtype == np.uint8 and r.__getstate__()["_meta"] == {}
+    zeros = pa.table({"image": [sample(i) for i in range(3)], "label": [0, 0, 0]})
+    pq.write_table(zeros, tmp_path / "zeros.parquet")
+    assert open_dataset(tmp_path / "zeros.parquet").classes == ["0"]
+    sparse = pa.table({"image": [sample(i) for i in range(3)], "label": [None, 0, 150]})
+    pq.write_table(sparse, tmp_path / "sparse.parquet")
+    with caplog.at_level(logging.WARNING, logger="dali_fast.data.shards"):
+        assert len(open_dataset(tmp_path / "sparse.parquet").classes) == 151
+    assert f"the largest label is 150 ({tmp_path / 'sparse.parquet'}:2)" in caplog.text
+    bare = pa.table({"image": [sample(1)], "label": [0]})
+    pq.write_table(with_features(bare, {"label": {"_type": "ClassLabel"}}), tmp_path / "bare.parquet")
+    assert open_dataset(tmp_path / "bare.parquet").columns.names is None
+    middle = pa.array([sample(0), None, sample(1), sample(2)]).slice(1, 2)
+    group = _Group(pa.chunked_array([middle]), None)
+    assert group.reasons == ["null image", None] and bytes(group.view(1)) == sample(1)
+
+
+def test_the_column_errors_name_the_keyword_and_the_choices(tmp_path, cache):
+    images = [sample(i) for i in range(3)]
+    table = pa.table({"image": images, "label": [0.5, 1.5, 2.5], "cls": [0, 1, 2]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    assert open_dataset(tmp_path / "t.parquet").columns.label == "cls"  # "label" is a float column: not a label
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "t.parquet", label_column="nope")
+    assert one_line(e) == (
+        f"{tmp_path / 't.parquet'}: label_column='nope' is not a column; the columns are image: binary, "
+        "label: double, cls: int64"
+    )
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "t.parquet", image_column="cls")
+    assert one_line(e) == (
+        f"{tmp_path / 't.parquet'}: image_column='cls' is int64; an image column is binary, or a struct with a "
+        "binary 'bytes' field (the Hugging Face Image feature)"
+    )
+    pq.write_table(pa.table({"image": images, "w": [1, 2, 3]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "n.parquet")
+    assert one_line(e) == (
+        f"{tmp_path / 'n.parquet'}: no label column (a ClassLabel, or an integer or string column named "
+        "label/labels/cls/class/target/category) among image: binary, w: int64; name it with label_column="
+    )

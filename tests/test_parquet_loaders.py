@@ -128,8 +128,9 @@ def test_pack_from_parquet_keeps_bytes_labels_names_and_lists_bad_rows(tmp_path,
         assert packed.classes == NAMES and [packed.source(k) for k in range(18)] == [src.source(i) for i in kept]
         assert [(bytes(packed[k][0]), packed[k][1]) for k in range(18)] == [rows[i] for i in kept]
     assert (tmp_path / "one" / "data.bin").read_bytes() == (tmp_path / "two" / "data.bin").read_bytes()
-    again = pack(src, tmp_path / "from-reader", progress=False)  # a reader as the source
-    assert again.records == 18
+    again = pack(src, tmp_path / "from-reader", progress=False)  # a reader as the source: named by its folder
+    assert again.records == 18 and again.dst == tmp_path / "from-reader"
+    assert json.loads((tmp_path / "from-reader" / "meta.json").read_text())["source_root"] == str(src.path)
 
 
 def test_inspect_and_the_cli_on_parquet(tmp_path, cache, capsys):

@@ -48,6 +48,7 @@ NULL_IMAGE, NULL_LABEL = "null image", "null label"
 _READERS: weakref.WeakSet = weakref.WeakSet()
 
 
+# pragma: no mutate start (runs in forked children, where mutmut does not follow; the fork test covers it)
 def _reset_readers_in_child() -> None:
     """A forked child (a DataLoader worker) starts without its parent's row groups, whose lock a reader
     thread of the parent may have held at the fork."""
@@ -57,6 +58,7 @@ def _reset_readers_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_readers_in_child)
+# pragma: no mutate end
 
 
 class _Group:
@@ -166,10 +168,11 @@ class ParquetReader:
         good = np.flatnonzero(~self._null_label & (self._labels >= 0))
         return shard_classes(self._labels[good], lambda k: self.source(int(good[k])))
 
+    # pragma: no mutate start (the words of a log line; the loaders and `label_problems` name each record)
     def _warn_bad_labels(self) -> None:
         bad = np.flatnonzero(self._bad_label)
         if len(bad):
-            log.warning(  # pragma: no mutate (the words of a log line; the loaders name each record)
+            log.warning(
                 "%s of %s: a null label or one outside the %s (first: %s: %s); the loaders raise, or skip "
                 "and count them (on_error)",
                 plural(len(bad), "row"),
@@ -179,14 +182,19 @@ class ParquetReader:
                 self._label_reason(int(bad[0])),
             )
 
+    # pragma: no mutate end
+
+    # pragma: no mutate start (the parsed footers are kept for speed only: without them each read parses its own)
     def _open(self, k: int) -> Any:
         """File ``k`` as a ``pyarrow.parquet.ParquetFile`` (its footer parsed once per process, then
         shared): every read of a file goes through here."""
         meta = self._meta.get(k)
-        pf = self._pq.ParquetFile(self.files[k], metadata=meta, pre_buffer=False)  # pragma: no mutate (speed only)
+        pf = self._pq.ParquetFile(self.files[k], metadata=meta, pre_buffer=False)
         if meta is None:
             self._meta[k] = pf.metadata
         return pf
+
+    # pragma: no mutate end
 
     # ------------------------------------------------------------------ the row groups
     def _load(self, gid: int) -> _Group | str:
@@ -332,8 +340,11 @@ class ParquetReader:
         """This process's row-group LRU: hits, misses, hit_rate, evictions, bytes."""
         return self._cache.stats()
 
-    def __repr__(self) -> str:  # pragma: no mutate (display)
-        return (  # pragma: no mutate
+    # pragma: no mutate start (display)
+    def __repr__(self) -> str:
+        return (
             f"ParquetReader({plural(len(self.files), 'file')}, {plural(len(self.group_rows), 'row group')}, "
             f"records={len(self)}, classes={len(self.classes)}, {'streaming' if self.streaming else 'random access'})"
         )
+
+    # pragma: no mutate end

@@ -254,9 +254,8 @@ class ParquetIndex:
 
     def save(self, path: Path) -> None:
         arrays = {k: getattr(self, k) for k in _ARRAYS}
-        meta = {"files": self.files, "identities": self.identities, "names": self.names}
-        meta["columns"] = {**vars(self.columns), "names": list(self.columns.names or []) or None}
-        arrays["meta"] = np.asarray(json.dumps(meta).encode(), dtype=bytes)
+        meta = {"files": self.files, "identities": self.identities, "names": self.names, "columns": vars(self.columns)}
+        arrays["meta"] = np.asarray(json.dumps(meta).encode())
         try:
             atomic_write(path, lambda f: np.savez(f, **arrays))
         except OSError as e:  # a read-only cache folder costs the next open a new index, nothing more
@@ -317,10 +316,10 @@ def build_index(
     first = open_file(0)
     columns = find_columns(first.schema_arrow, image_column, label_column, files[0][0])
     parts = read_parallel(lambda k: _index_file(open_file(k) if k else first, columns, files[k][0]), range(len(files)))
-    group_rows = np.concatenate([p[0] for p in parts]).astype(np.int64)
+    group_rows = np.concatenate([p[0] for p in parts])
     group_file = np.concatenate([np.full(len(p[0]), k, np.int32) for k, p in enumerate(parts)])
-    group_bytes = np.concatenate([p[1] for p in parts]).astype(np.int64)
-    group_nulls = np.concatenate([p[2] for p in parts]).astype(np.int64)
+    group_bytes = np.concatenate([p[1] for p in parts])
+    group_nulls = np.concatenate([p[2] for p in parts])
     labels, null_label, names = _labels([p[3] for p in parts], columns)
     return ParquetIndex(
         [name for name, _ in files], [identity for _, identity in files], columns,
@@ -358,13 +357,11 @@ def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.n
     import pyarrow.compute as pc
 
     arrays = [c.cast(c.type.value_type) if pa.types.is_dictionary(c.type) else c for c in columns_read]
-    whole = pa.chunked_array([chunk for a in arrays for chunk in a.chunks], type=arrays[0].type) \
-        if arrays else pa.chunked_array([], pa.int64())  # fmt: skip
-    null = whole.is_null().to_numpy(zero_copy_only=False).astype(bool) if len(whole) else np.zeros(0, bool)
+    whole = pa.chunked_array([chunk for a in arrays for chunk in a.chunks], type=arrays[0].type)
+    null = whole.is_null().to_numpy(zero_copy_only=False).astype(bool)
     names = None
     if columns.label_kind == "str":
         names = sorted(str(s) for s in pc.unique(whole).to_pylist() if s is not None)
         whole = pc.index_in(whole, value_set=pa.array(names, whole.type))
-    values = pc.fill_null(whole.cast(pa.int64()), -1) if len(whole) else whole
-    labels = values.to_numpy().astype(np.int64) if len(whole) else np.zeros(0, np.int64)
+    labels = pc.fill_null(whole.cast(pa.int64()), -1).to_numpy().astype(np.int64)
     return labels, null, names
