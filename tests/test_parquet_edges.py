@@ -228,3 +228,43 @@ def test_the_column_errors_name_the_keyword_and_the_choices(tmp_path, cache):
         f"{tmp_path / 'n.parquet'}: no label column (a ClassLabel, or an integer or string column named "
         "label/labels/cls/class/target/category) among image: binary, w: int64; name it with label_column="
     )
+
+
+def test_labels_stored_as_a_dictionary_patterns_of_patterns_and_files_that_lack_a_column(tmp_path, cache):
+    images = [sample(i) for i in range(4)]
+    words = pa.table({"image": images, "label": pa.array(["b", "a", "b", "c"]).dictionary_encode()})
+    pq.write_table(words, tmp_path / "d.parquet")
+    r = open_dataset(tmp_path / "d.parquet")
+    assert r.columns.label_kind == "str" and r.classes == ["a", "b", "c"] and r.labels.tolist() == [1, 0, 1, 2]
+    flat = pa.table({"key": ["k" * 1000] * 4, "jpg": images, "cls": [0, 1, 0, 1]})
+    pq.write_table(flat, tmp_path / "f.parquet", row_group_size=2)
+    f = open_dataset(tmp_path / "f.parquet")  # the image is the second column: its bytes, not the first's
+    assert f.group_bytes.tolist() == [
+        pq.ParquetFile(tmp_path / "f.parquet").metadata.row_group(g).column(1).total_uncompressed_size for g in (0, 1)
+    ]
+    write_hf(tmp_path / "snap", "train")
+    write_hf(tmp_path / "snap", "test")
+    both = open_dataset(str(tmp_path / "snap" / "data" / "{train,test}-*.parquet"))
+    assert len(both) == 42 and both.source(21) == f"{tmp_path / 'snap' / 'data' / 'test-00000-of-00003.parquet'}:0"
+    lacking = tmp_path / "snap" / "data" / "train-00003-of-00003.parquet"
+    pq.write_table(pa.table({"image": [sample(1)]}), lacking)
+    with pytest.raises(ValueError) as e:
+        open_dataset(str(tmp_path / "snap" / "data" / "train-*.parquet"))
+    assert one_line(e).startswith(f"{lacking}: label_column='label' is not a column; the columns are image: binary")
+    (tmp_path / "two").mkdir()
+    for name in ("a.parquet", "b.parquet", "train-00000-of-00001.parquet"):
+        pq.write_table(hf_table([sample(0)], [0]), tmp_path / "two" / name)
+    with pytest.raises(ValueError, match=r"several splits: \(other\) \(2 files\), train \(1 file\);"):
+        open_dataset(tmp_path / "two")
+
+
+def test_without_pyarrow_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from dali_fast.data.parquet_index import ParquetUnavailable, pyarrow_parquet
+
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ParquetUnavailable) as e:
+        pyarrow_parquet()
+    assert one_line(e) == "reading Parquet needs pyarrow: pip install 'dali-fast[parquet]'"
+    assert isinstance(e.value, ImportError) and isinstance(e.value, ValueError)

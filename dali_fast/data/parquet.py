@@ -79,7 +79,7 @@ class _Group:
         wide = pa.types.is_large_binary(arr.type)
         _, offsets, data = arr.buffers()
         self.offsets = np.frombuffer(offsets, np.int64 if wide else np.int32)[arr.offset : arr.offset + len(arr) + 1]
-        self.data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+        self.data = np.frombuffer(data if data is not None else b"", np.uint8)
         self.data.flags.writeable = False  # the cache's bytes: a consumer cannot change them
         nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(len(arr), bool)
         ends = self.offsets.tolist()

@@ -38,7 +38,7 @@ from .shards import expand_braces
 log = logging.getLogger(__name__)
 
 PARQUET_INSTALL = "pip install 'dali-fast[parquet]'"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: no null counts per row group
 IMAGE_NAMES = ("image", "img", "jpg", "jpeg", "png", "webp")  # binary columns taken as the image, by name
 LABEL_NAMES = ("label", "labels", "cls", "class", "target", "category")  # columns taken as the label, by name
 HF_SHARD = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}")  # `datasets`' file names: train-00000-of-00004[-hash]
@@ -61,7 +61,7 @@ def pyarrow_parquet() -> Any:
 def _folder_files(folder: Path) -> list[Path]:
     """The folder's own .parquet files, else those of its ``data/`` folder (a Hugging Face snapshot)."""
     for where in (folder, folder / "data"):
-        found = sorted(p for p in where.glob("*.parquet") if p.is_file()) if where.is_dir() else []
+        found = sorted(p for p in where.glob("*.parquet") if p.is_file())  # none in a folder that is not there
         if found:
             return found
     return []
@@ -107,7 +107,8 @@ def _one_split(files: list[Path], where: str) -> None:
     splits: dict[str, int] = {}
     for f in files:
         m = HF_SHARD.match(f.name)
-        splits[m.group("split") if m else ""] = splits.get(m.group("split") if m else "", 0) + 1
+        split = m.group("split") if m else ""
+        splits[split] = splits.get(split, 0) + 1
     if len(splits) > 1:
         named = ", ".join(f"{s or '(other)'} ({plural(n, 'file')})" for s, n in sorted(splits.items()))
         first = next(s for s in sorted(splits) if s)
@@ -237,9 +238,9 @@ def find_columns(schema: Any, image_column: str | None, label_column: str | None
 # ---------------------------------------------------------------------------------------------- the index
 @dataclass
 class ParquetIndex:
-    """The rows of ``files`` (with their identities), by row group: each group's rows, file, position in
-    its file, image bytes (uncompressed, from the footer) and null images (from the footer's statistics,
-    -1 where unknown); each row's label and whether it is null; the columns and the class names."""
+    """The rows of ``files`` (with their identities), by row group: each group's rows, file and image bytes
+    (uncompressed, from the footer); each row's label and whether it is null; the columns and the class
+    names."""
 
     files: list[str]
     identities: list[str]
@@ -247,7 +248,6 @@ class ParquetIndex:
     group_rows: np.ndarray
     group_file: np.ndarray
     group_bytes: np.ndarray
-    group_nulls: np.ndarray
     labels: np.ndarray
     null_label: np.ndarray
     names: list[str] | None = None
@@ -274,7 +274,7 @@ class ParquetIndex:
         return cls(meta["files"], meta["identities"], columns, **arrays, names=meta["names"])
 
 
-_ARRAYS = ("group_rows", "group_file", "group_bytes", "group_nulls", "labels", "null_label")
+_ARRAYS = ("group_rows", "group_file", "group_bytes", "labels", "null_label")
 
 
 def index_key(files: Sequence[tuple[str, str]], image_column: str | None, label_column: str | None) -> str:
@@ -313,22 +313,20 @@ def build_index(
     """The index of ``files`` from their footers and label columns (no image is read), the files read
     in parallel; files whose columns differ from the first file's are refused in one line."""
     log.info("indexing %s (footers and label column)", plural(len(files), "Parquet file"))  # pragma: no mutate
-    first = open_file(0)
-    columns = find_columns(first.schema_arrow, image_column, label_column, files[0][0])
-    parts = read_parallel(lambda k: _index_file(open_file(k) if k else first, columns, files[k][0]), range(len(files)))
+    columns = find_columns(open_file(0).schema_arrow, image_column, label_column, files[0][0])
+    parts = read_parallel(lambda k: _index_file(open_file(k), columns, files[k][0]), range(len(files)))
     group_rows = np.concatenate([p[0] for p in parts])
     group_file = np.concatenate([np.full(len(p[0]), k, np.int32) for k, p in enumerate(parts)])
     group_bytes = np.concatenate([p[1] for p in parts])
-    group_nulls = np.concatenate([p[2] for p in parts])
-    labels, null_label, names = _labels([p[3] for p in parts], columns)
+    labels, null_label, names = _labels([p[2] for p in parts], columns)
     return ParquetIndex(
         [name for name, _ in files], [identity for _, identity in files], columns,
-        group_rows, group_file, group_bytes, group_nulls, labels, null_label, names,
+        group_rows, group_file, group_bytes, labels, null_label, names,
     )  # fmt: skip
 
 
-def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any]:
-    """One file's (rows, image bytes, null images) per row group and its label column (an Arrow array)."""
+def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.ndarray, Any]:
+    """One file's rows and image bytes per row group, and its label column (an Arrow array)."""
     mine = find_columns(pf.schema_arrow, columns.image, columns.label, where)
     if mine != columns:
         raise ValueError(
@@ -336,18 +334,12 @@ def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.n
             "a data set's files share one schema: open them separately"
         )
     md = pf.metadata
-    leaf = next(j for j in range(md.num_columns) if md.row_group(0).column(j).path_in_schema == columns.image_leaf) \
-        if md.num_row_groups else 0  # fmt: skip
-    rows, nbytes, nulls = [], [], []
-    for g in range(md.num_row_groups):
-        group = md.row_group(g)
-        chunk = group.column(leaf)
-        stats = chunk.statistics
-        rows.append(group.num_rows)
-        nbytes.append(chunk.total_uncompressed_size)
-        nulls.append(stats.null_count if stats is not None and stats.has_null_count else -1)
+    leaf = [md.schema.column(j).path for j in range(md.num_columns)].index(columns.image_leaf)
+    groups = [md.row_group(g) for g in range(md.num_row_groups)]
+    rows = np.fromiter((g.num_rows for g in groups), np.int64, len(groups))
+    nbytes = np.fromiter((g.column(leaf).total_uncompressed_size for g in groups), np.int64, len(groups))
     labels = pf.read(columns=[columns.label], use_threads=False).column(0)  # pragma: no mutate (threads: speed only)
-    return np.asarray(rows, np.int64), np.asarray(nbytes, np.int64), np.asarray(nulls, np.int64), labels
+    return rows, nbytes, labels
 
 
 def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
