@@ -221,7 +221,6 @@ def docs_env(tmp_path_factory):
 def _s3(env: dict) -> str:
     """The local S3 server's endpoint, with the template's shards in `s3://bucket/`."""
     if env["s3"] is None:
-        sys.path.insert(0, str(ROOT / "tests"))
         from object_store import S3Server
 
         server = S3Server()
@@ -366,7 +365,7 @@ def test_not_run_blocks_are_few_and_give_a_reason():
 
 # ---------------------------------------------------------------------------------------------- references
 
-TEST_REF = re.compile(r"tests/(test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
+TEST_REF = re.compile(r"tests/((?:\w+/)*test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
 BARE_REF = re.compile(r"(?<![\w/])(test_\w+\.py)")
 
 
