@@ -165,7 +165,8 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
 
 DATASETS = (
     "a packed set, an ImageFolder root, WebDataset shards (a .tar, a folder of .tar files, or a brace pattern such "
-    "as 'train-{000000..000146}.tar', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
+    "as 'train-{000000..000146}.tar', quoted), Parquet files (a .parquet, a folder or Hugging Face snapshot, or a "
+    "pattern such as 'data/train-*.parquet', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
 )
 
 
@@ -185,11 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
     s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
 
-    s = _command(sub, "pack", "pack an ImageFolder or WebDataset shards into one memory-mappable data set")
+    s = _command(sub, "pack", "pack an ImageFolder, WebDataset shards or Parquet files into one memory-mappable data set")
     s.add_argument(
         "src",
-        help="an ImageFolder root SRC/<class>/<image>, or local WebDataset shards: a .tar, a folder of .tar files, "
-        "or a brace pattern such as 'train-{000000..000146}.tar' (quoted)",
+        help="an ImageFolder root SRC/<class>/<image>, local WebDataset shards (a .tar, a folder of .tar files, "
+        "or a brace pattern such as 'train-{000000..000146}.tar', quoted) or Parquet files (a .parquet, a folder, "
+        "or a pattern such as 'data/train-*.parquet', quoted)",
     )
     s.add_argument("dst", help="destination folder (must not exist)")
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")

@@ -4,7 +4,8 @@ and the command-line page lists every option with the parser's default.
 
 How blocks run (docs/tests.md says the same to readers):
 - ```python: exec'd in a fresh namespace in a working folder per page, where `data/train` (48 synthetic
-  images, 4 classes), `data/val` (16) and `shards/train-{000000..000003}.tar` exist, and
+  images, 4 classes), `data/val` (16), `shards/train-{000000..000003}.tar` and `my-dataset/` (the same
+  images as a Hugging Face snapshot: `data/train-0000{0,1}-of-00002.parquet`, `data/test-00000-of-00001.parquet`) exist, and
   `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names.
   Only `model` and `optimizer` (the reader's own objects) are given. Sizes: `epochs = N` and
   `max_epochs=N` become 1, and `batch_size=`, `min_batch=`, `max_batch=` are divided by 32.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import json
 import os
 import re
 import shlex
@@ -175,6 +177,29 @@ def _write_shards(src: Path, dst: Path, shards: int = 4) -> None:
                 cls.unlink()
 
 
+def _write_parquet(src: Path, dst: Path, split: str, files: int) -> None:
+    """An ImageFolder as a Hugging Face snapshot writes it: `image: struct<bytes, path>`, `label: int64` with
+    the ClassLabel names in the schema metadata, row groups of 100 rows (when pyarrow is installed)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    classes = sorted(p.name for p in src.iterdir() if p.is_dir())
+    rows = [(f, label) for label, c in enumerate(classes) for f in sorted((src / c).iterdir())]
+    meta = {"info": {"features": {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}}}
+    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    (dst / "data").mkdir(parents=True, exist_ok=True)
+    per = -(-len(rows) // files)
+    for k in range(files):
+        part = rows[k * per : (k + 1) * per]
+        table = pa.table({
+            "image": pa.array([{"bytes": f.read_bytes(), "path": f.name} for f, _ in part], kind),
+            "label": pa.array([label for _, label in part], pa.int64()),
+        }).replace_schema_metadata({"huggingface": json.dumps(meta)})  # fmt: skip
+        pq.write_table(table, dst / "data" / f"{split}-{k:05d}-of-{files:05d}.parquet", row_group_size=100)
+
+
 @pytest.fixture(scope="module")
 def docs_env(tmp_path_factory):
     """The tiny data every page's folder starts with, a cache folder, and a lazily started S3 server."""
@@ -185,6 +210,8 @@ def docs_env(tmp_path_factory):
     make_synthetic(template / "data" / "train", images=48, classes=4, seed=0, progress=False)
     make_synthetic(template / "data" / "val", images=16, classes=4, seed=1, progress=False)
     _write_shards(template / "data" / "train", template / "shards")
+    _write_parquet(template / "data" / "train", template / "my-dataset", "train", 2)
+    _write_parquet(template / "data" / "val", template / "my-dataset", "test", 1)
     env = {"base": base, "template": template, "cache": base / "cache", "pages": {}, "s3": None}
     yield env
     if env["s3"] is not None:

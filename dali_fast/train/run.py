@@ -126,7 +126,8 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
             f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {config.holdout:.0%}): every batch would "
             f"be dropped; use --batch-size {max(1, per_rank)} or less, or more images"
         )
-    check_labels(reader, len(reader.classes))  # once, on the CPU: never per step on the device
+    if config.on_error == "raise":  # once, on the CPU, before any step; "skip" skips such records as bad ones
+        check_labels(reader, len(reader.classes))
     mix = None
     if config.mixup > 0 or config.cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
         mix = MixupCutmix(**config.mix, num_classes=len(reader.classes), seed=config.seed * 1000 + ctx.rank)

@@ -15,7 +15,7 @@ def test_open_dataset_errors(tmp_path):
         open_dataset(tmp_path / "flat")
     assert one_line(e) == (
         f"{tmp_path / 'flat'}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
-        "WebDataset shards (.tar) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+        "WebDataset shards (.tar), Parquet files (.parquet) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
     )
 
 
