@@ -198,7 +198,14 @@ def test_train_resume_after_sigkill_on_parquet_sees_each_sample_once(tmp_path, c
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the train tests' own run helpers
-    from test_run import _check_epoch_cover, _command, _kill_at_first_checkpoint, _records, _train_args, _train_indices
+    from train_runs import (
+        check_epoch_cover,
+        index_records,
+        kill_at_first_checkpoint,
+        train_args,
+        train_command,
+        train_indices,
+    )
 
     from dali_fast.data.synthetic import make_synthetic
     from dali_fast.train.checkpoint import load_checkpoint
@@ -207,23 +214,23 @@ def test_train_resume_after_sigkill_on_parquet_sees_each_sample_once(tmp_path, c
     data = folder_as_parquet(tmp_path / "images", tmp_path / "snap", files=3, group=4) / "data"
     ck = tmp_path / "ck"
     extra = ["--checkpoint", str(ck), "--checkpoint-every", "3"]
-    _kill_at_first_checkpoint(_command(1, _train_args(data, "torch", tmp_path, "before") + extra), ck / "checkpoint.pt")
+    kill_at_first_checkpoint(train_command(1, train_args(data, "torch", tmp_path, "before") + extra), ck / "checkpoint.pt")
     state = load_checkpoint(ck / "checkpoint.pt")
     cut = int(state["step"])
     assert not state["epoch_done"] and 0 < state["ranks"][0]["loader"]["sampler"]["position"] < 49
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     after = subprocess.run(
-        _command(1, _train_args(data, "torch", tmp_path, "after") + extra + ["--resume"]),
+        train_command(1, train_args(data, "torch", tmp_path, "after") + extra + ["--resume"]),
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert after.returncode == 0, after.stderr[-3000:]
     assert f"resumed from {ck / 'checkpoint.pt'}: epoch {state['epoch']}, step {cut}" in after.stdout
-    before, resumed = _records(tmp_path, "before", 1), _records(tmp_path, "after", 1)
-    train = _train_indices(data)
+    before, resumed = index_records(tmp_path, "before", 1), index_records(tmp_path, "after", 1)
+    train = train_indices(data)
     for epoch in (0, 1):
         got = [i for x in before[0] if x["epoch"] == epoch and x["step"] <= cut for i in x["indices"]]
         got += [i for x in resumed[0] if x["epoch"] == epoch for i in x["indices"]]
-        _check_epoch_cover({0: got}, train, 1)
+        check_epoch_cover({0: got}, train, 1)
 
 
 def test_train_refuses_a_bad_label_up_front_or_skips_it(tmp_path, cache):

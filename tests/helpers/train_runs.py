@@ -4,6 +4,7 @@ node is: what the training, elastic and evaluation tests share."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -13,6 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from contract import each_once
+
+from dali_fast.data.base import split
+from dali_fast.data.open import open_dataset
+from dali_fast.train.checkpoint import read_index_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,3 +109,24 @@ def kill_at_first_checkpoint(cmd: list[str], ckpt: Path, timeout: float = 600) -
     while not all(gone(p) for p in tree) and time.monotonic() < end:
         time.sleep(0.05)
     assert all(gone(p) for p in tree) and proc.returncode == -signal.SIGKILL
+
+
+def index_records(tmp: Path, tag: str, nproc: int) -> dict[int, list[dict]]:
+    if nproc == 1:
+        return {0: read_index_records(tmp / f"{tag}.jsonl")}
+    return {r: read_index_records(tmp / f"{tag}.jsonl.rank{r}") for r in range(nproc)}
+
+
+def train_indices(data: Path) -> list[int]:
+    train, _ = split(open_dataset(data), 0.2, 0)
+    return [int(i) for i in train.indices]
+
+
+def check_epoch_cover(per_rank: dict[int, list[int]], train: list[int], nproc: int) -> None:
+    """Each rank's samples once; together the training split once, plus the documented padding."""
+    for rank, got in per_rank.items():
+        each_once(got, set(got), what=f"rank {rank}")  # no sample twice on one rank
+    padded = math.ceil(len(train) / nproc) * nproc - len(train)
+    everything = [i for got in per_rank.values() for i in got]
+    each_once(everything, train, padding=padded)
+    assert len(everything) == len(train) + padded  # the padding wraps around: `padded` samples twice

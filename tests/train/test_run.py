@@ -6,21 +6,22 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from contract import each_once
 from train_runs import (
+    check_epoch_cover,
     dist_backend,
+    index_records,
     kill_at_first_checkpoint,
     skip_without_enough_gpus,
     train_args,
     train_command,
     train_env,
+    train_indices,
 )
 
-from dali_fast.data.base import split
 from dali_fast.data.open import open_dataset
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
-from dali_fast.train.checkpoint import load_checkpoint, read_index_records
+from dali_fast.train.checkpoint import load_checkpoint
 from dali_fast.train.run import run_train
 from dali_fast.transforms.recipe import Progressive, Recipe
 
@@ -178,27 +179,6 @@ def test_resume_refuses_other_settings(learnable, tmp_path):
     assert lines[1] == "batch size 16 → 8 as given" and [r["batch_size"] for r in rows] == [16, 8]
 
 
-def _records(tmp: Path, tag: str, nproc: int) -> dict[int, list[dict]]:
-    if nproc == 1:
-        return {0: read_index_records(tmp / f"{tag}.jsonl")}
-    return {r: read_index_records(tmp / f"{tag}.jsonl.rank{r}") for r in range(nproc)}
-
-
-def _train_indices(data: Path) -> list[int]:
-    train, _ = split(open_dataset(data), 0.2, 0)
-    return [int(i) for i in train.indices]
-
-
-def _check_epoch_cover(per_rank: dict[int, list[int]], train: list[int], nproc: int) -> None:
-    """Each rank's samples once; together the training split once, plus the documented padding."""
-    for rank, got in per_rank.items():
-        each_once(got, set(got), what=f"rank {rank}")  # no sample twice on one rank
-    padded = math.ceil(len(train) / nproc) * nproc - len(train)
-    everything = [i for got in per_rank.values() for i in got]
-    each_once(everything, train, padding=padded)
-    assert len(everything) == len(train) + padded  # the padding wraps around: `padded` samples twice
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", ["torch"])  # DALI under torchrun: the 2-rank SIGKILL/resume test below
 def test_torchrun_two_ranks_shard_each_epoch_exactly_once(odd_set, tmp_path, loader):
@@ -213,13 +193,13 @@ def test_torchrun_two_ranks_shard_each_epoch_exactly_once(odd_set, tmp_path, loa
     assert sum(x.startswith("epoch 0:") for x in lines) == 1 and sum(x.startswith("epoch 1:") for x in lines) == 1
     assert f"2 ranks ({dist_backend()})" in proc.stdout and "replicas in sync after training: yes" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.json"]
-    recs, train = _records(tmp_path, "idx", 2), _train_indices(odd_set)
+    recs, train = index_records(tmp_path, "idx", 2), train_indices(odd_set)
     orders = []
     for epoch in (0, 1):
         per_rank = {r: [i for x in recs[r] if x["epoch"] == epoch for i in x["indices"]] for r in recs}
         batches = {r: sum(x["epoch"] == epoch for x in recs[r]) for r in recs}
         assert batches[0] == batches[1] == math.ceil(math.ceil(97 / 2) / 5)  # 49 samples in batches of 5
-        _check_epoch_cover(per_rank, train, 2)
+        check_epoch_cover(per_rank, train, 2)
         orders.append(per_rank[0])
     assert orders[0] != orders[1]  # reshuffled per epoch
 
@@ -248,17 +228,17 @@ def test_sigkill_then_resume_sees_each_sample_once(odd_set, tmp_path, nproc, loa
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {ck / 'checkpoint.pt'}: epoch {state['epoch']}, step {cut}" in proc.stdout
-    before, after = _records(tmp_path, "before", nproc), _records(tmp_path, "after", nproc)
+    before, after = index_records(tmp_path, "before", nproc), index_records(tmp_path, "after", nproc)
     for r in range(nproc):
         assert min(x["step"] for x in after[r]) == cut + 1  # the resumed run starts at the next batch
-    train = _train_indices(odd_set)
+    train = train_indices(odd_set)
     for epoch in (0, 1):
         per_rank = {
             r: [i for x in before[r] if x["epoch"] == epoch and x["step"] <= cut for i in x["indices"]]
             + [i for x in after[r] if x["epoch"] == epoch for i in x["indices"]]
             for r in range(nproc)
         }
-        _check_epoch_cover(per_rank, train, nproc)
+        check_epoch_cover(per_rank, train, nproc)
 
 
 def test_the_settings_are_one_config_checked_before_any_work(tmp_path):
