@@ -20,6 +20,7 @@ _HOME = {
     "PackReport": ".data.writer",
     "Progressive": ".transforms.recipe",
     "Recipe": ".transforms.recipe",
+    "ShardReport": ".data.shard_writer",
     "TorchIterator": ".loaders.torch_iterator",
     "create_optimized_dataloader": ".loaders.dataloader",
     "make_dataloader": ".loaders.dataloader",
@@ -27,6 +28,7 @@ _HOME = {
     "make_synthetic": ".data.synthetic",
     "open_dataset": ".data.open",
     "pack": ".data.writer",
+    "write_shards": ".data.shard_writer",
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "PackReport",
     "Progressive",
     "Recipe",
+    "ShardReport",
     "TorchIterator",
     "create_optimized_dataloader",
     "make_dataloader",
@@ -48,6 +51,7 @@ __all__ = [
     "make_synthetic",
     "open_dataset",
     "pack",
+    "write_shards",
 ]
 
 

@@ -133,6 +133,8 @@ def pack_shards(
         _refuse_existing_shards(str(dst), prefix, storage_options)
     elif Path(dst).exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
+    elif Path(src).is_dir() and Path(dst).resolve().is_relative_to(Path(src).resolve()):
+        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
     reader = open_dataset(src)
     order = np.random.default_rng(0).permutation(len(reader)) if shuffle else np.arange(len(reader))
     if workers is None:

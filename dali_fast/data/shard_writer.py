@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..files import atomic_file, check_writable_folder
+from ..files import atomic_file, check_writable_folder, clean_stale
 from ..text import plural
 from .base import check_on_error
 from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded
@@ -279,7 +279,11 @@ class _LocalDestination:
         return atomic_file(self.folder / name, durable=True)
 
     def remove_stale(self, prefix: str, count: int) -> list[str]:
-        stale = stale_shards((p.name for p in self.folder.iterdir()), prefix, count)
+        names = [p.name for p in self.folder.iterdir()]
+        # the temporaries that killed writers of this prefix left, beyond the shards just written too
+        for name in stale_shards((n[1:].split(".tar.", 1)[0] + ".tar" for n in names if n.endswith(".tmp")), prefix, 0):
+            clean_stale(self.folder / name)
+        stale = stale_shards(names, prefix, count)
         for name in stale:
             log.info("removing %s: a shard of prefix %s beyond the %d just written", self.folder / name, prefix, count)
             (self.folder / name).unlink(missing_ok=True)
