@@ -36,7 +36,24 @@ def tree(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-def test_the_output_is_byte_identical_for_one_and_two_workers(photo_folder, tmp_path, cache):
+@pytest.fixture
+def pools(monkeypatch) -> list[int]:
+    """The worker count of every process pool started (pack_shards makes its pool on first use)."""
+    import concurrent.futures
+
+    started: list[int] = []
+    real = concurrent.futures.ProcessPoolExecutor
+
+    class Counted(real):
+        def __init__(self, max_workers=None, *args, **kwargs):
+            started.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
+    return started
+
+
+def test_the_output_is_byte_identical_for_one_and_two_workers(photo_folder, tmp_path, cache, pools):
     outputs = {}
     for workers in (1, 2):
         report = pack_shards(photo_folder, tmp_path / f"w{workers}", shard_size=200 * 1024, workers=workers, progress=False)
@@ -46,6 +63,7 @@ def test_the_output_is_byte_identical_for_one_and_two_workers(photo_folder, tmp_
         ]
         outputs[workers] = tree(tmp_path / f"w{workers}")
     assert outputs[1] == outputs[2] and list(outputs[1]) == [f"shard-{s:06d}.tar" for s in range(len(outputs[1]))]
+    assert pools == [2]  # one pool, of two processes, for the second pack only
 
 
 def test_verify_decodes_and_max_side_reencodes_alike_for_any_worker_count(photo_folder, tmp_path, cache):

@@ -136,7 +136,7 @@ def _samples(records: Iterable[Any], prefix: str, on_error: str, skipped: list[t
             if not isinstance(record, tuple | list) or len(record) != 2:
                 raise ValueError(f"a {type(record).__name__}, not an (encoded bytes, target) pair")
             image = _image(record[0])
-            reason = check_encoded(np.frombuffer(image, dtype=np.uint8))
+            reason = check_encoded(record[0] if isinstance(record[0], bytes) else np.frombuffer(image, np.uint8))
             if reason is not None:
                 raise ValueError(f"{reason}; write_shards stores whole JPEG or PNG files")
             ext, label = encode_target(record[1])
