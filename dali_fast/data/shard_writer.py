@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 import shutil
 import tarfile
 import tempfile
@@ -107,11 +108,11 @@ def encode_target(target: object) -> tuple[str, bytes]:
         values = np.asarray(target).tolist() if isinstance(target, np.ndarray) else list(target)
         ok = all(isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool) for v in values)
         if not values or not ok or not np.isfinite(np.asarray(values, dtype=np.float64)).all():
-            raise ValueError(f"target {target!r}: a list target holds one or more finite numbers")
+            raise ValueError(f"target {reprlib.repr(target)}: a list target holds one or more finite numbers")
         plain = [int(v) if isinstance(v, int | np.integer) else float(v) for v in values]
         return "json", json.dumps({"labels": plain}, separators=(",", ":")).encode()
     raise ValueError(
-        f"target {target!r} ({type(target).__name__}): use an int class index, or a list of class indices or numbers"
+        f"target {reprlib.repr(target)} ({type(target).__name__}): use an int class index, or a list of class indices or numbers"
     )
 
 
