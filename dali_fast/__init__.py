@@ -20,6 +20,7 @@ _HOME = {
     "PackReport": ".data.writer",
     "Progressive": ".transforms.recipe",
     "Recipe": ".transforms.recipe",
+    "ShardReport": ".data.shard_writer",
     "TorchIterator": ".loaders.torch_iterator",
     "create_optimized_dataloader": ".loaders.dataloader",
     "gather_outputs": ".train.distributed",
@@ -28,6 +29,7 @@ _HOME = {
     "make_synthetic": ".data.synthetic",
     "open_dataset": ".data.open",
     "pack": ".data.writer",
+    "write_shards": ".data.shard_writer",
 }
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "PackReport",
     "Progressive",
     "Recipe",
+    "ShardReport",
     "TorchIterator",
     "create_optimized_dataloader",
     "gather_outputs",
@@ -50,6 +53,7 @@ __all__ = [
     "make_synthetic",
     "open_dataset",
     "pack",
+    "write_shards",
 ]
 
 

@@ -29,8 +29,22 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
+    if args.format == "webdataset":
+        from .data.shard_pack import pack_shards
+
+        if args.shard_size == 0:
+            raise UserError("--shard-size 0: shards need a size; give one such as 256M, or leave it out")
+        kw = {"max_side": args.max_side, "workers": args.workers, "prefix": args.prefix}
+        if args.shard_size is not None:
+            kw["shard_size"] = args.shard_size
+        report = pack_shards(args.src, args.dst, verify=not args.no_verify, shuffle=not args.no_shuffle, **kw)
+        print(report.summary())
+        return 0
     from .data.writer import pack
 
+    unused = _changed(args, ("prefix", "no_shuffle"))
+    if unused:
+        raise UserError(f"{unused[0]} is for WebDataset shards; add --format webdataset")
     kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
     report = pack(args.src, args.dst, verify=not args.no_verify, **kw)
     print(report.summary())  # what was left out, and why, is logged above, once per file

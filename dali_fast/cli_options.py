@@ -186,14 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
     s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
 
-    s = _command(sub, "pack", "pack an ImageFolder, WebDataset shards or Parquet files into one memory-mappable data set")
+    s = _command(sub, "pack", "write a data set as one memory-mappable packed set, or as WebDataset shards")
+    s.add_argument("src", help=DATASETS.replace("or a URL of shards", "or a URL of shards to convert"))
+    s.add_argument("dst", help="destination folder (must not exist), or with --format webdataset a URL")
     s.add_argument(
-        "src",
-        help="an ImageFolder root SRC/<class>/<image>, local WebDataset shards (a .tar, a folder of .tar files, "
-        "or a brace pattern such as 'train-{000000..000146}.tar', quoted) or Parquet files (a .parquet, a folder, "
-        "or a pattern such as 'data/train-*.parquet', quoted)",
+        "--format",
+        choices=("packed", "webdataset"),
+        default="packed",
+        help="packed: index.bin + data.bin (read in place, O(1) per record); webdataset: tar shards "
+        "PREFIX-000000.tar, ... (.jpg/.png with .cls or .json), for object storage",
     )
-    s.add_argument("dst", help="destination folder (must not exist)")
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
     s.add_argument(
         "--max-side", type=_count(1), default=None, help="re-encode images whose longer side exceeds N pixels"
@@ -207,10 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--shard-size",
         type=_size,
-        default=0,
+        default=None,
         metavar="BYTES",
-        help="write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
-        "(default: 0, one data.bin)",
+        help="packed: write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
+        "(default: one data.bin); webdataset: each shard's most bytes (default: 256M)",
+    )
+    s.add_argument(
+        "--prefix", default="shard", help="webdataset: the shards' names PREFIX-000000.tar, ... and the keys' start"
+    )
+    s.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="webdataset: keep the source's order (default: a fixed shuffle, so each shard mixes the classes)",
     )
 
     s = _command(sub, "inspect", "describe a data set: records, classes, bytes")
