@@ -52,11 +52,18 @@ class PackReport:
     reencoded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
 
     def summary(self) -> str:
+        damaged = (
+            f"; {plural(len(self.damaged), 'damaged shard')} (the samples lost with it cannot be counted; see above)"
+            if self.damaged
+            else ""
+        )
         return (
             f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
+            + damaged
         )
 
 
@@ -275,6 +282,8 @@ def pack(
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
+    for shard, what in report.damaged:
+        log.warning("damaged shard %s: %s", shard, what)
     log.debug(report.summary())  # pragma: no mutate (debug log)
     return report
 
@@ -310,7 +319,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item]
     """(classes, the images to pack, the report so far: what is left out before reading any image)."""
     if shards:  # WebDataset shards: converted to a packed set
         wds = WebDatasetReader(str(src))
-        classes, other, unlisted = wds.classes, [], list(wds.skipped)
+        classes, other, unlisted, damaged = wds.classes, [], list(wds.skipped), list(wds.damaged)
         labels = wds.labels
         items = []
         for i in range(len(wds)):
@@ -318,11 +327,13 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item]
             items.append(_Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
     else:
         classes, found, other, unlisted = scan_image_folder(src)
+        damaged = []
         items = [_Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
     report.skipped += unlisted
+    report.damaged += damaged
     for p in other:
         report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
     return classes, items, report

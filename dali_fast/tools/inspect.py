@@ -31,6 +31,8 @@ def inspect_dataset(path: str, *, verify: bool = False, emit: Callable[[str], No
             total = int(reader.total_bytes)
         else:
             total = int(sum(Path(reader.source(i)).stat().st_size for i in range(n)))
+        for shard, what in getattr(reader, "damaged", []):  # each: the samples it cost cannot be counted
+            emit(f"damaged:  {shard}: {what}")
         if getattr(reader, "skipped", None):
             emit(f"skipped:  {len(reader.skipped)} (first: {reader.skipped[0][0]}: {reader.skipped[0][1]})")
     counts = np.bincount(reader.labels, minlength=len(reader.classes))

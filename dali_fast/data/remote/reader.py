@@ -152,9 +152,10 @@ class RemoteShardsReader(MemberIndexReader):
         self._name_ends = np.concatenate([p["name_ends"] + o for p, o in zip(parts, starts, strict=True)])  # type: ignore[index]
         self.shard_crc = np.array([int(p["crc"]) for p in parts], dtype=np.int64)  # type: ignore[index]
         self.skipped: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["skipped"]]  # type: ignore[index,misc]
+        self.damaged: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["damaged"]]  # type: ignore[index,misc]
         self.ignored: Counter[str] = sum((Counter(p["ignored"]) for p in parts), Counter())  # type: ignore[index]
-        if self.skipped and self.on_error == "raise":
-            where, reason = self.skipped[0]
+        if (self.damaged or self.skipped) and self.on_error == "raise":
+            where, reason = (self.damaged or self.skipped)[0]
             raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
         self._index_done("remote shard")
 
@@ -193,8 +194,9 @@ class RemoteShardsReader(MemberIndexReader):
                 "labels": empty,
                 "names": np.empty(0, np.uint8),
                 "name_ends": empty,
-                "skipped": [(self.infos[s].url, f"cannot be indexed: {e}")],
+                "skipped": [],
                 "ignored": {},
+                "damaged": [(self.infos[s].url, f"cannot be indexed: {e}")],
                 "crc": 0,
             }  # not saved: the next open tries again
 
@@ -242,6 +244,7 @@ class RemoteShardsReader(MemberIndexReader):
             "name_ends": np.cumsum([len(x) for x in names], dtype=np.int64),
             "skipped": [(w.replace(str(local), info.url, 1), r) for w, r in found.skipped],
             "ignored": dict(found.ignored),
+            "damaged": [(info.url, r) for _, r in found.damaged],
             "crc": crc[0],
         }
 
@@ -354,7 +357,8 @@ def _crc_file(path: Path) -> int:
 def _pack_index(part: dict[str, Any]) -> dict[str, np.ndarray]:
     out = {k: part[k] for k in ("offset", "size", "labels", "names", "name_ends")}
     out["crc"] = np.asarray(part["crc"], dtype=np.int64)
-    out["meta"] = np.asarray(json.dumps({"skipped": part["skipped"], "ignored": part["ignored"]}).encode(), dtype=bytes)
+    meta = {k: part[k] for k in ("skipped", "ignored", "damaged")}
+    out["meta"] = np.asarray(json.dumps(meta).encode(), dtype=bytes)
     return out
 
 
@@ -370,6 +374,9 @@ def _load_index(path: Path) -> dict[str, Any] | None:
             meta = json.loads(bytes(z["meta"]))
     except (OSError, KeyError, ValueError):
         return None
+    if "damaged" not in meta:  # an index of an older version (damage counted as a sample): made again
+        return None
     part["skipped"] = [tuple(x) for x in meta["skipped"]]
     part["ignored"] = meta["ignored"]
+    part["damaged"] = [tuple(x) for x in meta["damaged"]]
     return part
