@@ -28,6 +28,27 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_options(args: argparse.Namespace, dataset: str | None) -> dict[str, Any]:
+    """The keywords of `open_dataset` that ``--cache-dir``, ``--cache-limit`` and ``--storage-option`` give;
+    refused for local data, which has no use for them (never accepted and then ignored)."""
+    flags = {"--cache-dir": args.cache_dir, "--cache-limit": args.cache_limit, "--storage-option": args.storage_option}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return {}
+    from .data.remote.store import is_remote
+
+    if not is_remote(dataset):
+        what = "the synthetic set" if dataset is None else dataset
+        raise UserError(f"{given[0]} applies to data at a URL (s3://, gs://, https://, ...), not to {what}")
+    options: dict[str, Any] = {}
+    for key, value in args.storage_option or []:
+        if key in options:
+            raise UserError(f"--storage-option {key} is given twice; give each key once")
+        options[key] = value
+    kw = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit, "storage_options": options or None}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
     from .data.writer import pack
 
@@ -40,7 +61,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect_dataset
 
-    return inspect_dataset(args.dataset, verify=args.verify, emit=print)
+    return inspect_dataset(args.dataset, verify=args.verify, emit=print, open_options=_open_options(args, args.dataset))
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -83,6 +104,7 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         progressive=args.progressive,
         out=args.out,
         emit=log.info,
+        open_options=_open_options(args, args.dataset),
     )
     print(stages_summary(result, Path(args.out)))
     return 0
@@ -134,6 +156,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         limit=not args.no_limit,
         alternate=args.alternate,
         emit=log.info,
+        open_options=_open_options(args, args.dataset),
     )
     print(bench_summary(result, Path(args.out)))
     return 0 if all("error" not in r for r in result["rows"]) else 1
@@ -152,7 +175,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
-    run_train(open_dataset(args.dataset or default_dataset(args.images)[1]), config, emit=print)
+    options = _open_options(args, args.dataset)
+    run_train(open_dataset(args.dataset or default_dataset(args.images)[1], **options), config, emit=print)
     return 0
 
 

@@ -148,9 +148,7 @@ def test_pack_reports_a_damaged_shard_apart_from_the_records_it_left_out(tmp_pat
         report = pack(str(path), tmp_path / "packed", progress=False)
     assert report.records == len(whole_samples(blob, len(blob) // 2)) and report.skipped == []
     assert [w for w, _ in report.damaged] == [str(path)]
-    assert report.summary().endswith(
-        "left out 0; 1 damaged shard (the samples lost with it cannot be counted; see above)"
-    )
+    assert report.summary().endswith("left out 0; 1 damaged shard (the samples they lost are not counted)")
     assert f"damaged shard {path}: {report.damaged[0][1]}" in caplog.messages
 
 

@@ -5,7 +5,8 @@ and the command-line page lists every option with the parser's default.
 How blocks run (docs/tests.md says the same to readers):
 - ```python: exec'd in a fresh namespace in a working folder per page, where `data/train` (48 synthetic
   images, 4 classes), `data/val` (16) and `shards/train-{000000..000003}.tar` exist, and
-  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names.
+  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names
+  (for shell blocks too).
   Only `model` and `optimizer` (the reader's own objects) are given. Sizes: `epochs = N` and
   `max_epochs=N` become 1, and `batch_size=`, `min_batch=`, `max_batch=` are divided by 32.
 - ```bash: each command run in the page's folder, `dali-fast` through its entry point `dali_fast.cli:main`; `--epochs` 1, `--images` 48,
@@ -281,6 +282,8 @@ def _run_shell(block: Block, folder: Path, env: dict, monkeypatch, capsys) -> No
 
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
+    if "s3://" in block.code:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
     for command in shell_commands(block.code):
         argv = small_command(command)
         if argv[0] == "dali-fast":
@@ -414,10 +417,12 @@ def test_cli_page_lists_every_option_with_its_default():
 
     rows = _cli_rows()
     recipe = rows.get("Recipe options (bench and train)", {})
+    url = rows.get("URL options (train, bench, stages and inspect)", {})
     commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001 - the CLI's own table
     problems = []
     for name, parser in commands.items():
         documented = {**rows.get(name, {}), **(recipe if name in ("bench", "train") else {})}
+        documented |= url if name in ("train", "bench", "stages", "inspect") else {}
         options = set()
         for action in parser._actions:  # noqa: SLF001
             for option in action.option_strings:

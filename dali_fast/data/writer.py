@@ -35,6 +35,7 @@ from .format import (
     RECORD_DTYPE,
     SHARD_FILE,
 )
+from .remote.store import is_remote
 from .shards import is_webdataset
 from .webdataset import WebDatasetReader
 
@@ -55,16 +56,11 @@ class PackReport:
     damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
 
     def summary(self) -> str:
-        damaged = (
-            f"; {plural(len(self.damaged), 'damaged shard')} (the samples lost with it cannot be counted; see above)"
-            if self.damaged
-            else ""
-        )
+        lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
         return (
             f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-            + damaged
-        )
+        ) + (lost if self.damaged else "")
 
 
 # pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
@@ -255,6 +251,8 @@ def pack(
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
     """
     t0 = time.perf_counter()
+    if is_remote(src):  # a Path would make "s3:/..." of it, and "no such folder" would send one looking for it
+        raise ValueError(f"{src}: pack reads local data; copy the shards to a local disk and pack them there")
     src, dst = Path(src), Path(dst)
     shards = _check_pack_arguments(src, dst, max_side, workers, shard_size)
     classes, items, report = _sources(src, dst, shards)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -12,10 +13,13 @@ from ..data.open import open_dataset
 from ..data.packed import MemmapReader
 
 
-def inspect_dataset(path: str, *, verify: bool = False, emit: Callable[[str], None]) -> int:
-    """Describe the data set at ``path`` in lines given to ``emit``; returns 0, or 1 when ``verify`` found
-    damage. ``verify`` on anything but a packed set is a one-line ValueError (it checks a packed set's crc32)."""
-    reader = open_dataset(path)
+def inspect_dataset(
+    path: str, *, verify: bool = False, emit: Callable[[str], None], open_options: dict[str, Any] | None = None
+) -> int:
+    """Describe the data set at ``path`` (opened with ``open_options``) in lines given to ``emit``; returns
+    0, or 1 when ``verify`` found damage. ``verify`` on anything but a packed set is a one-line ValueError
+    (it checks a packed set's crc32)."""
+    reader = open_dataset(path, **(open_options or {}))
     n = len(reader)
     emit(f"data set: {path} ({type(reader).__name__})")
     emit(f"records:  {n}")
