@@ -211,6 +211,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+# Loggers of the object-store clients: WARNING and above, and under -v also their INFO lines (not their
+# DEBUG lines, which are every request's headers).
+CHATTY = ("botocore", "aiobotocore", "s3fs", "fsspec", "gcsfs", "urllib3")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -221,10 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name in CHATTY:  # their INFO lines ("Found credentials in environment variables") on every run
+        logging.getLogger(name).setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from .data.remote.errors import RemoteDataError
+
     try:
         with _log_above_bars():
             return int(COMMANDS[args.command](args) or 0)
-    except (UserError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError, RemoteDataError) as e:
         print(f"dali-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

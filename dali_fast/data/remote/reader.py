@@ -46,7 +46,7 @@ from ..checks import check_index
 from ..member_index import MemberIndexReader
 from ..shards import index_shard
 from .cache import ShardCache, close_lock, open_lock
-from .store import CHUNK_BYTES, ShardDownloader, ShardError, list_shards
+from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
 from .stream import ShardStream
 
 log = logging.getLogger(__name__)
@@ -70,11 +70,14 @@ class RemoteShardsReader(MemberIndexReader):
 
     ``cache_dir`` (default ``$DALI_FAST_CACHE/remote``) holds the shards (``shards/``) and, unless
     ``index_dir`` says otherwise, their indexes (``index/``). ``cache_limit``: bytes of shards on this
-    node (None: no limit); each of the node's ``LOCAL_WORLD_SIZE`` ranks may pin an equal share, which
-    must hold two shuffle windows of ``shuffle_window`` shards. ``storage_options`` go to fsspec (e.g.
-    ``{"endpoint_url": ...}`` for an S3-compatible server; ``AWS_ENDPOINT_URL`` works too).
-    ``on_error`` as for local shards: ``"skip"`` counts and names what indexing left out, ``"raise"``
-    refuses it; a shard that fails later is reported through the loaders' own ``on_error``.
+    node (None: what the disk can spare at open, its free space less a margin: `cache.DISK_MARGIN`); each
+    of the node's ``LOCAL_WORLD_SIZE`` ranks may pin an equal share, which must hold two shuffle windows of
+    ``shuffle_window`` shards. ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an
+    S3-compatible server; ``AWS_ENDPOINT_URL`` works too). ``on_error`` as for local shards: ``"skip"``
+    counts and names what indexing left out (``skipped`` samples, ``damaged`` shards), ``"raise"`` refuses
+    it; a shard that fails later is reported through the loaders' own ``on_error``. What cannot be had for
+    a reason of the store (credentials, access, endpoint, TLS, bucket, a full disk) raises a
+    `errors.RemoteDataError` naming it.
     ``prefetch_next_epoch``: once this epoch's shards are local or under way, download the next epoch's
     first shards too, as the budget allows (no stall when an epoch starts).
     """
@@ -184,6 +187,8 @@ class RemoteShardsReader(MemberIndexReader):
         try:
             return self._build_shard_index(s, path)
         except ShardError as e:
+            if isinstance(e.__cause__, PERMANENT):  # credentials, access, TLS: the store's, not the shard's
+                raise e.__cause__  # noqa: B904 - it carries its own cause
             if self.on_error == "raise":
                 raise ShardError(f"{e}; the shard cannot be indexed (or open with on_error='skip')") from e
             log.warning("left out shard %s: %s", self.infos[s].url, e)
