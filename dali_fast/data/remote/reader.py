@@ -164,10 +164,15 @@ class RemoteShardsReader(MemberIndexReader):
 
     def _check_budget(self) -> None:
         limit = self.cache.limit
-        if limit is None:
-            return
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         need = ranks * 2 * self.shuffle_window * int(self.shard_bytes.max())
+        if limit < need and not self.cache.limit_given:
+            raise ValueError(
+                f"cache_dir {self.cache.folder}: its disk can spare {limit} bytes (its free space less a margin), "
+                f"too little for {ranks} rank(s) on this node each reading shuffle windows of {self.shuffle_window} "
+                f"shard(s) of up to {int(self.shard_bytes.max())} bytes ({need} bytes); free space there, choose a "
+                "cache folder on a larger disk (--cache-dir, cache_dir), or use a smaller shuffle_window"
+            )
         if limit < need:
             raise ValueError(
                 f"cache_limit={limit}: too small for {ranks} rank(s) on this node each reading shuffle windows of "
