@@ -13,7 +13,6 @@ import pytest
 from conftest import jpeg_bytes
 
 from dali_fast.cli import build_parser, main
-from dali_fast.cli_options import _storage_option
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -57,6 +56,8 @@ def endpoint(server) -> list[str]:
 
 
 def test_storage_option_values_are_json_where_they_parse_else_text():
+    from dali_fast.cli_options import _storage_option
+
     assert _storage_option("anon=true") == ("anon", True)
     assert _storage_option("max_concurrency=3") == ("max_concurrency", 3)
     assert _storage_option('config_kwargs={"retries": {"max_attempts": 1}}') == (
