@@ -21,14 +21,14 @@ from object_store import S3Server  # noqa: E402
 
 SHARDS, PER_SHARD = 3, 8
 N = SHARDS * PER_SHARD
-SPEC = "s3://data/train-{000000..000002}.tar"
+SPEC = "s3://cli/train-{000000..000002}.tar"  # moto keeps one store per process: a bucket of its own
 DATA_COMMANDS = ["train", "bench", "stages", "inspect"]
 
 
 @pytest.fixture(scope="module")
 def server():
     srv = S3Server()
-    srv.client.create_bucket(Bucket="data")
+    srv.client.create_bucket(Bucket="cli")
     srv.objects = {}
     for s in range(SHARDS):
         buf = io.BytesIO()
@@ -36,7 +36,7 @@ def server():
             for i in range(s * PER_SHARD, (s + 1) * PER_SHARD):
                 sink.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(24 + i % 5, 20), "cls": str(i % 4).encode()})
         srv.objects[f"train-{s:06d}.tar"] = buf.getvalue()
-        srv.client.put_object(Bucket="data", Key=f"train-{s:06d}.tar", Body=buf.getvalue())
+        srv.client.put_object(Bucket="cli", Key=f"train-{s:06d}.tar", Body=buf.getvalue())
     yield srv
     srv.stop()
 
@@ -48,7 +48,8 @@ def env(server, tmp_path, monkeypatch):
     monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "default-cache"))
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)  # the endpoint comes from --storage-option
     s3fs.S3FileSystem.clear_instance_cache()
-    return server
+    yield server
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def endpoint(server) -> list[str]:

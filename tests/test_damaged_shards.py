@@ -158,24 +158,26 @@ def test_pack_reports_a_damaged_shard_apart_from_the_records_it_left_out(tmp_pat
 def test_a_truncated_remote_shard_is_a_damaged_shard_not_a_sample(tmp_path, monkeypatch, caplog):
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
+    import s3fs
     from object_store import S3Server
 
+    s3fs.S3FileSystem.clear_instance_cache()  # one of another test's endpoint would be reused
     server = S3Server()
     try:
-        server.client.create_bucket(Bucket="data")
+        server.client.create_bucket(Bucket="damaged")  # moto keeps one store per process: a bucket of its own
         whole = shard(tmp_path / "whole.tar")
         half = shard(tmp_path / "other.tar", 8)
-        server.client.put_object(Bucket="data", Key="train-000000.tar", Body=whole[: len(whole) // 2])
-        server.client.put_object(Bucket="data", Key="train-000001.tar", Body=half)
+        server.client.put_object(Bucket="damaged", Key="train-000000.tar", Body=whole[: len(whole) // 2])
+        server.client.put_object(Bucket="damaged", Key="train-000001.tar", Body=half)
         monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "cache"))
-        spec = "s3://data/train-{000000..000001}.tar"
+        spec = "s3://damaged/train-{000000..000001}.tar"
         kw = {"storage_options": {"endpoint_url": server.endpoint}}
         with caplog.at_level(logging.WARNING):
             r = open_dataset(spec, **kw)
         kept = whole_samples(whole, len(whole) // 2)
         assert len(r) == len(kept) + 8 and r.skipped == []
         [(where, what)] = r.damaged
-        assert where == "s3://data/train-000000.tar" and what.startswith("truncated: the file ends inside ")
+        assert where == "s3://damaged/train-000000.tar" and what.startswith("truncated: the file ends inside ")
         assert any(
             m.startswith("1 of 2 remote shards damaged; the samples lost with it cannot be") for m in caplog.messages
         )
@@ -190,3 +192,4 @@ def test_a_truncated_remote_shard_is_a_damaged_shard_not_a_sample(tmp_path, monk
         assert f"damaged:  {where}: {what}" in lines and not any(x.startswith("skipped:") for x in lines)
     finally:
         server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -36,7 +36,7 @@ from object_store import S3Server  # noqa: E402
 
 SHARDS, PER_SHARD = 6, 8
 N = SHARDS * PER_SHARD
-SPEC = "s3://data/train-{000000..000005}.tar"
+SPEC = "s3://disk/train-{000000..000005}.tar"  # moto keeps one store per process: a bucket of its own
 GiB = 2**30
 Usage = namedtuple("Usage", "total used free")
 
@@ -52,21 +52,25 @@ def shard_bytes(first: int) -> bytes:
 @pytest.fixture(scope="module")
 def server():
     srv = S3Server()
-    srv.client.create_bucket(Bucket="data")
+    srv.client.create_bucket(Bucket="disk")
     srv.objects = {f"train-{s:06d}.tar": shard_bytes(s * PER_SHARD) for s in range(SHARDS)}
     for key, body in srv.objects.items():
-        srv.client.put_object(Bucket="data", Key=key, Body=body)
+        srv.client.put_object(Bucket="disk", Key=key, Body=body)
     yield srv
     srv.stop()
 
 
 @pytest.fixture
 def s3(server, tmp_path, monkeypatch):
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # one of another test's endpoint would be reused
     monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
     open_dataset(SPEC, cache_dir=tmp_path / "indexing", index_dir=tmp_path / "index")  # the index, on the real disk
     server.counts.reset()
-    return server
+    yield server
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def fake_disk(monkeypatch, folder, total: int, free: int) -> None:

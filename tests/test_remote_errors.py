@@ -28,7 +28,7 @@ wds = pytest.importorskip("webdataset")
 from object_store import RangeHTTPServer, S3Server, free_port, self_signed_certificate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARD = "s3://data/train-000000.tar"
+SHARD = "s3://errors/train-000000.tar"  # moto keeps one store per process: a bucket of this file's own
 FAST = {"config_kwargs": {"retries": {"max_attempts": 1}}}  # botocore's own retries: a test waits on none
 
 
@@ -43,8 +43,8 @@ def shard_bytes(count: int = 4) -> bytes:
 @pytest.fixture(scope="module")
 def server():
     srv = S3Server()
-    srv.client.create_bucket(Bucket="data")
-    srv.client.put_object(Bucket="data", Key="train-000000.tar", Body=shard_bytes())
+    srv.client.create_bucket(Bucket="errors")
+    srv.client.put_object(Bucket="errors", Key="train-000000.tar", Body=shard_bytes())
     yield srv
     srv.stop()
 
@@ -130,9 +130,9 @@ def test_no_credentials(server, tmp_path, monkeypatch, capsys):
     )
     assert message == f"{SHARD}: {errors.NO_CREDENTIALS}"
     assert isinstance(errors.MissingCredentialsError("x"), PermissionError)
-    server.client.create_bucket(Bucket="public")  # what the message offers for a public bucket: anon=true
-    server.client.put_object(Bucket="public", Key="train-000000.tar", Body=shard_bytes(), ACL="public-read")
-    assert len(open_dataset("s3://public/train-000000.tar", **opts(server.endpoint, anon=True))) == 4
+    server.client.create_bucket(Bucket="errors-public")  # what the message offers for a public bucket: anon=true
+    server.client.put_object(Bucket="errors-public", Key="train-000000.tar", Body=shard_bytes(), ACL="public-read")
+    assert len(open_dataset("s3://errors-public/train-000000.tar", **opts(server.endpoint, anon=True))) == 4
 
 
 def _with_iam_user(server, policy: dict | None):
@@ -188,7 +188,7 @@ def test_access_denied_and_rejected_credentials(server, auth, monkeypatch, capsy
 def test_listing_allowed_but_reading_denied_is_access_denied_not_a_damaged_shard(server, auth, monkeypatch, capsys):
     list_only = {
         "Version": "2012-10-17",
-        "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "arn:aws:s3:::data"}],
+        "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "arn:aws:s3:::errors"}],
     }
     key, secret = auth(list_only)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
@@ -292,14 +292,14 @@ def test_a_bucket_that_does_not_exist(server, capsys):
 
 
 def test_a_key_that_does_not_exist(server, tmp_path, capsys):
-    spec = "s3://data/train-{000000..000003}.tar"
+    spec = "s3://errors/train-{000000..000003}.tar"
     message = refused(
         lambda: open_dataset(spec, **opts(server.endpoint)),
         errors.NoSuchShardError,
         ["inspect", spec, *cli_opts(server.endpoint)],
         capsys,
     )
-    assert message == f"s3://data/train-000001.tar and 2 more: {errors.NO_SHARD}"
+    assert message == f"s3://errors/train-000001.tar and 2 more: {errors.NO_SHARD}"
     (tmp_path / "www").mkdir()
     srv = RangeHTTPServer(tmp_path / "www")
     try:
@@ -311,7 +311,7 @@ def test_a_key_that_does_not_exist(server, tmp_path, capsys):
 
 
 def test_a_glob_in_a_url_says_urls_take_brace_patterns_or_a_folder(server, capsys):
-    url = "s3://data/train-*.tar"
+    url = "s3://errors/train-*.tar"
     message = refused(
         lambda: open_dataset(url, **opts(server.endpoint)),
         errors.URLPatternError,
@@ -319,8 +319,8 @@ def test_a_glob_in_a_url_says_urls_take_brace_patterns_or_a_folder(server, capsy
         capsys,
     )
     assert message == (
-        "s3://data/train-*.tar: a URL takes no wildcards (* ? [ ]); name the shards with a brace pattern such as "
-        "s3://data/train-{000000..000099}.tar, or give their folder, s3://data/"
+        "s3://errors/train-*.tar: a URL takes no wildcards (* ? [ ]); name the shards with a brace pattern such as "
+        "s3://errors/train-{000000..000099}.tar, or give their folder, s3://errors/"
     )
     assert isinstance(errors.URLPatternError("x"), ValueError)
     assert errors.wildcard("https://h/a/train-000000.tar?X-Amz-Signature=1") is None  # ? starts a query there
