@@ -251,13 +251,22 @@ def _page_dir(env: dict, page: str) -> Path:
     return folder
 
 
+def _local_s3(env: dict, monkeypatch) -> None:
+    """AWS_ENDPOINT_URL names the local S3 server; no file system of an earlier endpoint is reused (fsspec
+    keeps one per set of options, the endpoint it read from the environment included)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def _run_python(block: Block, folder: Path, env: dict, objects: dict, monkeypatch) -> None:
     import dali_fast
 
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
     if "s3://" in block.code:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+        _local_s3(env, monkeypatch)
     namespace = {"__name__": "__snippet__", **objects}
     try:
         exec(compile(small_python(block.code), block.id, "exec"), namespace)  # noqa: S102 - the docs' own code
@@ -283,7 +292,7 @@ def _run_shell(block: Block, folder: Path, env: dict, monkeypatch, capsys) -> No
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
     if "s3://" in block.code:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+        _local_s3(env, monkeypatch)
     for command in shell_commands(block.code):
         argv = small_command(command)
         if argv[0] == "dali-fast":
