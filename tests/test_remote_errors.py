@@ -227,11 +227,11 @@ def test_an_endpoint_that_refuses_connections(tmp_path, capsys):
         ["inspect", SHARD, *cli_opts(endpoint)],
         capsys,
     )
-    assert message == f"{SHARD}: {errors.UNREACHABLE.format(host=f'127.0.0.1:{port}')}"
+    assert message == f"{SHARD}: {errors.UNREACHABLE.format(host=f'127.0.0.1:{port}', reason='connection refused')}"
     assert isinstance(errors.EndpointUnreachableError("x"), ConnectionError)
     url = f"{endpoint}/train-000000.tar"  # plain HTTP: fsspec calls it "not found"; it is not
     message = refused(lambda: open_dataset(url), errors.EndpointUnreachableError, ["inspect", url], capsys)
-    assert message == f"{url}: {errors.UNREACHABLE.format(host=f'127.0.0.1:{port}')}"
+    assert message == f"{url}: {errors.UNREACHABLE.format(host=f'127.0.0.1:{port}', reason='connection refused')}"
 
 
 def test_an_endpoint_whose_name_does_not_resolve(capsys):
@@ -324,6 +324,27 @@ def test_a_glob_in_a_url_says_urls_take_brace_patterns_or_a_folder(server, capsy
     )
     assert isinstance(errors.URLPatternError("x"), ValueError)
     assert errors.wildcard("https://h/a/train-000000.tar?X-Amz-Signature=1") is None  # ? starts a query there
+
+
+def test_storage_options_the_backend_refuses_and_any_other_failure_are_one_line(server, capsys):
+    message = refused(
+        lambda: open_dataset(SHARD, **opts(server.endpoint, endpoint_urll="http://x")),
+        errors.StorageOptionsError,
+        ["inspect", SHARD, *cli_opts(server.endpoint), "--storage-option", "endpoint_urll=http://x"],
+        capsys,
+    )
+    assert message.startswith(f"{SHARD}: the storage options (config_kwargs, endpoint_url, endpoint_urll) do not")
+    assert "unexpected keyword argument 'endpoint_urll'" in message
+    assert isinstance(errors.StorageOptionsError("x"), ValueError)
+    url = "s3://Not_A_Bucket!/train-000000.tar"  # botocore refuses the name before any request
+    message = refused(
+        lambda: open_dataset(url, **opts(server.endpoint)),
+        errors.StoreFailedError,
+        ["inspect", url, *cli_opts(server.endpoint)],
+        capsys,
+    )
+    assert message.startswith(f"{url}: the object store failed (ParamValidationError: Parameter validation failed: ")
+    assert 'Invalid bucket name "Not_A_Bucket!"' in message
 
 
 def test_a_missing_extra_is_one_line_exit_2(monkeypatch, capsys):

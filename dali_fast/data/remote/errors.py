@@ -26,7 +26,7 @@ ACCESS_DENIED = (
     "use other credentials"
 )
 UNREACHABLE = (
-    "cannot connect to {host} (connection refused); check the endpoint (the storage option endpoint_url, or "
+    "cannot connect to {host} ({reason}); check the endpoint (the storage option endpoint_url, or "
     "AWS_ENDPOINT_URL) and that the server runs"
 )
 UNRESOLVABLE = (
@@ -39,6 +39,8 @@ TLS_FAILED = (
 )
 NO_BUCKET = "no bucket named {bucket} on the server; check the bucket's name (and the endpoint)"
 NO_SHARD = "no such shard on the server; check the URL and pattern"
+BAD_OPTIONS = "the storage options ({keys}) do not suit {scheme}:// ({reason}); check their names and values"
+FAILED = "the object store failed ({reason}); check the URL and the storage options"
 GLOB = (
     "a URL takes no wildcards (* ? [ ]); name the shards with a brace pattern such as {example}, or give "
     "their folder, {folder}"
@@ -52,9 +54,11 @@ class RemoteDataError(Exception):
     fits: ``MissingCredentialsError``, ``CredentialsRejectedError`` and ``AccessDeniedError`` are
     ``PermissionError``; ``EndpointUnreachableError`` (refused, or a host name that does not resolve) and
     ``TLSError`` are ``ConnectionError``; ``NoSuchBucketError`` and ``NoSuchShardError`` are
-    ``FileNotFoundError``; ``URLPatternError`` (a wildcard in a URL) is ``ValueError``;
-    ``MissingExtraError`` is ``ImportError``; ``CacheDiskFullError`` (the shard cache's disk filled up)
-    is none of them, so that it stops a run instead of making every later sample a bad record.
+    ``FileNotFoundError``; ``URLPatternError`` (a wildcard in a URL) and ``StorageOptionsError`` are
+    ``ValueError``; ``MissingExtraError`` is ``ImportError``. ``StoreFailedError`` (any other failure
+    of the store at open, with the backend's own words) and ``CacheDiskFullError`` (the shard cache's
+    disk filled up) are none of them: the latter stops a run instead of making every later sample a
+    bad record.
 
     A DataLoader worker re-raises it with the worker's traceback as its message; its one line is then the
     last line of that traceback (`str` gives it)."""
@@ -97,6 +101,15 @@ class NoSuchBucketError(RemoteDataError, FileNotFoundError):
 
 class NoSuchShardError(RemoteDataError, FileNotFoundError):
     """A shard the URL names does not exist on the server."""
+
+
+class StorageOptionsError(RemoteDataError, ValueError):
+    """Storage options the backend does not take (a misspelt name, a value of the wrong type)."""
+
+
+class StoreFailedError(RemoteDataError):
+    """Any other failure of the object store while a URL is opened: said in one line, with the backend's
+    own error."""
 
 
 class MissingExtraError(RemoteDataError, ImportError):
@@ -199,8 +212,16 @@ def classify(error: BaseException, url: str, storage_options: dict | None = None
         *_types("aiohttp", "ClientConnectorError"),
         *_types("botocore.exceptions", "EndpointConnectionError"),
     )
-    if any(isinstance(e, refused) for e in chain):
-        return EndpointUnreachableError(f"{url}: {UNREACHABLE.format(host=_host(chain, url, storage_options))}")
+    timeout = (*_types("botocore.exceptions", "ConnectTimeoutError"), *_types("aiohttp", "ConnectionTimeoutError"))
+    if any(isinstance(e, refused + timeout) for e in chain):
+        if any(isinstance(e, ConnectionRefusedError) for e in chain):
+            reason = "connection refused"
+        elif any(isinstance(e, timeout) for e in chain):
+            reason = "timed out"
+        else:
+            reason = next((e.strerror for e in chain if isinstance(e, OSError) and e.strerror), "no connection")
+        host = _host(chain, url, storage_options)
+        return EndpointUnreachableError(f"{url}: {UNREACHABLE.format(host=host, reason=reason)}")
     if any(isinstance(e, PermissionError) for e in chain):  # a backend that names no code
         return AccessDeniedError(f"{url}: {ACCESS_DENIED.format(code='permission denied')}")
     return None

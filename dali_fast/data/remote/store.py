@@ -20,6 +20,8 @@ import numpy as np
 
 from ..shards import expand_braces
 from .errors import (
+    BAD_OPTIONS,
+    FAILED,
     NO_SHARD,
     AccessDeniedError,
     CredentialsRejectedError,
@@ -27,6 +29,8 @@ from .errors import (
     MissingExtraError,
     NoSuchShardError,
     RemoteDataError,
+    StorageOptionsError,
+    StoreFailedError,
     TLSError,
     classify,
     wildcard,
@@ -39,6 +43,7 @@ CHUNK_BYTES = 8 << 20  # one range request
 _IDENTITY_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "VersionId", "crc32c")
 _TIME_FIELDS = ("LastModified", "mtime", "updated", "last_modified", "Last-Modified")
 CLOUD_INSTALL = "pip install 'dali_fast[cloud]'"
+_BACKENDS = {"botocore", "aiobotocore", "s3fs", "aiohttp", "fsspec", "gcsfs", "google", "adlfs", "azure"}
 
 
 class ShardError(OSError):
@@ -116,9 +121,16 @@ def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tup
         raise
     except Exception as e:
         why = classify(e, spec, storage_options)
-        if why is None:
-            raise
-        raise why from e
+        if why is not None:
+            raise why from e
+        if isinstance(e, TypeError) and storage_options:  # the backend's constructor or session refused one
+            keys = ", ".join(sorted(storage_options))
+            reason = BAD_OPTIONS.format(keys=keys, scheme=spec.split("://", 1)[0], reason=_first_line(e))
+            raise StorageOptionsError(f"{spec}: {reason}") from e
+        if isinstance(e, OSError) or type(e).__module__.split(".")[0] in _BACKENDS:
+            text = " ".join(f"{type(e).__name__}: {e}".split())
+            raise StoreFailedError(f"{spec}: {FAILED.format(reason=text if len(text) < 300 else text[:297] + '...')}") from e
+        raise
 
 
 def _list_shards(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any, list[ShardInfo]]:
@@ -143,8 +155,8 @@ def _list_shards(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any
         # One listing per folder instead of one request per shard.
         for parent in sorted({p.rsplit("/", 1)[0] for p in paths}):
             try:
-                for e in fs.ls(parent, detail=True, refresh=True):
-                    entries[e["name"].rstrip("/")] = e
+                for entry in fs.ls(parent, detail=True, refresh=True):
+                    entries[entry["name"].rstrip("/")] = entry
             except FileNotFoundError as e:  # no such folder: its shards are missing; no such bucket: said now
                 _raise_cause(e, spec, storage_options)
 
