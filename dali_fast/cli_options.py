@@ -4,6 +4,7 @@ default; a usage error is one line, exit code 2). `dali_fast.cli` runs the comma
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -48,6 +49,19 @@ def _size(text: str) -> int:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G")
     return int(value)
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as (key, value): VALUE read as JSON where it parses (``true``, ``3``, ``{"verify": false}``),
+    else kept as text (``http://minio:9000``)."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; e.g. endpoint_url=http://minio:9000")
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.strip(), parsed
 
 
 def _count(minimum: int) -> Callable[[str], int]:
@@ -112,9 +126,37 @@ def _add_model_arg(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_remote_args(s: argparse.ArgumentParser) -> None:
+    """The options of data at a URL (refused for local data, which has no use for them)."""
+    s.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="data at a URL: the node-local folder its shards are cached in (default: $DALI_FAST_CACHE/remote)",
+    )
+    s.add_argument(
+        "--cache-limit",
+        type=_size,
+        metavar="BYTES",
+        default=None,
+        help="data at a URL: bytes of shards the cache may hold on this node, e.g. 200G (default: the disk's "
+        "free space at open, less a margin)",
+    )
+    s.add_argument(
+        "--storage-option",
+        type=_storage_option,
+        action="append",
+        metavar="KEY=VALUE",
+        default=None,
+        help="data at a URL: an fsspec option such as endpoint_url=http://minio:9000 or anon=true; VALUE is read "
+        "as JSON where it parses (true, 3), else as text; repeatable",
+    )
+
+
 def _add_data_args(s: argparse.ArgumentParser, on_error: bool = True) -> None:
     """The data and batch arguments `bench`, `stages` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
+    _add_remote_args(s)
     s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
     s.add_argument("--batch-size", type=_count(1), default=64, help="images per batch")
     s.add_argument("--image-size", type=_count(1), default=224, help="output side in pixels")
@@ -222,9 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="webdataset: keep the source's order (default: a fixed shuffle, so each shard mixes the classes)",
     )
+    _add_remote_args(s)
 
     s = _command(sub, "inspect", "describe a data set: records, classes, bytes")
     s.add_argument("dataset", help=DATASETS)
+    _add_remote_args(s)
     s.add_argument("--verify", action="store_true", help="check every record's crc32 (packed sets)")
 
     s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")

@@ -214,4 +214,7 @@ def test_stages_takes_what_bench_s_stages_honoured_and_nothing_else():
         "--progressive",
         "--total-epochs",
         "--total-images",
+        "--cache-dir",  # data at a URL
+        "--cache-limit",
+        "--storage-option",
     }

@@ -6,7 +6,8 @@ How blocks run (docs/tests.md says the same to readers):
 - ```python: exec'd in a fresh namespace in a working folder per page, where `data/train` (48 synthetic
   images, 4 classes), `data/val` (16), `shards/train-{000000..000003}.tar` and `my-dataset/` (the same
   images as a Hugging Face snapshot: `data/train-0000{0,1}-of-00002.parquet`, `data/test-00000-of-00001.parquet`) exist, and
-  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names.
+  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names
+  (for shell blocks too).
   Only `model` and `optimizer` (the reader's own objects) are given. Sizes: `epochs = N` and
   `max_epochs=N` become 1, and `batch_size=`, `min_batch=`, `max_batch=` are divided by 32.
 - ```bash: each command run in the page's folder, `dali-fast` through its entry point `dali_fast.cli:main`; `--epochs` 1, `--images` 48,
@@ -276,13 +277,22 @@ def _page_dir(env: dict, page: str) -> Path:
     return folder
 
 
+def _local_s3(env: dict, monkeypatch) -> None:
+    """AWS_ENDPOINT_URL names the local S3 server; no file system of an earlier endpoint is reused (fsspec
+    keeps one per set of options, the endpoint it read from the environment included)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def _run_python(block: Block, folder: Path, env: dict, objects: dict, monkeypatch) -> None:
     import dali_fast
 
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
     if "s3://" in block.code:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+        _local_s3(env, monkeypatch)
     namespace = {"__name__": "__snippet__", **objects}
     try:
         exec(compile(small_python(block.code), block.id, "exec"), namespace)  # noqa: S102 - the docs' own code
@@ -307,6 +317,8 @@ def _run_shell(block: Block, folder: Path, env: dict, monkeypatch, capsys) -> No
 
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
+    if "s3://" in block.code:
+        _local_s3(env, monkeypatch)
     for command in shell_commands(block.code):
         argv = small_command(command)
         if argv[0] == "dali-fast":
@@ -440,10 +452,12 @@ def test_cli_page_lists_every_option_with_its_default():
 
     rows = _cli_rows()
     recipe = rows.get("Recipe options (bench and train)", {})
+    url = rows.get("URL options (train, bench, stages, inspect and pack)", {})
     commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001 - the CLI's own table
     problems = []
     for name, parser in commands.items():
         documented = {**rows.get(name, {}), **(recipe if name in ("bench", "train") else {})}
+        documented |= url if name in ("train", "bench", "stages", "inspect", "pack") else {}
         options = set()
         for action in parser._actions:  # noqa: SLF001
             for option in action.option_strings:

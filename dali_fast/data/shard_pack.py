@@ -102,7 +102,7 @@ def _records(
 
 
 def pack_shards(
-    src: str | os.PathLike,
+    src: str | os.PathLike | Reader,
     dst: str | os.PathLike,
     *,
     prefix: str = "shard",
@@ -114,7 +114,7 @@ def pack_shards(
     progress: bool = True,  # pragma: no mutate (display only)
     storage_options: dict[str, Any] | None = None,
 ) -> ShardReport:
-    """Write the data set at ``src`` (anything `open_dataset` opens) as WebDataset shards in a new folder
+    """Write the data set at ``src`` (anything `open_dataset` opens, or a reader) as WebDataset shards in a new folder
     ``dst`` (whole or not at all), or at a URL where no shard of ``prefix`` is yet (each shard whole).
 
     ``verify`` decodes each image once and leaves out what does not decode; ``max_side`` re-encodes
@@ -134,9 +134,10 @@ def pack_shards(
         _refuse_existing_shards(str(dst), prefix, storage_options)
     elif Path(dst).exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
-    elif Path(src).is_dir() and Path(dst).resolve().is_relative_to(Path(src).resolve()):
+    elif not isinstance(src, Reader) and Path(src).is_dir() and Path(dst).resolve().is_relative_to(Path(src).resolve()):
         raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
-    reader = open_dataset(src)
+    reader = src if isinstance(src, Reader) else open_dataset(src)
+    name = Path(str(getattr(reader, "path", src) if isinstance(src, Reader) else src)).name
     order = np.random.default_rng(0).permutation(len(reader)) if shuffle else np.arange(len(reader))
     if workers is None:
         workers = available_cpus() if len(reader) >= PACK_SMALL else 1
@@ -148,7 +149,7 @@ def pack_shards(
         workers = 1  # nothing to decode: the structural checks run here, as the records are read
     report = ShardReport(dst=str(dst), prefix=prefix)
     report.skipped += _left_out_before(reader)
-    bar = progress_bar(len(order), f"pack {Path(str(src)).name}", "img", enabled=progress)
+    bar = progress_bar(len(order), f"pack {name}", "img", enabled=progress)
     try:
         records = _records(reader, order, verify, max_side, workers, report, bar)
         if remote:

@@ -32,15 +32,17 @@ from .shards import expand_shards, index_shard, refuse_compressed
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 3  # 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays
+# 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards
+INDEX_VERSION = 4
 
 
 class WebDatasetReader(MemberIndexReader):
     """The reader interface over WebDataset tar shards (see the module docstring).
 
     ``label_key`` names the label in ``.json`` members (used when a sample has no ``.cls``).
-    ``on_error="skip"`` leaves out, counts and names samples without an image or a label and damaged
-    shards; ``"raise"`` refuses them in one line naming the shard and member.
+    ``on_error="skip"`` leaves out, counts and names samples without an image or a label (``skipped``) and
+    lists damaged shards with what is known of them (``damaged``: a truncated shard, where it ends);
+    ``"raise"`` refuses either in one line naming the shard and member.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class WebDatasetReader(MemberIndexReader):
         self.on_error = check_on_error(on_error)
         self.path = self.shards[0].parent
         self.skipped: list[tuple[str, str]] = []
+        self.damaged: list[tuple[str, str]] = []
         self.ignored: Counter[str] = Counter()  # members with other extensions, by extension
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "wds-index"
         self.index_file = cache / f"{self._cache_key()}.npz"
@@ -86,6 +89,7 @@ class WebDatasetReader(MemberIndexReader):
         for s, path in enumerate(self.shards):
             found = index_shard(path, label_key=self.label_key, on_error=self.on_error)
             self.skipped += found.skipped
+            self.damaged += found.damaged
             self.ignored.update(found.ignored)
             shard_ids.append(np.full(len(found.labels), s, dtype=np.int64))
             offsets.append(found.offsets)
@@ -107,6 +111,7 @@ class WebDatasetReader(MemberIndexReader):
             "names": self._names,
             "name_ends": self._name_ends,
             "skipped": np.asarray(json.dumps([list(x) for x in self.skipped]).encode(), dtype=bytes),
+            "damaged": np.asarray(json.dumps([list(x) for x in self.damaged]).encode(), dtype=bytes),
             "ignored": np.asarray(json.dumps(dict(self.ignored)).encode(), dtype=bytes),
         }
         try:
@@ -122,6 +127,7 @@ class WebDatasetReader(MemberIndexReader):
                 self._shard_of, self._offset, self._size = z["shard_of"], z["offset"], z["size"]
                 self._labels, self._names, self._name_ends = z["labels"], z["names"], z["name_ends"]
                 self.skipped = [tuple(x) for x in json.loads(bytes(z["skipped"]))]
+                self.damaged = [tuple(x) for x in json.loads(bytes(z["damaged"]))]
                 self.ignored = Counter(json.loads(bytes(z["ignored"])))
         except (OSError, KeyError, ValueError):
             return False

@@ -38,6 +38,7 @@ from .format import (
 from .open import open_dataset
 from .pack_sources import Item, load, load_chunk, reader_records, use_reader
 from .parquet_index import is_parquet
+from .remote.store import is_remote
 from .shards import is_webdataset
 from .webdataset import WebDatasetReader
 
@@ -55,12 +56,14 @@ class PackReport:
     reencoded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
 
     def summary(self) -> str:
+        lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
         return (
             f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-        )
+        ) + (lost if self.damaged else "")
 
 
 PACK_CHUNK = 16  # images per task handed to a worker
@@ -185,6 +188,8 @@ def pack(
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
     """
     t0 = time.perf_counter()
+    if is_remote(src):  # data at a URL is read through its reader (a Path would make "s3:/..." of it)
+        src = open_dataset(str(src))
     reader = src if isinstance(src, Reader) else None
     if reader is not None:  # a reader: named by its folder where it has one (meta.json's source_root)
         src = getattr(reader, "path", type(reader).__name__)
@@ -223,6 +228,8 @@ def pack(
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
+    for shard, what in report.damaged:
+        log.warning("damaged shard %s: %s", shard, what)
     log.debug(report.summary())  # pragma: no mutate (debug log)
     return report
 
@@ -266,7 +273,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[Item],
     """(classes, the images to pack, the report so far: what is left out before reading any image)."""
     if shards:  # WebDataset shards: converted to a packed set
         wds = WebDatasetReader(str(src))
-        classes, other, unlisted = wds.classes, [], list(wds.skipped)
+        classes, other, unlisted, damaged = wds.classes, [], list(wds.skipped), list(wds.damaged)
         labels = wds.labels
         items = []
         for i in range(len(wds)):
@@ -274,11 +281,13 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[Item],
             items.append(Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
     else:
         classes, found, other, unlisted = scan_image_folder(src)
+        damaged = []
         items = [Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
     report.skipped += unlisted
+    report.damaged += damaged
     for p in other:
         report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
     return classes, items, report

@@ -14,10 +14,13 @@ from ..data.packed import MemmapReader
 from ..text import plural
 
 
-def inspect_dataset(path: str, *, verify: bool = False, emit: Callable[[str], None]) -> int:
-    """Describe the data set at ``path`` in lines given to ``emit``; returns 0, or 1 when ``verify`` found
-    damage. ``verify`` on anything but a packed set is a one-line ValueError (it checks a packed set's crc32)."""
-    reader = open_dataset(path)
+def inspect_dataset(
+    path: str, *, verify: bool = False, emit: Callable[[str], None], open_options: dict[str, Any] | None = None
+) -> int:
+    """Describe the data set at ``path`` (opened with ``open_options``) in lines given to ``emit``; returns
+    0, or 1 when ``verify`` found damage. ``verify`` on anything but a packed set is a one-line ValueError
+    (it checks a packed set's crc32)."""
+    reader = open_dataset(path, **(open_options or {}))
     n = len(reader)
     emit(f"data set: {path} ({type(reader).__name__})")
     emit(f"records:  {n}")
@@ -33,6 +36,8 @@ def inspect_dataset(path: str, *, verify: bool = False, emit: Callable[[str], No
             total = int(reader.total_bytes)
         else:
             total = int(sum(Path(reader.source(i)).stat().st_size for i in range(n)))
+        for shard, what in getattr(reader, "damaged", []):  # each: the samples it cost cannot be counted
+            emit(f"damaged:  {shard}: {what}")
         if getattr(reader, "skipped", None):
             emit(f"skipped:  {len(reader.skipped)} (first: {reader.skipped[0][0]}: {reader.skipped[0][1]})")
         if hasattr(reader, "label_problems"):  # Parquet: its files and columns, and the rows with a bad label

@@ -304,7 +304,9 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
         # A new input shape: cudnn.benchmark (on on a GPU) times its convolution algorithms again on the
         # first batch, once per size (sizes seen before stay cached), and the controller has already
         # scaled the batch size to the pixels.
-        tuned = " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
+        tuned = (
+            " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
+        )
         run.emit(f"epoch {epoch}: training at {size} px, was {before} px{tuned}")
     t0, n = time.perf_counter(), 0
     loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step

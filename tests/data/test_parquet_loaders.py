@@ -214,7 +214,9 @@ def test_train_resume_after_sigkill_on_parquet_sees_each_sample_once(tmp_path, c
     data = folder_as_parquet(tmp_path / "images", tmp_path / "snap", files=3, group=4) / "data"
     ck = tmp_path / "ck"
     extra = ["--checkpoint", str(ck), "--checkpoint-every", "3"]
-    kill_at_first_checkpoint(train_command(1, train_args(data, "torch", tmp_path, "before") + extra), ck / "checkpoint.pt")
+    kill_at_first_checkpoint(
+        train_command(1, train_args(data, "torch", tmp_path, "before") + extra), ck / "checkpoint.pt"
+    )
     state = load_checkpoint(ck / "checkpoint.pt")
     cut = int(state["step"])
     assert not state["epoch_done"] and 0 < state["ranks"][0]["loader"]["sampler"]["position"] < 49

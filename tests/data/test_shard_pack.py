@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def source_items(root: Path) -> list[tuple[bytes, int, str]]:
     """(bytes, label, path) of every image of an ImageFolder, in its order."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-    return [
-        (f.read_bytes(), label, str(f)) for label, c in enumerate(classes) for f in sorted((root / c).iterdir())
-    ]
+    return [(f.read_bytes(), label, str(f)) for label, c in enumerate(classes) for f in sorted((root / c).iterdir())]
 
 
 def shard_items(folder: Path) -> list[tuple[bytes, int]]:
@@ -56,7 +54,9 @@ def pools(monkeypatch) -> list[int]:
 def test_the_output_is_byte_identical_for_one_and_two_workers(photo_folder, tmp_path, cache, pools):
     outputs = {}
     for workers in (1, 2):
-        report = pack_shards(photo_folder, tmp_path / f"w{workers}", shard_size=200 * 1024, workers=workers, progress=False)
+        report = pack_shards(
+            photo_folder, tmp_path / f"w{workers}", shard_size=200 * 1024, workers=workers, progress=False
+        )
         assert report.samples == 59 and len(report.shards) > 3
         assert [(Path(w).name, why) for w, why in report.skipped] == [
             (sorted(photo_folder.rglob("*.jpg"))[7].name, "truncated JPEG (ends inside its headers)")
@@ -219,7 +219,10 @@ def test_a_url_destination_gets_the_shards_and_an_occupied_prefix_is_refused(s3_
     report = pack_shards(small_folder, "s3://out/set", shard_size=8192, storage_options=opts, progress=False)
     local = pack_shards(small_folder, tmp_path / "local", shard_size=8192, progress=False)
     for name in local.shards:
-        assert s3_server.client.get_object(Bucket="out", Key=f"set/{name}")["Body"].read() == (tmp_path / "local" / name).read_bytes()
+        assert (
+            s3_server.client.get_object(Bucket="out", Key=f"set/{name}")["Body"].read()
+            == (tmp_path / "local" / name).read_bytes()
+        )
     assert report.shards == local.shards
     with pytest.raises(FileExistsError) as e:
         pack_shards(small_folder, "s3://out/set", storage_options=opts, progress=False)

@@ -60,7 +60,9 @@ def test_bytes_and_class_targets_read_back_exactly_in_order(tmp_path, cache):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == report.shards
     assert report.bytes == sum((tmp_path / "out" / s).stat().st_size for s in report.shards)
     mib = f"{report.bytes / 2**20:.1f}"
-    assert report.summary().startswith(f"wrote 23 samples in {len(report.shards)} shards ({mib} MiB) to {tmp_path / 'out'} in ")
+    assert report.summary().startswith(
+        f"wrote 23 samples in {len(report.shards)} shards ({mib} MiB) to {tmp_path / 'out'} in "
+    )
 
 
 def test_the_webdataset_package_reads_the_same_samples(tmp_path):
@@ -337,7 +339,9 @@ def test_a_url_destination_uploads_each_shard_and_reads_back_as_one_set(s3_serve
     assert sorted(o["Key"] for o in listed) == sorted(f"train/{s}" for r in reports for s in r.shards)
     assert all(o["Size"] == len(s3_server.client.get_object(Bucket="out", Key=o["Key"])["Body"].read()) for o in listed)
     for report in reports:  # the bytes on the server are the bytes a local write gives
-        local = write_shards(parts[reports.index(report)], tmp_path / "local", prefix=report.prefix, shard_size=10 * 1024)
+        local = write_shards(
+            parts[reports.index(report)], tmp_path / "local", prefix=report.prefix, shard_size=10 * 1024
+        )
         assert local.shards == report.shards and local.bytes == report.bytes
         for name in report.shards:
             body = s3_server.client.get_object(Bucket="out", Key=f"train/{name}")["Body"].read()

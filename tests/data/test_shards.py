@@ -37,9 +37,14 @@ def test_missing_labels_other_members_and_a_truncated_shard_are_counted_or_named
     (root / "b.tar").write_bytes(blob[: last_offset + last_size // 2])  # cut in the middle of the last image
     r = WebDatasetReader(root)
     assert len(r) == 9 + 3  # a.tar: all but the unlabelled s3; b.tar: the three whole samples
-    where = dict(r.skipped)
-    assert where[f"{root / 'a.tar'}:s3"] == "no label (.cls, or .json with the label key)"
-    assert where[str(root / "b.tar")] == "truncated: member t3.jpg runs past the end"
+    assert r.skipped == [(f"{root / 'a.tar'}:s3", "no label (.cls, or .json with the label key)")]  # samples only
+    assert r.damaged == [
+        (
+            str(root / "b.tar"),
+            f"truncated: the file ends inside member t3.jpg (at byte {last_offset + last_size // 2} of the "
+            f"{last_offset + last_size} it needs); that sample and any after it are lost",
+        )
+    ]
     assert r.ignored == Counter({"txt": 2})
     assert [bytes(r[i][0]) for i in range(9)] == [samples[i] for i in range(10) if i != 3]
     with pytest.raises(ValueError) as e:

@@ -154,7 +154,9 @@ def test_more_workers_than_cpus_are_capped_with_a_warning(small_folder, tmp_path
 
 
 @pytest.mark.parametrize("cpus", [1, 3])
-def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(small_folder, tmp_path, caplog, monkeypatch, pools, cpus):
+def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
+    small_folder, tmp_path, caplog, monkeypatch, pools, cpus
+):
     """As many workers as CPUs: no warning, that many processes; one more: one line naming both numbers
     (in words: '1 CPU', '3 CPUs'), and the CPUs' count of processes. The pool forks (the caller's script
     is not re-run in each worker) and its workers die with this process."""

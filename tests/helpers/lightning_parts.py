@@ -35,6 +35,7 @@ class Recorder(pl.Callback):
 
 class Model(pl.LightningModule):
     """A linear model over 16 px images; its loaders are the callables in ``loaders`` by stage."""
+
     def __init__(self, loaders=None):
         super().__init__()
         self.lin = torch.nn.Linear(3 * 16 * 16, N)

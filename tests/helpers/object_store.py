@@ -2,7 +2,8 @@
 
 - `S3Server`: moto's S3 server (``moto[server]``, the server s3fs's own tests run against), serving
   in a thread of the test process on a free port of 127.0.0.1, so its data survives `stop()`/`start()`.
-- `RangeHTTPServer`: a plain HTTP/1.1 file server with HEAD, ETag and ``Range`` requests (206).
+- `RangeHTTPServer`: a plain HTTP/1.1 file server with HEAD, ETag and ``Range`` requests (206); over TLS
+  with a certificate of `self_signed_certificate` when asked, and refusing (403) the objects in ``deny``.
 
 Both count, per object, the requests and the body bytes they served, so a test can tell how many times
 a shard was downloaded by looking at the server, not at the client. `stop()` closes the listening
@@ -16,6 +17,7 @@ import contextlib
 import os
 import re
 import socket
+import ssl
 import threading
 import time
 from collections import defaultdict
@@ -203,13 +205,51 @@ def _count_body(body: Iterable[bytes], key: str, counts: _Counts) -> Iterable[by
 # ---------------------------------------------------------------------------------------------- HTTP
 
 
-class RangeHTTPServer(_Server):
-    """Serves the files under ``root`` at ``self.url``: HEAD, GET, ``Range: bytes=a-b`` (206), ETag."""
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """(certificate, key) PEM files of a self-signed certificate for 127.0.0.1, valid for a day: a TLS
+    server no client trusts unless told to (the ``cryptography`` package makes it)."""
+    import datetime
+    import ipaddress
 
-    def __init__(self, root: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_file, key_file
+
+
+class RangeHTTPServer(_Server):
+    """Serves the files under ``root`` at ``self.url``: HEAD, GET, ``Range: bytes=a-b`` (206), ETag. With
+    ``tls`` (certificate and key files) it speaks HTTPS; the objects named in ``deny`` get 403 Forbidden."""
+
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None) -> None:
         super().__init__()
         self.root = Path(root)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.deny: set[str] = set()
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.start()
 
     def _make(self):
@@ -245,13 +285,15 @@ class RangeHTTPServer(_Server):
                     self.send_header(k, v)
                 self.end_headers()
 
-            def _missing(self) -> None:
-                self.send_response(404)
+            def _missing(self, status: int = 404) -> None:
+                self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
             def do_HEAD(self) -> None:
-                _, p = self._file()
+                key, p = self._file()
+                if key in owner.deny:
+                    return self._missing(403)
                 if p is None:
                     return self._missing()
                 self._head(p, 200, p.stat().st_size, {})
@@ -263,6 +305,8 @@ class RangeHTTPServer(_Server):
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
+                if key in owner.deny:
+                    return self._missing(403)
                 if p is None:
                     return self._missing()
                 data = p.read_bytes()
@@ -286,4 +330,8 @@ class RangeHTTPServer(_Server):
 
         server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         server.daemon_threads = True
+        if self.tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*self.tls)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
         return server

@@ -245,7 +245,9 @@ def test_a_failing_operator_other_than_the_decoder_is_named_not_blamed_on_record
     from dali_fast.loaders.dali_iterator import DALIOperatorError
 
     _no_pillow_recheck(monkeypatch)
-    monkeypatch.setattr(DALIIterator, "_boxes", lambda self: lambda idx: np.zeros((len(idx), 2), np.float32))  # no shape part
+    monkeypatch.setattr(
+        DALIIterator, "_boxes", lambda self: lambda idx: np.zeros((len(idx), 2), np.float32)
+    )  # no shape part
     recipe = Recipe(image_size=16, random_erasing=1.0)
     for on_error in ("raise", "skip"):
         loader = DALIIterator(index_reader, 8, device="cpu", num_threads=2, recipe=recipe, on_error=on_error)

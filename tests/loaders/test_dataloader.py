@@ -44,5 +44,3 @@ def test_create_optimized_dataloader_is_make_dataloader_by_its_first_class_name(
         warnings.simplefilter("error")  # a first-class name: no DeprecationWarning, no other warning
         dl = create_optimized_dataloader(list(range(5)), 2, num_workers=0)
     assert [b.tolist() for b in dl] == [[0, 1], [2, 3], [4]]
-
-

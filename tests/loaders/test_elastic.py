@@ -417,7 +417,9 @@ def test_torchrun_two_ranks_killed_mid_epoch_then_resumed_on_one(tmp_path):
     pack(tmp_path / "images", tmp_path / "packed", progress=False)
     data, ck = tmp_path / "packed", tmp_path / "ck"
     extra = ["--checkpoint", str(ck), "--checkpoint-every", "3"]
-    kill_at_first_checkpoint(train_command(2, train_args(data, "torch", tmp_path, "before") + extra), ck / "checkpoint.pt")
+    kill_at_first_checkpoint(
+        train_command(2, train_args(data, "torch", tmp_path, "before") + extra), ck / "checkpoint.pt"
+    )
     state = load_checkpoint(ck / "checkpoint.pt")
     cut_step, positions = int(state["step"]), [r["loader"]["sampler"]["position"] for r in state["ranks"]]
     assert not state["epoch_done"] and state["epoch"] == 0 and positions == [15, 15]  # 3 steps of 5, mid-epoch

@@ -83,7 +83,9 @@ def test_resume_accepted_with_the_same_settings():
         check_resume_config("ck/checkpoint.pt", CONFIG, {**CONFIG, "new_setting": "abc"})  # a key the old run lacks
     with pytest.raises(ValueError) as e:  # a key only the saved run has (an augmentation this run leaves out)
         check_resume_config("ck/checkpoint.pt", {**CONFIG, "recipe": {"auto_augment": "randaugment"}}, CONFIG)
-    assert str(e.value).startswith("ck/checkpoint.pt: saved with recipe={'auto_augment': 'randaugment'}, this run has recipe=None;")
+    assert str(e.value).startswith(
+        "ck/checkpoint.pt: saved with recipe={'auto_augment': 'randaugment'}, this run has recipe=None;"
+    )
 
 
 def test_a_refused_recipe_or_mix_names_the_field_and_both_values_on_one_line():
@@ -105,7 +107,13 @@ def test_a_refused_recipe_or_mix_names_the_field_and_both_values_on_one_line():
             "recipe.mean=[0.485, 0.456, 0.406]",
             "[0.5, 0.5, 0.5]",
         ),
-        (CONFIG, {**CONFIG, "mix": TrainConfig(mixup=0.2).mix}, {"mix": TrainConfig().mix}, "mix.alpha_mixup=0.0", "0.2"),
+        (
+            CONFIG,
+            {**CONFIG, "mix": TrainConfig(mixup=0.2).mix},
+            {"mix": TrainConfig().mix},
+            "mix.alpha_mixup=0.0",
+            "0.2",
+        ),
     ]
     for saved, current, defaults, was, now in cases:
         with pytest.raises(ValueError) as e:

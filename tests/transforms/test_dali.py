@@ -193,8 +193,17 @@ def test_randaugment_builds_without_dali_origin_traces_and_leaves_them_on(monkey
 
     def build(recipe):
         walks.clear()
-        build_pipeline(NoSource(), max_batch=4, train=True, recipe=recipe, gpu=False, device_id=None, seed=1,
-                       num_threads=1, prefetch=1)
+        build_pipeline(
+            NoSource(),
+            max_batch=4,
+            train=True,
+            recipe=recipe,
+            gpu=False,
+            device_id=None,
+            seed=1,
+            num_threads=1,
+            prefetch=1,
+        )
         return len(walks)
 
     plain = build(Recipe(image_size=32))

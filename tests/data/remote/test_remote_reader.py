@@ -241,7 +241,7 @@ def test_a_shard_changed_after_its_index_was_cached_gets_a_new_index_not_the_old
     truncated, _ = shard_bytes(0, PER_SHARD, cut=len(s3.objects["train-000000.tar"]) // 2 + 100)  # mid-member
     s3.client.put_object(Bucket="data", Key="train-000000.tar", Body=truncated)
     cut = open_dataset(SPEC, **opts(s3, tmp_path))  # re-indexed: whole members kept, the cut one named
-    assert len(cut) < N + 3 and any("train-000000.tar" in w and "truncated" in why for w, why in cut.skipped)
+    assert len(cut) < N + 3 and any("train-000000.tar" in w and "truncated" in why for w, why in cut.damaged)
     with pytest.raises(ValueError, match="truncated"):
         open_dataset(SPEC, **opts(s3, tmp_path, on_error="raise"))
 
