@@ -29,11 +29,57 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_options(args: argparse.Namespace, dataset: str | None) -> dict[str, Any]:
+    """The keywords of `open_dataset` that ``--cache-dir``, ``--cache-limit`` and ``--storage-option`` give;
+    refused for local data, which has no use for them (never accepted and then ignored)."""
+    flags = {"--cache-dir": args.cache_dir, "--cache-limit": args.cache_limit, "--storage-option": args.storage_option}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return {}
+    from .data.remote.store import is_remote
+
+    if not is_remote(dataset):
+        what = "the synthetic set" if dataset is None else dataset
+        raise UserError(f"{given[0]} applies to data at a URL (s3://, gs://, https://, ...), not to {what}")
+    options: dict[str, Any] = {}
+    for key, value in args.storage_option or []:
+        if key in options:
+            raise UserError(f"--storage-option {key} is given twice; give each key once")
+        options[key] = value
+    kw = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit, "storage_options": options or None}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from .data.remote.store import is_remote
+
+    src: Any = args.src
+    targets = _targets(args)
+    options = _open_options(args, args.src if is_remote(args.src) else args.dst)  # for whichever is a URL
+    if options and is_remote(args.src):  # opened here with its cache and storage options, read by its reader
+        from .data.open import open_dataset
+
+        src, targets = open_dataset(args.src, **options, **targets), {}  # the reader carries its targets
+    if args.format == "webdataset":
+        from .data.shard_pack import pack_shards
+
+        if args.shard_size == 0:
+            raise UserError("--shard-size 0: shards need a size; give one such as 256M, or leave it out")
+        kw = {"max_side": args.max_side, "workers": args.workers, "prefix": args.prefix}
+        if is_remote(args.dst) and "storage_options" in options:
+            kw["storage_options"] = options["storage_options"]
+        if args.shard_size is not None:
+            kw["shard_size"] = args.shard_size
+        report = pack_shards(src, args.dst, verify=not args.no_verify, shuffle=not args.no_shuffle, **kw, **targets)
+        print(report.summary())
+        return 0
     from .data.writer import pack
 
-    kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None, **_targets(args)}
-    report = pack(args.src, args.dst, verify=not args.no_verify, **kw)
+    unused = _changed(args, ("prefix", "no_shuffle"))
+    if unused:
+        raise UserError(f"{unused[0]} is for WebDataset shards; add --format webdataset")
+    kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
+    report = pack(src, args.dst, verify=not args.no_verify, **kw, **targets)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
@@ -41,7 +87,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect_dataset
 
-    return inspect_dataset(args.dataset, verify=args.verify, emit=print, **_targets(args))
+    return inspect_dataset(
+        args.dataset, verify=args.verify, emit=print, open_options=_open_options(args, args.dataset), **_targets(args)
+    )
 
 
 def _targets(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,9 +97,9 @@ def _targets(args: argparse.Namespace) -> dict[str, Any]:
     return {"target": args.target, "num_classes": args.num_classes}
 
 
-def _dataset_with_targets(args: argparse.Namespace) -> Any:
-    """``args.dataset`` opened with --target/--num-classes when either is given (else as it is: bench and
-    train open it themselves); the synthetic default set has class targets only."""
+def _dataset_with_targets(args: argparse.Namespace, options: dict[str, Any]) -> Any:
+    """``args.dataset`` opened with --target/--num-classes (and ``options``) when either is given (else as it
+    is: bench and train open it themselves); the synthetic default set has class targets only."""
     if args.target is None and args.num_classes is None:
         return args.dataset
     if args.dataset is None:
@@ -61,7 +109,7 @@ def _dataset_with_targets(args: argparse.Namespace) -> Any:
         )
     from .data.open import open_dataset
 
-    return open_dataset(args.dataset, **_targets(args))
+    return open_dataset(args.dataset, **_targets(args), **options)
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -104,6 +152,7 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         progressive=args.progressive,
         out=args.out,
         emit=log.info,
+        open_options=_open_options(args, args.dataset),
     )
     print(stages_summary(result, Path(args.out)))
     return 0
@@ -137,8 +186,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     augments = _augments(args.augment)
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}
+    options = _open_options(args, args.dataset)
     result = run_bench(
-        _dataset_with_targets(args),
+        _dataset_with_targets(args, options),
         images=args.images,
         loaders=loaders,
         epochs=args.epochs,
@@ -155,6 +205,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         limit=not args.no_limit,
         alternate=args.alternate,
         emit=log.info,
+        open_options=options,
     )
     print(bench_summary(result, Path(args.out)))
     return 0 if all("error" not in r for r in result["rows"]) else 1
@@ -173,10 +224,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
+    options = _open_options(args, args.dataset)
     if args.target is None and args.num_classes is None:
-        reader = open_dataset(args.dataset or default_dataset(args.images)[1])
+        reader = open_dataset(args.dataset or default_dataset(args.images)[1], **options)
     else:
-        reader = _dataset_with_targets(args)
+        reader = _dataset_with_targets(args, options)
     run_train(reader, config, emit=print)
     return 0
 
@@ -212,6 +264,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+# Loggers of the object-store clients: WARNING and above, and under -v also their INFO lines (not their
+# DEBUG lines, which are every request's headers).
+CHATTY = ("botocore", "aiobotocore", "s3fs", "fsspec", "gcsfs", "urllib3")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -222,10 +279,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name in CHATTY:  # their INFO lines ("Found credentials in environment variables") on every run
+        logging.getLogger(name).setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from .data.remote.errors import RemoteDataError
+
     try:
         with _log_above_bars():
             return int(COMMANDS[args.command](args) or 0)
-    except (UserError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError, RemoteDataError) as e:
         print(f"dali-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -64,13 +64,22 @@ def clean_stale(path: str | Path) -> None:
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], *, durable: bool = False) -> None:
     """Write ``path`` through ``write(file)`` so that it only ever holds a whole file: a temporary file
     beside it, renamed over it when complete. ``durable`` also fsyncs the file and the rename."""
+    with atomic_file(path, durable=durable) as f:
+        write(f)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, *, durable: bool = False) -> Iterator[BinaryIO]:
+    """A file opened for writing that appears at ``path`` only whole: the block writes a temporary file
+    beside it (``.NAME.PID-TOKEN.tmp``, removed if the block fails, and by `clean_stale` if the process is
+    killed), which replaces ``path`` when the block ends. ``durable`` also fsyncs the file and the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path)
-    tmp = _temporary(path)
+    tmp = _temporary(path, f"-{secrets.token_hex(4)}")
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())

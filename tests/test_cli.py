@@ -115,7 +115,7 @@ def test_each_command_takes_only_the_options_it_honours(argv, capsys):
 
 
 def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
-    from test_shards import write_shards  # skipped without the webdataset package
+    from builders import write_shards  # skipped without the webdataset package
 
     from dali_fast.data.synthetic import make_synthetic
     from dali_fast.data.writer import pack
@@ -214,4 +214,7 @@ def test_stages_takes_what_bench_s_stages_honoured_and_nothing_else():
         "--progressive",
         "--total-epochs",
         "--total-images",
+        "--cache-dir",  # data at a URL
+        "--cache-limit",
+        "--storage-option",
     }

@@ -98,7 +98,9 @@ def read_labels_csv(root: Path, files: Sequence[Path]) -> tuple[list[int], np.nd
                     ) from None
             key = PurePosixPath(name).as_posix()
             if key in rows:
-                raise ValueError(f"{path} line {line}: {name} has a row already (line {rows[key][0]}); give each image one row")
+                raise ValueError(
+                    f"{path} line {line}: {name} has a row already (line {rows[key][0]}); give each image one row"
+                )
             rows[key] = (line, numbers)
     position = {file.relative_to(root).as_posix(): k for k, file in enumerate(files)}
     unknown = [(line, key) for key, (line, _) in rows.items() if key not in position]

@@ -70,7 +70,9 @@ def record_dtype(kind: str, width: int) -> np.dtype:
     block = target_block_bytes(kind, width)
     if not block:
         return RECORD_DTYPE
-    return np.dtype([*((name, RECORD_DTYPE.fields[name][0]) for name in RECORD_DTYPE.names), ("target", "u1", (block,))])
+    return np.dtype(
+        [*((name, RECORD_DTYPE.fields[name][0]) for name in RECORD_DTYPE.names), ("target", "u1", (block,))]
+    )
 
 
 def encode_targets(rows: np.ndarray, kind: str, width: int) -> np.ndarray:

@@ -27,10 +27,13 @@ class MemberIndexReader:
     ``source(i)``. A subclass sets ``shards`` (each file, as messages name it) and the per-record arrays
     ``_shard_of``, ``_offset``, ``_size``, ``_labels`` (int64) and ``_names``/``_name_ends`` (`names_blob`),
     ``_target_values``/``_target_ends`` (the samples' target lists, `base.TargetListsReader`; empty unless
-    indexed for them), and ``skipped`` ((where, why) of what indexing left out); then calls `_index_done`."""
+    indexed for them), ``skipped`` ((shard:key, why) of the samples indexing left out) and ``damaged``
+    ((shard, what) of the shards that could be read only in part or not at all: how many samples that cost
+    is not known); then calls `_index_done`."""
 
     shards: Sequence[object]
     skipped: list[tuple[str, str]]
+    damaged: list[tuple[str, str]]
     classes: list[str]
     _shard_of: np.ndarray
     _offset: np.ndarray
@@ -42,7 +45,17 @@ class MemberIndexReader:
     _target_ends: np.ndarray
 
     def _index_done(self, kind: str = "shard") -> None:
-        """Say once what indexing left out, refuse an index without a sample, and name the classes."""
+        """Say once what indexing left out (samples, and damaged shards apart: the samples a damaged shard
+        cost are not counted, so no count understates them), refuse an index without a sample, and name
+        the classes."""
+        if self.damaged:
+            log.warning(
+                "%d of %s damaged; the samples lost with %s cannot be counted (first: %s: %s)",
+                len(self.damaged),
+                plural(len(self.shards), kind),
+                "it" if len(self.damaged) == 1 else "them",
+                *self.damaged[0],
+            )
         if self.skipped:
             log.warning(
                 "%s left out of %s (first: %s: %s)",

@@ -9,6 +9,7 @@ from .base import Reader
 from .folder import ImageFolderReader
 from .format import INDEX_FILE
 from .packed import MemmapReader
+from .parquet_index import is_parquet
 from .remote.store import is_remote
 from .shards import is_webdataset
 from .webdataset import WebDatasetReader
@@ -19,10 +20,12 @@ def open_dataset(
     *,
     target: str | None = None,
     num_classes: int | None = None,
-    **webdataset_kw: object,
+    **reader_kw: object,
 ) -> Reader:
     """Open a packed data set (folder with ``index.bin``), WebDataset shards (``a.tar``, a folder of .tar
-    files, or ``train-{000000..000146}.tar``; ``webdataset_kw`` go to `WebDatasetReader`) or an
+    files, or ``train-{000000..000146}.tar``; ``reader_kw`` go to `WebDatasetReader`), Parquet files (``a.parquet``,
+    a folder of them or a Hugging Face snapshot, ``data/train-*.parquet``; ``reader_kw`` such as
+    ``image_column=`` and ``label_column=`` go to `parquet.ParquetReader`, which needs pyarrow) or an
     ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
     shards, streamed through a node-local cache (`remote.RemoteShardsReader`, which takes the keywords).
 
@@ -32,19 +35,31 @@ def open_dataset(
             (one class index, int64 ``(N,)``), ``"multihot"`` (float32 ``(N, num_classes)`` from a list of
             class indices) or ``"float"`` (float32 ``(N, D)`` from a list of D numbers, D the same for every
             sample). The lists come from each sample's ``.json`` (WebDataset: the list, or an object's
-            ``"labels"``), from ``labels.csv`` beside an ImageFolder's class folders, or from a pack made from
-            either. None: the data set's own kind ("class", or what a pack was made with).
+            ``"labels"``), from ``labels.csv`` beside an ImageFolder's class folders, from a Parquet list
+            column (``label_column=``: a list of ints for multihot, a list of numbers for float), or from a
+            pack made from any of them. None: the data set's own kind ("class", or what a pack was made with).
         num_classes: K, the number of classes of ``target="multihot"`` (a pack knows its own).
-        **webdataset_kw: keywords of `WebDatasetReader` or `remote.RemoteShardsReader`.
+        **reader_kw: keywords of `WebDatasetReader`, `remote.RemoteShardsReader` or `parquet.ParquetReader`.
     """
     targets = {"target": target, "num_classes": num_classes}
     if is_remote(path):
+        if is_parquet(str(path).rstrip("/")):
+            raise ValueError(
+                f"{path}: Parquet in object storage is not read yet; copy the files to a local folder "
+                "(e.g. `aws s3 sync`, `huggingface-cli download`) and open that"
+            )
         from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
 
-        return RemoteShardsReader(str(path), **targets, **webdataset_kw)  # type: ignore[arg-type]
+        return RemoteShardsReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     p = Path(path)
+    if is_parquet(path):
+        from .parquet import ParquetReader  # pyarrow loads with it (a one-line error without it)
+
+        return ParquetReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
+    if reader_kw.get("image_column") is not None or reader_kw.get("label_column") is not None:
+        raise ValueError(f"{p}: image_column= and label_column= name the columns of Parquet files; this is not one")
     if is_webdataset(path):
-        return WebDatasetReader(str(path), **targets, **webdataset_kw)  # type: ignore[arg-type]
+        return WebDatasetReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such data set; make one with `dali-fast make-synthetic {p}`")
     if p.is_dir() and (p / INDEX_FILE).exists():
@@ -53,5 +68,5 @@ def open_dataset(
         return ImageFolderReader(p, **targets)
     raise ValueError(
         f"{p}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
-        "WebDataset shards (.tar) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+        "WebDataset shards (.tar), Parquet files (.parquet) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
     )

@@ -33,16 +33,18 @@ from .targets import attach_targets, check_target
 
 log = logging.getLogger(__name__)
 
-# 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: target lists
-INDEX_VERSION = 4
+# 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards;
+# 5: target lists
+INDEX_VERSION = 5
 
 
 class WebDatasetReader(MemberIndexReader):
     """The reader interface over WebDataset tar shards (see the module docstring).
 
     ``label_key`` names the label in ``.json`` members (used when a sample has no ``.cls``).
-    ``on_error="skip"`` leaves out, counts and names samples without an image or a label and damaged
-    shards; ``"raise"`` refuses them in one line naming the shard and member. ``target="multihot"`` (with
+    ``on_error="skip"`` leaves out, counts and names samples without an image or a label (``skipped``) and
+    lists damaged shards with what is known of them (``damaged``: a truncated shard, where it ends);
+    ``"raise"`` refuses either in one line naming the shard and member. ``target="multihot"`` (with
     ``num_classes``) or ``"float"`` reads each sample's target list from its ``.json`` (the list, or an
     object's ``"labels"``; `shards.index_shard`).
     """
@@ -69,6 +71,7 @@ class WebDatasetReader(MemberIndexReader):
         self.on_error = check_on_error(on_error)
         self.path = self.shards[0].parent
         self.skipped: list[tuple[str, str]] = []
+        self.damaged: list[tuple[str, str]] = []
         self.ignored: Counter[str] = Counter()  # members with other extensions, by extension
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "wds-index"
         self.index_file = cache / f"{self._cache_key()}.npz"
@@ -97,6 +100,7 @@ class WebDatasetReader(MemberIndexReader):
             ends.append(found.target_ends + sum(len(v) for v in values))
             values.append(found.target_values)
             self.skipped += found.skipped
+            self.damaged += found.damaged
             self.ignored.update(found.ignored)
             shard_ids.append(np.full(len(found.labels), s, dtype=np.int64))
             offsets.append(found.offsets)
@@ -122,6 +126,7 @@ class WebDatasetReader(MemberIndexReader):
             "target_values": self._target_values,
             "target_ends": self._target_ends,
             "skipped": np.asarray(json.dumps([list(x) for x in self.skipped]).encode(), dtype=bytes),
+            "damaged": np.asarray(json.dumps([list(x) for x in self.damaged]).encode(), dtype=bytes),
             "ignored": np.asarray(json.dumps(dict(self.ignored)).encode(), dtype=bytes),
         }
         try:
@@ -138,6 +143,7 @@ class WebDatasetReader(MemberIndexReader):
                 self._labels, self._names, self._name_ends = z["labels"], z["names"], z["name_ends"]
                 self._target_values, self._target_ends = z["target_values"], z["target_ends"]
                 self.skipped = [tuple(x) for x in json.loads(bytes(z["skipped"]))]
+                self.damaged = [tuple(x) for x in json.loads(bytes(z["damaged"]))]
                 self.ignored = Counter(json.loads(bytes(z["ignored"])))
         except (OSError, KeyError, ValueError):
             return False

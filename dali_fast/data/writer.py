@@ -1,4 +1,5 @@
-"""`pack`: an ImageFolder (or WebDataset shards) written as a packed data set (see `format`), atomically.
+"""`pack`: an ImageFolder (WebDataset shards, Parquet files, any data set `open_dataset` opens) written as a
+packed data set (see `format`), atomically.
 
 Worker processes read, verify and re-encode; one writer writes in the source order, so the output is
 byte-identical for any number of workers, and only a fixed number of images is in flight.
@@ -6,7 +7,6 @@ byte-identical for any number of workers, and only a fixed number of images is i
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -16,13 +16,14 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..files import atomic_dir
 from ..machine import available_cpus, die_with_parent
 from ..text import plural, progress_bar
-from .checks import check_encoded, pillow_reason
+from .base import Reader
 from .format import (
     DATA_FILE,
     FORMAT_VERSION,
@@ -36,9 +37,12 @@ from .format import (
     encode_targets,
     record_dtype,
 )
-from .pack_sources import PackItem, Source, pack_sources
+from .open import open_dataset
+from .pack_sources import Item, PackSources, load, load_chunk, pack_sources, reader_sources, use_reader
+from .parquet_index import is_parquet
+from .remote.store import is_remote
 from .shards import is_webdataset
-from .targets import ListTargets, check_target
+from .targets import check_target
 
 log = logging.getLogger(__name__)
 
@@ -54,70 +58,17 @@ class PackReport:
     reencoded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
     target: str = "class"  # what each record's target is (a target block per row unless "class")
     target_width: int = 0  # K classes (multihot) or D numbers (float)
 
     def summary(self) -> str:
+        lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
         targets = "" if self.target == "class" else f" with {self.target} targets of width {self.target_width}"
         return (
             f"packed {self.records} records of {self.classes} classes{targets} ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-        )
-
-
-# pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
-def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """(bytes to store, reason it was rejected, whether it was re-encoded)."""
-    if not raw:
-        return None, "empty file", False
-    if not verify and max_side is None:
-        reason = check_encoded(raw)
-        return (None, reason, False) if reason else (raw, None, False)
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(raw)) as im:
-            fmt = im.format
-            if fmt not in ("JPEG", "PNG"):
-                return None, f"unsupported format {fmt}; only JPEG and PNG are packed", False
-            im.load()
-            if max_side is not None and max(im.size) > max_side:
-                scale = max_side / max(im.size)
-                size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
-                out = io.BytesIO()
-                im.convert("RGB").resize(size, Image.BILINEAR, reducing_gap=3.0).save(out, "JPEG", quality=90)
-                return out.getvalue(), None, True
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        return None, pillow_reason(e), False
-    return raw, None, False
-
-
-# pragma: no mutate end
-
-
-def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
-    try:
-        if isinstance(source, tuple):
-            with open(source[0], "rb") as f:
-                f.seek(source[1])
-                raw = f.read(source[2])
-        else:
-            raw = Path(source).read_bytes()
-    except OSError as e:
-        return None, f"unreadable: {e}", False
-    return _prepare(raw, verify, max_side)
-
-
-# pragma: no mutate start (runs only in worker processes, where mutmut cannot map tests to it; the
-# byte-identical test of 1, 2 and 4 workers covers it)
-def _load_chunk(
-    sources: list[Source], verify: bool, max_side: int | None
-) -> list[tuple[bytes | None, str | None, bool]]:
-    return [_load_one(p, verify, max_side) for p in sources]
-
-
-# pragma: no mutate end
+        ) + (lost if self.damaged else "")
 
 
 PACK_CHUNK = 16  # images per task handed to a worker
@@ -126,13 +77,13 @@ PACK_SMALL = 256  # below this many images the default is one process (starting 
 
 
 def _prepared(
-    items: list[PackItem], verify: bool, max_side: int | None, workers: int
-) -> Iterator[tuple[PackItem, tuple[bytes | None, str | None, bool]]]:
+    items: list[Item], verify: bool, max_side: int | None, workers: int
+) -> Iterator[tuple[Item, tuple[bytes | None, str | None, bool]]]:
     """(path, label, prepared) for each item, in order: in this process, or by ``workers`` processes with
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
         for item in items:
-            yield item, _load_one(item.source, verify, max_side)
+            yield item, load(item.source, verify, max_side)
         return
     import multiprocessing
     from collections import deque
@@ -149,7 +100,7 @@ def _prepared(
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append((chunk, pool.submit(_load_chunk, [item.source for item in chunk], verify, max_side)))
+                pending.append((chunk, pool.submit(load_chunk, [item.source for item in chunk], verify, max_side)))
 
         for _ in range(workers * PACK_WINDOW):
             submit()
@@ -215,7 +166,7 @@ class _PackProgress:
 
 
 def pack(
-    src: str | os.PathLike,
+    src: str | os.PathLike | Reader,
     dst: str | os.PathLike,
     *,
     verify: bool = True,
@@ -228,7 +179,9 @@ def pack(
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
-    Classes are the sorted sub-folders of ``src`` (as in torchvision's ImageFolder).
+    Classes are the sorted sub-folders of ``src`` (as in torchvision's ImageFolder). ``src`` may also be
+    WebDataset shards, Parquet files, anything `open_dataset` opens, or a reader: its records, classes
+    and names are packed, and its bad records (a null image or label in Parquet) left out and listed.
     ``verify`` decodes each image once and leaves out what does not decode (listed in the
     report); ``max_side`` re-encodes larger images as JPEG (quality 90). Nothing appears at
     ``dst`` until the whole data set is written.
@@ -243,27 +196,44 @@ def pack(
 
     ``target="multihot"`` (with ``num_classes``) or ``"float"`` packs each record's target too, as a
     fixed-width block at the end of its index row (see `format`), read from the source's target lists
-    (`open_dataset`'s ``target``: each sample's ``.json``, or ``labels.csv`` beside the class folders); a
-    record whose target is bad (an index outside the classes, a number that is not finite) is left out
-    and listed, as an undecodable image is.
+    (`open_dataset`'s ``target``: each sample's ``.json``, ``labels.csv`` beside the class folders, a
+    Parquet list column); a reader packs its own targets. A record whose target is bad (an index outside
+    the classes, a number that is not finite) is left out and listed, as an undecodable image is.
     """
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    shards = _check_pack_arguments(src, dst, max_side, workers, shard_size)
     check_target(target, num_classes)
-    classes, items, report, targets = _sources(src, dst, shards, target, num_classes)
+    targets = {"target": target, "num_classes": num_classes}
+    if isinstance(src, Reader) and (target is not None or num_classes is not None):
+        raise ValueError("target= and num_classes= are for a path; a reader packs its own targets (open it with them)")
+    if is_remote(src):  # data at a URL is read through its reader (a Path would make "s3:/..." of it)
+        src = open_dataset(str(src), **targets)  # type: ignore[arg-type]
+    reader = src if isinstance(src, Reader) else None
+    if reader is not None:  # a reader: named by its folder where it has one (meta.json's source_root)
+        src = getattr(reader, "path", type(reader).__name__)
+    src, dst = Path(src), Path(dst)  # type: ignore[arg-type]
+    kind = _check_pack_arguments(src, dst, max_side, workers, shard_size, reader is not None)
+    if kind == "reader":
+        reader = reader if reader is not None else open_dataset(src, **targets)  # type: ignore[arg-type]
+        found = reader_sources(reader)
+    else:
+        found = pack_sources(src, kind == "webdataset", target, num_classes)
+    classes, items, report = found.classes, found.items, _report(found, dst)
     if workers is None:  # every CPU, where starting the worker processes pays off
         workers = available_cpus() if len(items) >= PACK_SMALL else 1
     workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
+    if reader is not None and sys.platform != "linux":
+        workers = 1  # a reader reaches the workers by fork (`pack_sources.use_reader`): Linux's start method here
+    use_reader(reader)
     with atomic_dir(dst, doing="packing", what="pack") as tmp:
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
         try:  # the bar is closed before any error is written under it
             prepared = _prepared(items, verify, max_side, workers)
             rows, data_bytes, paths_bytes = _write_records(
-                tmp, prepared, len(items), shard_size, report, bar, targets
+                tmp, prepared, len(items), shard_size, report, bar, found.targets
             )
         finally:
             bar.close()
+        use_reader(None)
         _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size, report)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -280,16 +250,20 @@ def pack(
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
+    for shard, what in report.damaged:
+        log.warning("damaged shard %s: %s", shard, what)
     log.debug(report.summary())  # pragma: no mutate (debug log)
     return report
 
 
 def _check_pack_arguments(
-    src: Path, dst: Path, max_side: int | None, workers: int | None, shard_size: int | None
-) -> bool:
-    """Refuse bad arguments in one line before any work; returns whether ``src`` names WebDataset shards."""
-    shards = is_webdataset(src)
-    if not shards and not src.is_dir():
+    src: Path, dst: Path, max_side: int | None, workers: int | None, shard_size: int | None, reader: bool = False
+) -> str:
+    """Refuse bad arguments in one line before any work; returns what ``src`` is: "folder" (an ImageFolder),
+    "webdataset" (shards) or "reader" (Parquet, a packed set, a reader: read through `open_dataset`)."""
+    other = reader or is_parquet(src) or (src / INDEX_FILE).is_file()
+    shards = not other and is_webdataset(src)
+    if not shards and not other and not src.is_dir():
         raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
@@ -308,29 +282,26 @@ def _check_pack_arguments(
         )
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
-    return shards
+    return "webdataset" if shards else "reader" if other else "folder"
 
 
-def _sources(
-    src: Path, dst: Path, shards: bool, target: str | None, num_classes: int | None
-) -> tuple[list[str], list[PackItem], PackReport, ListTargets | None]:
-    """(classes, the images to pack, the report so far: what is left out before reading any image, and
-    the items' targets, None for class targets; `pack_sources`)."""
-    found = pack_sources(src, shards, target, num_classes)
+def _report(found: PackSources, dst: Path) -> PackReport:
+    """The report so far: what is left out before any image is read, the damaged shards, the targets' kind."""
     report = PackReport(dst=dst, records=0, classes=len(found.classes), data_bytes=0, skipped=found.left_out)
+    report.damaged += found.damaged
     if found.targets is not None:
         report.target, report.target_width = found.targets.kind, found.targets.width
-    return found.classes, found.items, report, found.targets
+    return report
 
 
 def _write_records(
     tmp: Path,
-    prepared: Iterator[tuple[PackItem, tuple[bytes | None, str | None, bool]]],
+    prepared: Iterator[tuple[Item, tuple[bytes | None, str | None, bool]]],
     count: int,
     shard_size: int | None,
     report: PackReport,
     bar: _PackProgress,
-    targets: ListTargets | None = None,
+    targets: Any = None,
 ) -> tuple[np.ndarray, int, int]:
     """Write the prepared images and their paths in order: (the index rows, data bytes, path bytes). A
     row's crc32 covers the record's bytes, then its target block."""

@@ -170,7 +170,12 @@ class DALIIterator(LoaderBase):
                 images = out["images"]
                 if self.memory_format == torch.channels_last:
                     images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
-                yield images, batch_targets(self._targets, fed.kept, out["labels"].reshape(-1)), fed.consumed, fed.batches
+                yield (
+                    images,
+                    batch_targets(self._targets, fed.kept, out["labels"].reshape(-1)),
+                    fed.consumed,
+                    fed.batches,
+                )
         finally:
             if ended:
                 self._kept = kept

@@ -114,11 +114,12 @@ def run_bench(
     limit: bool = True,
     alternate: bool = False,
     emit: Callable[[str], None] = log.info,
+    open_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
 
-    ``dataset`` is anything `open_dataset` opens (a path or a URL), or a reader; None means the synthetic
-    set of ``images``. It is opened once and every row reads that reader, except the baseline, which reads
+    ``dataset`` is anything `open_dataset` opens (a path or a URL; ``open_options`` go to it), or a
+    reader; None means the synthetic set of ``images``. It is opened once and every row reads that reader, except the baseline, which reads
     the image files of an ImageFolder as a plain script does (the synthetic set's folder, beside its pack).
     Each of ``augments`` (automatic augmentations, None or 'none' for none; default: the recipe's own)
     is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others. With
@@ -130,7 +131,7 @@ def run_bench(
     variants = _variants(loaders, epochs, batch_size, image_size, recipe, augments, mix)
     out = Path(out)
     check_writable_folder(out, "--out")
-    data = bench_data(dataset, images, progress)
+    data = bench_data(dataset, images, progress, open_options)
     check_batch_fits(batch_size, len(data.reader), data.name)
     out.mkdir(parents=True, exist_ok=True)
     specs: list[tuple[str, Recipe | None]] = [(LIMIT, None)] if limit else []
@@ -226,13 +227,15 @@ class BenchData:
     name: str
 
 
-def bench_data(dataset: str | os.PathLike | Reader | None, images: int, progress: bool) -> BenchData:
-    """``dataset`` opened once (`open_dataset` takes paths and URLs alike), or the synthetic set of
-    ``images``: its pack for the loaders, its ImageFolder for the baseline."""
+def bench_data(
+    dataset: str | os.PathLike | Reader | None, images: int, progress: bool, open_options: dict | None = None
+) -> BenchData:
+    """``dataset`` opened once (`open_dataset` takes paths and URLs alike, and ``open_options``), or the
+    synthetic set of ``images``: its pack for the loaders, its ImageFolder for the baseline."""
     if dataset is None:
         folder, packed = default_dataset(images, progress=progress)
         return BenchData(open_dataset(packed), open_dataset(folder), str(packed))
-    reader = dataset if isinstance(dataset, Reader) else open_dataset(dataset)
+    reader = dataset if isinstance(dataset, Reader) else open_dataset(dataset, **(open_options or {}))
     name = os.fspath(dataset) if isinstance(dataset, str | os.PathLike) else repr(reader)
     return BenchData(reader, reader, name)
 

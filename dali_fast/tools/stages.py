@@ -131,9 +131,10 @@ def run_stages(
     out: str | Path = "bench-results",
     progress: bool = True,
     emit: Callable[[str], None] = log.info,
+    open_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure the stages cumulatively; writes stages.json and stages.png into ``out``. ``dataset`` is what
-    `bench` takes (opened once); ``progressive`` is the last row's schedule (default: `default_ramp` of
+    `bench` takes (opened once, with ``open_options``); ``progressive`` is the last row's schedule (default: `default_ramp` of
     ``image_size`` over ``total_epochs``)."""
     from ..train.monitor import UtilizationMonitor
     from ..train.trainer import Trainer
@@ -146,7 +147,7 @@ def run_stages(
     if cache_bytes is not None and cache_bytes < 1:
         raise ValueError(f"--cache-bytes {cache_bytes}: the cache rows need a budget; leave it out for half the data")
     check_writable_folder(out, "--out")
-    data = bench_data(dataset, images, progress)
+    data = bench_data(dataset, images, progress, open_options)
     ramp = progressive if progressive is not None else default_ramp(image_size, total_epochs)
     bench = _Bench(data.files, data.reader, batch_size, image_size, 0, available_cpus(), False)
     n = len(bench.reader)

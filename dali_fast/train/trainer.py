@@ -78,7 +78,9 @@ class Trainer:
             target, nn.MSELoss
         )()
         self.train_loss_fn = (
-            nn.CrossEntropyLoss(label_smoothing=label_smoothing) if label_smoothing and target == "class" else self.loss_fn
+            nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+            if label_smoothing and target == "class"
+            else self.loss_fn
         )
 
     def train_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -143,13 +145,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> tuple[float, float | None]:
-        """(mean loss, metric) over a loader; under DDP over all ranks' shards together. The metric is the
-        accuracy for class targets, the mean average precision (`metrics.mean_average_precision`, over the
-        classes with a positive) for multi-hot targets, and None for float targets.
+        """(mean loss, metric) over a loader; under DDP over all ranks' shards together, with rank 0's
+        weights and BatchNorm statistics on every rank (each rank's statistics drift apart in training: DDP
+        hands out rank 0's only at the next step), so the numbers are those of the model a checkpoint
+        saves. An evaluation loader repeats no sample (``even=False``), so they equal one process's. The
+        metric is the accuracy for class targets, the mean average precision
+        (`metrics.mean_average_precision`, over the classes with a positive) for multi-hot targets, and
+        None for float targets.
 
         The sums stay on the device and are read once at the end: no host sync per batch (multi-hot
         targets keep each batch's logits and targets on the device for the mAP, read once at the end)."""
         self.module.eval()
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
         total = 0
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, correct
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -158,7 +169,9 @@ class Trainer:
             with self._autocast():
                 logits = self.module(images)
             loss = self.loss_fn(logits.float(), labels) * len(labels)
-            correct = (logits.argmax(1) == labels).sum() if self.target == "class" else torch.zeros((), device=self.device)
+            correct = (
+                (logits.argmax(1) == labels).sum() if self.target == "class" else torch.zeros((), device=self.device)
+            )
             sums += torch.stack([loss.double(), correct.double()])
             total += len(labels)
             if self.target == "multihot":

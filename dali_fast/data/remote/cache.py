@@ -3,24 +3,34 @@ the node. One download per shard per node (a file lock per shard); a download go
 the shard's full size (so the budget counts it), then is renamed; shards a process still needs are pinned
 with a shared lock (released by the kernel if the process dies); when room is needed, unpinned shards go,
 the most recently used up first (a used shard is not needed again this epoch). POSIX file locks.
+
+Without a budget given, the budget is what the disk can spare at open: its free space plus the shards
+already cached, less a margin kept free for everything else (`DISK_MARGIN`), so the cache never fills the
+disk by itself. A disk that fills anyway (other writers) stops the run with `CacheDiskFullError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ...machine import pid_alive
+from .errors import CacheDiskFullError
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.02  # waiting on another process's download or for room
+# Kept free on the cache's disk when no budget is given: 10 % of the disk, and at least 2 GiB (room for
+# checkpoints, logs and the other writers of a node's scratch disk).
+DISK_MARGIN, DISK_MARGIN_MIN = 0.10, 2 << 30
 
 _LOCK_FDS: set[int] = set()  # lock files this process holds open; a forked child closes its copies
 # Held while a lock file is opened and recorded, or forgotten and closed, and across a fork: a fork can
@@ -61,7 +71,8 @@ if hasattr(os, "register_at_fork"):
 
 
 class ShardCache:
-    """The node-local shard files under ``folder``, within ``limit`` bytes (None: no limit).
+    """The node-local shard files under ``folder``, within ``limit`` bytes (None: what the disk can spare at
+    open, `disk_budget`; ``limit_given`` says which).
 
     Files: ``KEY.tar`` (complete shards), ``KEY.part-PID-TID`` (downloads in progress, created at their
     full size so the budget counts them), ``KEY.lock`` (a shard's lock: exclusive while downloading or
@@ -76,13 +87,44 @@ class ShardCache:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"cache_dir {self.folder}: cannot be created ({e.strerror}); choose another path") from e
-        self.limit = limit
         with self.locked():
             self._clean_stale()
+        self.limit_given = limit is not None
+        self.limit = limit if limit is not None else self.disk_budget()
         self.overflow_after = overflow_after  # a read that needs a shard now waits this long for room at most
         self.downloads = 0  # shards this process downloaded
         self.evictions = 0
         self._warned_overflow = False
+
+    def disk_budget(self) -> int:
+        """What the disk can spare for shards: its free space and the shards already here, less the margin
+        kept free (`DISK_MARGIN`); said once. One line when that leaves no room at all."""
+        usage = shutil.disk_usage(self.folder)
+        margin = max(int(usage.total * DISK_MARGIN), DISK_MARGIN_MIN)
+        cached = self.used()
+        budget = cached + usage.free - margin
+        if budget <= 0:
+            raise ValueError(
+                f"cache_dir {self.folder}: its disk has {_gib(usage.free)} free, less than the {_gib(margin)} kept "
+                "free for other writers; free space there, or choose a cache folder on a larger disk (--cache-dir, "
+                "cache_dir)"
+            )
+        log.info(
+            "shard cache %s: up to %s of shards (no cache_limit given: the disk's %s free and %s already cached, "
+            "less %s kept free)",
+            self.folder,
+            _gib(budget),
+            _gib(usage.free),
+            _gib(cached),
+            _gib(margin),
+        )
+        return budget
+
+    def _disk_full(self, e: OSError) -> CacheDiskFullError:
+        return CacheDiskFullError(
+            f"shard cache {self.folder}: the disk is full ({e.strerror or e}); free space on it, or keep the cache "
+            "below what the disk can hold with --cache-limit (cache_limit), or choose another --cache-dir"
+        )
 
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.tar"
@@ -169,8 +211,14 @@ class ShardCache:
                             self.overflow_after,
                             self.limit,
                         )
-                    with open(tmp, "wb") as f:
-                        f.truncate(size)
+                    try:
+                        with open(tmp, "wb") as f:
+                            f.truncate(size)
+                    except OSError as e:
+                        tmp.unlink(missing_ok=True)
+                        if e.errno in _DISK_FULL:
+                            raise self._disk_full(e) from e
+                        raise
                     return tmp
             if not block:
                 return None
@@ -207,8 +255,10 @@ class ShardCache:
                         return False
                     try:
                         download(tmp)
-                    except BaseException:
-                        tmp.unlink(missing_ok=True)
+                    except BaseException as e:
+                        tmp.unlink(missing_ok=True)  # never read: only a whole, checked download is renamed
+                        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+                            raise self._disk_full(e) from e
                         raise
                     os.utime(tmp, ns=(0, 0))  # never used yet: evicted last
                     with self.locked():
@@ -231,3 +281,13 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self.path(key))
         close_lock(fd)
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _gib(n: int) -> str:
+    """Bytes as people read them: GiB, MiB, or bytes."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n} bytes"

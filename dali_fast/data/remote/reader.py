@@ -47,7 +47,7 @@ from ..member_index import MemberIndexReader
 from ..shards import index_shard
 from ..targets import attach_targets, check_target
 from .cache import ShardCache, close_lock, open_lock
-from .store import CHUNK_BYTES, ShardDownloader, ShardError, list_shards
+from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
 from .stream import ShardStream
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,14 @@ class RemoteShardsReader(MemberIndexReader):
 
     ``cache_dir`` (default ``$DALI_FAST_CACHE/remote``) holds the shards (``shards/``) and, unless
     ``index_dir`` says otherwise, their indexes (``index/``). ``cache_limit``: bytes of shards on this
-    node (None: no limit); each of the node's ``LOCAL_WORLD_SIZE`` ranks may pin an equal share, which
-    must hold two shuffle windows of ``shuffle_window`` shards. ``storage_options`` go to fsspec (e.g.
-    ``{"endpoint_url": ...}`` for an S3-compatible server; ``AWS_ENDPOINT_URL`` works too).
-    ``on_error`` as for local shards: ``"skip"`` counts and names what indexing left out, ``"raise"``
-    refuses it; a shard that fails later is reported through the loaders' own ``on_error``.
+    node (None: what the disk can spare at open, its free space less a margin: `cache.DISK_MARGIN`); each
+    of the node's ``LOCAL_WORLD_SIZE`` ranks may pin an equal share, which must hold two shuffle windows of
+    ``shuffle_window`` shards. ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an
+    S3-compatible server; ``AWS_ENDPOINT_URL`` works too). ``on_error`` as for local shards: ``"skip"``
+    counts and names what indexing left out (``skipped`` samples, ``damaged`` shards), ``"raise"`` refuses
+    it; a shard that fails later is reported through the loaders' own ``on_error``. What cannot be had for
+    a reason of the store (credentials, access, endpoint, TLS, bucket, a full disk) raises a
+    `errors.RemoteDataError` naming it.
     ``prefetch_next_epoch``: once this epoch's shards are local or under way, download the next epoch's
     first shards too, as the budget allows (no stall when an epoch starts). ``target`` and ``num_classes``
     as for local shards (`webdataset.WebDatasetReader`): target lists from each sample's ``.json``.
@@ -159,21 +162,29 @@ class RemoteShardsReader(MemberIndexReader):
         self._name_ends = np.concatenate([p["name_ends"] + o for p, o in zip(parts, starts, strict=True)])  # type: ignore[index]
         at = np.cumsum([0] + [len(p["target_values"]) for p in parts[:-1]])  # type: ignore[index]
         self._target_values = np.concatenate([p["target_values"] for p in parts]).astype(np.float64)  # type: ignore[index]
-        self._target_ends = np.concatenate([p["target_ends"] + o for p, o in zip(parts, at, strict=True)]).astype(np.int64)  # type: ignore[index]
+        self._target_ends = np.concatenate([p["target_ends"] + o for p, o in zip(parts, at, strict=True)]).astype(
+            np.int64
+        )  # type: ignore[index]
         self.shard_crc = np.array([int(p["crc"]) for p in parts], dtype=np.int64)  # type: ignore[index]
         self.skipped: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["skipped"]]  # type: ignore[index,misc]
+        self.damaged: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["damaged"]]  # type: ignore[index,misc]
         self.ignored: Counter[str] = sum((Counter(p["ignored"]) for p in parts), Counter())  # type: ignore[index]
-        if self.skipped and self.on_error == "raise":
-            where, reason = self.skipped[0]
+        if (self.damaged or self.skipped) and self.on_error == "raise":
+            where, reason = (self.damaged or self.skipped)[0]
             raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
         self._index_done("remote shard")
 
     def _check_budget(self) -> None:
         limit = self.cache.limit
-        if limit is None:
-            return
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         need = ranks * 2 * self.shuffle_window * int(self.shard_bytes.max())
+        if limit < need and not self.cache.limit_given:
+            raise ValueError(
+                f"cache_dir {self.cache.folder}: its disk can spare {limit} bytes (its free space less a margin), "
+                f"too little for {ranks} rank(s) on this node each reading shuffle windows of {self.shuffle_window} "
+                f"shard(s) of up to {int(self.shard_bytes.max())} bytes ({need} bytes); free space there, choose a "
+                "cache folder on a larger disk (--cache-dir, cache_dir), or use a smaller shuffle_window"
+            )
         if limit < need:
             raise ValueError(
                 f"cache_limit={limit}: too small for {ranks} rank(s) on this node each reading shuffle windows of "
@@ -198,6 +209,8 @@ class RemoteShardsReader(MemberIndexReader):
         try:
             return self._build_shard_index(s, path)
         except ShardError as e:
+            if isinstance(e.__cause__, PERMANENT):  # credentials, access, TLS: the store's, not the shard's
+                raise e.__cause__  # noqa: B904 - it carries its own cause
             if self.on_error == "raise":
                 raise ShardError(f"{e}; the shard cannot be indexed (or open with on_error='skip')") from e
             log.warning("left out shard %s: %s", self.infos[s].url, e)
@@ -210,8 +223,9 @@ class RemoteShardsReader(MemberIndexReader):
                 "name_ends": empty,
                 "target_values": np.empty(0, np.float64),
                 "target_ends": empty,
-                "skipped": [(self.infos[s].url, f"cannot be indexed: {e}")],
+                "skipped": [],
                 "ignored": {},
+                "damaged": [(self.infos[s].url, f"cannot be indexed: {e}")],
                 "crc": 0,
             }  # not saved: the next open tries again
 
@@ -261,6 +275,7 @@ class RemoteShardsReader(MemberIndexReader):
             "target_ends": found.target_ends,
             "skipped": [(w.replace(str(local), info.url, 1), r) for w, r in found.skipped],
             "ignored": dict(found.ignored),
+            "damaged": [(info.url, r) for _, r in found.damaged],
             "crc": crc[0],
         }
 
@@ -359,7 +374,17 @@ class RemoteShardsReader(MemberIndexReader):
         return f"RemoteShardsReader({len(self.shards)} shards, records={len(self)}, classes={len(self.classes)})"
 
 
-_PICKLED = ("_shard_of", "_offset", "_size", "_labels", "_names", "_name_ends", "_target_values", "_target_ends", "_bad")
+_PICKLED = (
+    "_shard_of",
+    "_offset",
+    "_size",
+    "_labels",
+    "_names",
+    "_name_ends",
+    "_target_values",
+    "_target_ends",
+    "_bad",
+)
 
 
 def _crc_file(path: Path) -> int:
@@ -377,7 +402,8 @@ _TARGET_ARRAYS = {"target_values": np.float64, "target_ends": np.int64}  # absen
 def _pack_index(part: dict[str, Any]) -> dict[str, np.ndarray]:
     out = {k: part[k] for k in (*_ARRAYS, *_TARGET_ARRAYS)}
     out["crc"] = np.asarray(part["crc"], dtype=np.int64)
-    out["meta"] = np.asarray(json.dumps({"skipped": part["skipped"], "ignored": part["ignored"]}).encode(), dtype=bytes)
+    meta = {k: part[k] for k in ("skipped", "ignored", "damaged")}
+    out["meta"] = np.asarray(json.dumps(meta).encode(), dtype=bytes)
     return out
 
 
@@ -394,6 +420,9 @@ def _load_index(path: Path) -> dict[str, Any] | None:
             meta = json.loads(bytes(z["meta"]))
     except (OSError, KeyError, ValueError):
         return None
+    if "damaged" not in meta:  # an index of an older version (damage counted as a sample): made again
+        return None
     part["skipped"] = [tuple(x) for x in meta["skipped"]]
     part["ignored"] = meta["ignored"]
+    part["damaged"] = [tuple(x) for x in meta["damaged"]]
     return part

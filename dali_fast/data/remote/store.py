@@ -4,7 +4,6 @@ numpy only: no torch here."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -20,6 +19,22 @@ from typing import Any
 import numpy as np
 
 from ..shards import expand_braces
+from .errors import (
+    BAD_OPTIONS,
+    FAILED,
+    NO_SHARD,
+    AccessDeniedError,
+    CredentialsRejectedError,
+    MissingCredentialsError,
+    MissingExtraError,
+    NoSuchShardError,
+    RemoteDataError,
+    StorageOptionsError,
+    StoreFailedError,
+    TLSError,
+    classify,
+    wildcard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +43,7 @@ CHUNK_BYTES = 8 << 20  # one range request
 _IDENTITY_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "VersionId", "crc32c")
 _TIME_FIELDS = ("LastModified", "mtime", "updated", "last_modified", "Last-Modified")
 CLOUD_INSTALL = "pip install 'dali_fast[cloud]'"
+_BACKENDS = {"botocore", "aiobotocore", "s3fs", "aiohttp", "fsspec", "gcsfs", "google", "adlfs", "azure"}
 
 
 class ShardError(OSError):
@@ -36,6 +52,9 @@ class ShardError(OSError):
 
 class ShardChanged(ShardError):
     """A shard whose bytes on the server are no longer the ones its index describes."""
+
+
+PERMANENT = (MissingCredentialsError, CredentialsRejectedError, AccessDeniedError, TLSError)  # no retry mends them
 
 
 class DownloadCancelled(Exception):
@@ -54,11 +73,13 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
     try:
         import fsspec.core
     except ImportError as e:
-        raise ImportError(f"{url}: remote data needs fsspec and a backend: {CLOUD_INSTALL} (gs:// also gcsfs)") from e
+        raise MissingExtraError(
+            f"{url}: remote data needs fsspec and a backend: {CLOUD_INSTALL} (gs:// also gcsfs)"
+        ) from e
     try:
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
     except ImportError as e:
-        raise ImportError(f"{url}: {e}; {CLOUD_INSTALL} (gs:// also needs `pip install gcsfs`)") from e
+        raise MissingExtraError(f"{url}: {e}; {CLOUD_INSTALL} (gs:// also needs `pip install gcsfs`)") from e
 
 
 @dataclass(frozen=True)
@@ -89,7 +110,32 @@ def identity(info: dict[str, Any]) -> str:
 
 def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, list[ShardInfo]]:
     """The shards ``spec`` names (a brace pattern, one ``.tar`` URL, or a prefix holding ``.tar`` files),
-    with sizes and identities fetched fresh from the server."""
+    with sizes and identities fetched fresh from the server. What goes wrong is a `RemoteDataError` naming
+    its cause (credentials, access, endpoint, TLS, bucket, shard, a wildcard in the URL)."""
+    refused = wildcard(spec)
+    if refused is not None:
+        raise refused
+    try:
+        return _list_shards(spec, storage_options)
+    except RemoteDataError:
+        raise
+    except Exception as e:
+        why = classify(e, spec, storage_options)
+        if why is not None:
+            raise why from e
+        if isinstance(e, TypeError) and storage_options:  # the backend's constructor or session refused one
+            keys = ", ".join(sorted(storage_options))
+            reason = BAD_OPTIONS.format(keys=keys, scheme=spec.split("://", 1)[0], reason=_first_line(e))
+            raise StorageOptionsError(f"{spec}: {reason}") from e
+        if isinstance(e, OSError) or type(e).__module__.split(".")[0] in _BACKENDS:
+            text = " ".join(f"{type(e).__name__}: {e}".split())
+            raise StoreFailedError(
+                f"{spec}: {FAILED.format(reason=text if len(text) < 300 else text[:297] + '...')}"
+            ) from e
+        raise
+
+
+def _list_shards(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any, list[ShardInfo]]:
     urls = expand_braces(spec)
     fs, _ = url_to_fs(urls[0], storage_options)
     fs.invalidate_cache()
@@ -97,10 +143,11 @@ def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tup
         root = fs._strip_protocol(urls[0])  # noqa: SLF001 - fsspec's own URL-to-path rule
         try:
             found = sorted(p for p in fs.find(root) if p.endswith(".tar"))
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            _raise_cause(e, spec, storage_options)
             found = []
         if not found:
-            raise FileNotFoundError(
+            raise NoSuchShardError(
                 f"{spec}: no .tar shards there; name them, e.g. {spec.rstrip('/')}/train-{{000000..000099}}.tar"
             )
         urls = [fs.unstrip_protocol(p) for p in found]
@@ -109,16 +156,19 @@ def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tup
     if set(np.atleast_1d(fs.protocol)) & {"s3", "s3a", "gs", "gcs", "abfs", "az"}:
         # One listing per folder instead of one request per shard.
         for parent in sorted({p.rsplit("/", 1)[0] for p in paths}):
-            with contextlib.suppress(FileNotFoundError):
-                for e in fs.ls(parent, detail=True, refresh=True):
-                    entries[e["name"].rstrip("/")] = e
+            try:
+                for entry in fs.ls(parent, detail=True, refresh=True):
+                    entries[entry["name"].rstrip("/")] = entry
+            except FileNotFoundError as e:  # no such folder: its shards are missing; no such bucket: said now
+                _raise_cause(e, spec, storage_options)
 
     def info(p: str) -> dict[str, Any] | None:
         if p in entries:
             return entries[p]
         try:
             return fs.info(p)
-        except FileNotFoundError:
+        except FileNotFoundError as e:  # over HTTP a refused connection is a FileNotFoundError too
+            _raise_cause(e, fs.unstrip_protocol(p), storage_options)
             return None
 
     with ThreadPoolExecutor(16) as pool:
@@ -126,9 +176,28 @@ def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tup
     missing = [u for u, i in zip(urls, infos, strict=True) if i is None or i.get("type") == "directory"]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise FileNotFoundError(f"{missing[0]}{more}: no such shard on the server; check the URL and pattern")
+        raise NoSuchShardError(f"{missing[0]}{more}: {NO_SHARD}")
     shards = [ShardInfo(u, p, int(i["size"]), identity(i)) for u, p, i in zip(urls, paths, infos, strict=True)]
     return fs, shards
+
+
+def _raise_cause(error: BaseException, url: str, storage_options: dict[str, Any] | None) -> None:
+    """Raise the cause of a "not found" when it is another one (no bucket, no access, no connection)."""
+    why = classify(error, url, storage_options)
+    if why is not None:
+        raise why from error
+
+
+def write_at(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of file ``fd`` (the one place shard bytes reach the disk)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class ShardDownloader:
@@ -196,7 +265,8 @@ class ShardDownloader:
         and (when known) the crc32 of the index. Returns the crc32."""
         info = self.infos[s]
         crc, offset, backoff, since = 0, 0, 0.1, time.monotonic()
-        with open(tmp, "r+b") as f:
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
             while offset < info.size:
                 if cancel is not None and cancel():
                     raise DownloadCancelled
@@ -207,9 +277,11 @@ class ShardDownloader:
                         raise OSError(f"got {len(data)} bytes of {end - offset} asked for at offset {offset}")
                 except FileNotFoundError as e:
                     raise ShardError(f"{info.url}: no longer on the server (deleted?)") from e
-                except PermissionError as e:
-                    raise ShardError(f"{info.url}: access denied ({e}); check the credentials") from e
                 except Exception as e:  # noqa: BLE001 - network and server errors of every backend: retried
+                    cause = classify(e, info.url, self.storage_options)
+                    if isinstance(cause, PERMANENT):  # credentials, access, TLS: no retry mends them
+                        cause.__cause__ = e
+                        raise ShardError(str(cause)) from cause
                     # Is it the object that changed? Asked once per stretch of failures (an unreachable
                     # server would only make each retry slower).
                     why = self.changed(s) if backoff == 0.1 else None
@@ -217,21 +289,19 @@ class ShardDownloader:
                         raise ShardChanged(f"{info.url}: {why}; open the data set again to re-index it") from e
                     waited = time.monotonic() - since
                     if waited >= self.retry_seconds:
-                        raise ShardError(
-                            f"{info.url}: download failed after retrying for {waited:.0f}s: "
-                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                        ) from e
+                        text = str(cause).removeprefix(f"{info.url}: ") if cause is not None else _first_line(e)
+                        raise ShardError(f"{info.url}: download failed after retrying for {waited:.0f}s: {text}") from e
                     log.info("retrying %s at byte %d in %.1fs: %s: %s", info.url, offset, backoff, type(e).__name__, e)
                     time.sleep(min(backoff, max(0.0, self.retry_seconds - waited)))
                     backoff = min(backoff * 2, 10.0)
                     continue
-                f.seek(offset)
-                f.write(data)
+                write_at(fd, data, offset)
                 crc = zlib.crc32(data, crc)
                 offset = end
                 backoff, since = 0.1, time.monotonic()
-            f.flush()
-            os.fsync(f.fileno())  # a renamed shard is whole, even after a power cut
+            os.fsync(fd)  # a renamed shard is whole, even after a power cut
+        finally:
+            os.close(fd)
         if expect_crc is not None and crc != expect_crc:
             why = self.changed(s) or "its bytes differ from the indexed ones (crc32)"
             raise ShardChanged(f"{info.url}: {why}; open the data set again to re-index it")

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .cache import ShardCache
+from .errors import CacheDiskFullError
 from .store import DownloadCancelled, ShardError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class ShardStream:
         urls: list[str],
         shard_bytes: np.ndarray,
         fetch: Callable[..., int | None | bool],
-        bad: dict[int, ShardError],
+        bad: dict[int, ShardError | CacheDiskFullError],
         *,
         window: int,
         threads: int,
@@ -169,10 +170,12 @@ class ShardStream:
         self.cache.release(self.keys[s], fd)
 
     def _share(self) -> float:
-        """Bytes this process may pin ahead: its share of the budget, or two windows of shards without one."""
-        if self.cache.limit is None:
-            return 2 * self.window * float(self.shard_bytes.max()) + self.threads * float(self.shard_bytes.max())
-        return self.cache.limit / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        """Bytes this process may pin ahead: its share of the budget; without a budget given (the disk's),
+        no more than two windows of shards and one per download thread."""
+        share = self.cache.limit / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if self.cache.limit_given:
+            return share
+        return min(share, (2 * self.window + self.threads) * float(self.shard_bytes.max()))
 
     def _next_to_fetch(self) -> int | None:
         """Under ``_cond``: the first shard of the plan not local, fetching or failed, if it fits the share."""
@@ -214,6 +217,8 @@ class ShardStream:
                 )
             except (ShardError, DownloadCancelled):
                 pass
+            except CacheDiskFullError as e:  # raised to the read of this shard: the run stops there
+                self.bad[s] = e
             except Exception as e:  # noqa: BLE001 - never leave a reader waiting on a dead thread
                 self.bad[s] = ShardError(f"{self.urls[s]}: {type(e).__name__}: {e}")
                 log.exception("downloading %s failed", self.urls[s])
