@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from ..system import atomic_dir, available_cpus, die_with_parent, plural, progress_bar
-from .checks import check_encoded, pillow_reason
+from ..transforms.decode import verdict
+from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded, pillow_reason
 from .folder import scan_image_folder
 from .format import (
     DATA_FILE,
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PackReport:
-    """What `pack` wrote and what it left out (with the reason for each)."""
+    """What `pack` wrote, the images it left out (``skipped``: (path, reason)), and what it found that is not
+    an image (``ignored``: (path, what it is): other files, links that loop or lead nowhere...)."""
 
     dst: Path
     records: int
@@ -50,39 +52,55 @@ class PackReport:
     reencoded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    ignored: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         return (
             f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-        )
+        ) + (f"; ignored {plural(len(self.ignored), 'non-image')}" if self.ignored else "")
 
 
 # pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
-def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """(bytes to store, reason it was rejected, whether it was re-encoded)."""
+def _prepare(raw: bytes, verify: bool, max_side: int | None, name: str) -> tuple[bytes | None, str | None, bool]:
+    """(bytes to store, reason it was left out, whether it was re-encoded) for the image file ``name``.
+
+    ``verify`` decodes it by the one rule (`verdict`: a JPEG strictly, so that damage libjpeg-turbo
+    reports leaves it out); without it, only the structural check. Either way the pixel limit holds."""
     if not raw:
         return None, "empty file", False
-    if not verify and max_side is None:
-        reason = check_encoded(raw)
-        return (None, reason, False) if reason else (raw, None, False)
+    reason = verdict(raw) if verify else check_encoded(raw)
+    if reason is not None:
+        return None, _unsupported(raw) or reason, False
+    if max_side is None:
+        return raw, None, False
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(raw)) as im:
-            fmt = im.format
-            if fmt not in ("JPEG", "PNG"):
-                return None, f"unsupported format {fmt}; only JPEG and PNG are packed", False
-            im.load()
-            if max_side is not None and max(im.size) > max_side:
+            if max(im.size) > max_side:
                 scale = max_side / max(im.size)
                 size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
                 out = io.BytesIO()
                 im.convert("RGB").resize(size, Image.BILINEAR, reducing_gap=3.0).save(out, "JPEG", quality=90)
                 return out.getvalue(), None, True
+            im.load()
     except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        return None, pillow_reason(e), False
+        return None, pillow_reason(e, name), False
     return raw, None, False
+
+
+def _unsupported(raw: bytes) -> str | None:
+    """ "unsupported format X" for an image Pillow knows that is neither JPEG nor PNG, else None."""
+    if raw[:3] == JPEG_SOI or raw[:8] == PNG_SIGNATURE:
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            return f"unsupported format {im.format}; only JPEG and PNG are packed"
+    except Exception:  # noqa: BLE001 - not an image Pillow knows either: the structural reason stands
+        return None
 
 
 # pragma: no mutate end
@@ -101,7 +119,7 @@ class _Item:
     stored: bytes
 
 
-def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+def _load_one(source: Source, name: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
     """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
     try:
         if isinstance(source, tuple):
@@ -112,15 +130,20 @@ def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes
             raw = Path(source).read_bytes()
     except OSError as e:
         return None, f"unreadable: {e}", False
-    return _prepare(raw, verify, max_side)
+    return _prepare(raw, verify, max_side, name)
 
 
 # pragma: no mutate start (runs only in worker processes, where mutmut cannot map tests to it; the
 # byte-identical test of 1, 2 and 4 workers covers it)
 def _load_chunk(
-    sources: list[Source], verify: bool, max_side: int | None
+    sources: list[tuple[Source, str]], verify: bool, max_side: int | None, max_image_pixels: int | None
 ) -> list[tuple[bytes | None, str | None, bool]]:
-    return [_load_one(p, verify, max_side) for p in sources]
+    """`_load_one` for each (source, name), in a worker process, under the parent's pixel limit (a spawned
+    worker would start from Pillow's default)."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
+    return [_load_one(p, name, verify, max_side) for p, name in sources]
 
 
 # pragma: no mutate end
@@ -138,7 +161,7 @@ def _prepared(
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
         for item in items:
-            yield item, _load_one(item.source, verify, max_side)
+            yield item, _load_one(item.source, item.shown, verify, max_side)
         return
     import multiprocessing
     from collections import deque
@@ -148,6 +171,8 @@ def _prepared(
     # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
     # every worker unless it guards itself with `if __name__ == "__main__"`.
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
+
     # workers die with this process, even when it is killed: no worker is left waiting for tasks forever
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
@@ -155,7 +180,14 @@ def _prepared(
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append((chunk, pool.submit(_load_chunk, [item.source for item in chunk], verify, max_side)))
+                pending.append(
+                    (
+                        chunk,
+                        pool.submit(
+                            _load_chunk, [(i.source, i.shown) for i in chunk], verify, max_side, Image.MAX_IMAGE_PIXELS
+                        ),
+                    )
+                )
 
         for _ in range(workers * PACK_WINDOW):
             submit()
@@ -271,6 +303,8 @@ def pack(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
     report.records, report.data_bytes = len(rows), data_bytes
     report.seconds = time.perf_counter() - t0
+    for path, what in report.ignored:
+        log.warning("not an image, ignored: %s (%s)", path, what)
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
     log.debug(report.summary())  # pragma: no mutate (debug log)
@@ -321,8 +355,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item]
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
     report.skipped += unlisted
-    for p in other:
-        report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
+    report.ignored += other
     return classes, items, report
 
 
