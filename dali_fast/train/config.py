@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..data.base import check_on_error
 from ..loaders.factory import BACKENDS
-from ..system import check_writable_folder
+from ..system import check_writable_file, check_writable_folder
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 
@@ -89,8 +89,9 @@ class TrainConfig:
         for name, what in (("out", "--out"), ("checkpoint", "--checkpoint")):
             if paths[name] is not None:
                 check_writable_folder(paths[name], what)
-        if paths["record_indices"] is not None:
-            check_writable_folder(paths["record_indices"].parent, "--record-indices")
+        if paths["record_indices"] is not None:  # the file of rank 0 (the others' are beside it)
+            text = str(paths["record_indices"])
+            check_writable_file(text.format(rank=0) if "{rank}" in text else text, "--record-indices")
         return replace(self, recipe=recipe, **paths)
 
     def _paths(self) -> dict[str, str | Path | None]:
