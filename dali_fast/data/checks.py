@@ -8,6 +8,7 @@ frame, a PNG's IHDR), before any decoder sees it; DALI's decoders have no such g
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -22,7 +23,7 @@ PNG_SIGNATURE_BYTES, PNG_IEND_BYTES = np.frombuffer(PNG_SIGNATURE, np.uint8), np
 QUICK_MIN = 20  # bytes: records shorter (no real image is) get the full check instead of the quick look
 _JPEG_FRAMES = {*range(0xC0, 0xD0)} - {0xC4, 0xC8, 0xCC}  # SOF0-15: not DHT, JPG, DAC
 PILLOW_MAX_IMAGE_PIXELS = 1024 * 1024 * 1024 // 4 // 3  # Pillow's default Image.MAX_IMAGE_PIXELS
-PIXELS_ENV = "DALI_FAST_MAX_IMAGE_PIXELS"  # the dali-fast command sets PIL.Image.MAX_IMAGE_PIXELS from it
+PIXELS_ENV = "DALI_FAST_MAX_PIXELS"  # the dali-fast command's pixel limit (`apply_pixel_limit_env`)
 
 
 def pixel_limit() -> int | None:
@@ -39,10 +40,30 @@ def too_many_pixels(width: int, height: int, limit: int | None) -> str | None:
     if limit is None or max(1, width) * max(1, height) <= limit:
         return None
     return (
-        f"{width}x{height} pixels ({width * height:,}), over the limit of {limit:,} "
-        "(twice PIL.Image.MAX_IMAGE_PIXELS, Pillow's decompression-bomb guard); if the image is genuine, "
-        f"raise PIL.Image.MAX_IMAGE_PIXELS (None: no limit), or set {PIXELS_ENV} for the dali-fast command"
+        f"{width}x{height} pixels ({width * height:,}), over the limit of {limit:,} (twice "
+        "PIL.Image.MAX_IMAGE_PIXELS, Pillow's decompression-bomb guard); if the image is genuine, raise it: "
+        f"PIL.Image.MAX_IMAGE_PIXELS in Python (None: no limit), {PIXELS_ENV}=<pixels> or none for dali-fast"
     )
+
+
+def apply_pixel_limit_env() -> None:
+    """Set the pixel limit from ``$DALI_FAST_MAX_PIXELS`` (a number of pixels, or ``none``), where set: the
+    dali-fast command's way to raise it (a script sets ``PIL.Image.MAX_IMAGE_PIXELS`` itself)."""
+    text = os.environ.get(PIXELS_ENV)
+    if text is None:
+        return
+    from PIL import Image
+
+    if text.strip().lower() == "none":
+        Image.MAX_IMAGE_PIXELS = None
+        return
+    try:
+        most = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        most = 0
+    if most < 1:
+        raise ValueError(f"{PIXELS_ENV}={text!r}: give the most pixels an image may have, e.g. 250000000, or none")
+    Image.MAX_IMAGE_PIXELS = (most + 1) // 2  # Pillow refuses above twice its value
 
 
 def check_index(i: int, n: int) -> int:

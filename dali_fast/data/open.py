@@ -19,6 +19,8 @@ def open_dataset(path: str | os.PathLike, **webdataset_kw: object) -> Reader:
     files, or ``train-{000000..000146}.tar``; ``webdataset_kw`` go to `WebDatasetReader`) or an
     ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
     shards, streamed through a node-local cache (`remote.RemoteShardsReader`, which takes the keywords)."""
+    if not str(path):  # Path("") is the current folder
+        raise ValueError("the data set is an empty path (''); name a folder, shards or a URL")
     if is_remote(path):
         from .remote import RemoteShardsReader  # fsspec and its backends load with it
 

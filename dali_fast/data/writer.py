@@ -278,6 +278,9 @@ def pack(
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
     """
     t0 = time.perf_counter()
+    for name, given in (("src", src), ("dst", dst)):
+        if not os.fspath(given):  # Path("") is the current folder
+            raise ValueError(f"{name} is an empty path (''); name a folder")
     src, dst = Path(src), Path(dst)
     shards = _check_pack_arguments(src, dst, max_side, workers, shard_size)
     classes, items, report = _sources(src, dst, shards)
