@@ -182,6 +182,16 @@ def jpeg_header(data: bytes | np.ndarray) -> JpegHeader | None:
     return JpegHeader(width, height, components, precision, orientation, adobe)
 
 
+def stored_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
+    """(width, height) of a JPEG (its frame header) or PNG (its IHDR) as stored, read without decoding;
+    None for anything else or a header that cannot be read."""
+    head = bytes(data[:24])
+    if head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR":
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    jpeg = jpeg_header(data)
+    return (jpeg.width, jpeg.height) if jpeg is not None else None
+
+
 def fast_path_header(data: bytes | np.ndarray) -> JpegHeader | None:
     """The header of a JPEG the fast decoder serves exactly as `to_rgb` would (8-bit, 1 or 3 components
     in gray or YCbCr, no Adobe colour transform; its EXIF orientation is applied after the decode, as
