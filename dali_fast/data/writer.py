@@ -69,7 +69,7 @@ def _prepare(raw: bytes, verify: bool, max_side: int | None, name: str) -> tuple
     reports leaves it out); without it, only the structural check. Either way the pixel limit holds."""
     if not raw:
         return None, "empty file", False
-    reason = verdict(raw) if verify else check_encoded(raw)
+    reason = verdict(raw, name) if verify else check_encoded(raw)
     if reason is not None:
         return None, _unsupported(raw) or reason, False
     if max_side is None:

@@ -263,11 +263,11 @@ def jpeg_damage(data: bytes | np.ndarray) -> str | None:
     return _strict_decode(data)[1]
 
 
-def verdict(data: bytes | np.ndarray) -> str | None:
+def verdict(data: bytes | np.ndarray, name: str | None = None) -> str | None:
     """Why a record is bad by the one rule, reading all of it, or None: the structural checks
     (`check_encoded`, the pixel limit included), then a JPEG's strict decode by libjpeg-turbo (damage
     reported is bad; decoded whole is good), and Pillow's decode for everything else. What `pack` and
-    ``inspect --verify`` apply to every record."""
+    ``inspect --verify`` apply to every record; ``name`` (the file) is put in Pillow's words for it."""
     reason = check_encoded(data)
     if reason is not None:
         return reason
@@ -278,7 +278,7 @@ def verdict(data: bytes | np.ndarray) -> str | None:
         with open_image(data) as im:
             im.load()
     except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        return pillow_reason(e)
+        return pillow_reason(e, name)
     return None
 
 
