@@ -179,17 +179,20 @@ def test_a_file_pillow_cannot_identify_is_named_in_its_reason(tmp_path, verify):
     ]
 
 
-def test_a_folder_reader_names_links_that_are_no_images(tmp_path, caplog):
+def test_a_folder_reader_names_a_link_to_a_folder_and_keeps_a_broken_link_as_a_bad_record(tmp_path, caplog):
+    """Reading a folder, a link named like an image that leads nowhere stays a record (the loaders name it
+    when they read it, as a file that vanished); a link to a folder is named, not followed."""
     from dali_fast.data.folder import ImageFolderReader
 
     src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(), jpeg_bytes()]})
     (src / "a" / "loop.jpg").symlink_to(src / "a" / "loop.jpg")
+    (src / "a" / "sub.jpg").symlink_to(tmp_path / "src", target_is_directory=True)
     with caplog.at_level(logging.WARNING, logger="dali_fast.data.folder"):
         reader = ImageFolderReader(src)
-    assert len(reader) == 2
-    assert caplog.messages == [
-        f"not an image, ignored: {src / 'a' / 'loop.jpg'} (a link that loops or leads nowhere (Too many levels of symbolic links))"
+    assert [reader.source(i) for i in range(len(reader))] == [
+        str(src / "a" / n) for n in ("000.jpg", "001.jpg", "loop.jpg")
     ]
+    assert caplog.messages == [f"not an image, ignored: {src / 'a' / 'sub.jpg'} (a link to a folder (not followed))"]
 
 
 def test_a_schedule_larger_than_most_images_warns_once(tmp_path, caplog):

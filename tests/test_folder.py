@@ -79,9 +79,9 @@ def test_folder_batch_reads_overlap_in_the_read_threads_and_keep_their_order(tmp
 def test_folder_batch_reads_name_unreadable_and_broken_files(tmp_path):
     good = jpeg_bytes(32, 24)
     root = make_folder(tmp_path / "imgs", {"a": [good, good[:-50], good, good]})
-    reader = ImageFolderReader(root)
-    (root / "a" / "002.jpg").unlink()  # after the listing: a link to nothing (one at listing is no image)
+    (root / "a" / "002.jpg").unlink()
     (root / "a" / "002.jpg").symlink_to(root / "gone.jpg")
+    reader = ImageFolderReader(root)
     datas, labels, bad = reader.read_batch_checked([3, 2, 1, 0])
     assert bad == {1: "unreadable: No such file or directory", 2: "truncated JPEG (no end-of-image marker)"}
     assert datas[1] is None and bytes(datas[0]) == good and bytes(datas[2]) == good[:-50]

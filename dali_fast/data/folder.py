@@ -22,15 +22,16 @@ log = logging.getLogger(__name__)
 
 # pragma: no mutate start (ImageFolder reading and the read pool's threads, which mutmut's tracing of tests does not follow)
 def scan_image_folder(
-    root: Path,
+    root: Path, *, broken_links_are_records: bool = True
 ) -> tuple[list[str], list[tuple[Path, int]], list[tuple[str, str]], list[tuple[str, str]]]:
     """Classes (sorted sub-folders), (file, label) pairs, what is not an image (path, what it is), and the
     folders that could not be listed (with the reason): their files are left out, never silently.
 
     An image is a file (or a link to a file) named .jpg/.jpeg/.png. Not images: files of other names (but
-    hidden ones), a link that loops or leads nowhere, a link to a folder (not followed, as `os.walk`
-    does not), anything else that is not a file. Each folder's files come in name order, then its
-    sub-folders'."""
+    hidden ones), a link to a folder (not followed, as `os.walk` does not), anything else that is not a
+    file, and (without ``broken_links_are_records``, as `pack` scans) a link that loops or leads nowhere;
+    a reader keeps such a link as a record, bad when read and named by the loaders like a file that
+    vanished. Each folder's files come in name order, then its sub-folders'."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items: list[tuple[Path, int]] = []
     other: list[tuple[str, str]] = []
@@ -51,7 +52,7 @@ def scan_image_folder(
                 if entry.is_dir(follow_symlinks=False):
                     subfolders.append(p)
                     continue
-                what = _not_an_image(entry)
+                what = _not_an_image(entry, broken_links_are_records)
                 if what is None:
                     items.append((p, label))
                 elif what:
@@ -71,7 +72,7 @@ def scan_image_folder(
     return classes, items, other, unlisted
 
 
-def _not_an_image(entry: os.DirEntry) -> str | None:
+def _not_an_image(entry: os.DirEntry, broken_links_are_records: bool) -> str | None:
     """What a folder entry (not a folder itself) is when it is not an image, "" for a hidden file of
     another name (passed over in silence), None for an image file. Only links cost a system call."""
     image = entry.name.lower().endswith(IMAGE_EXTENSIONS)
@@ -79,6 +80,8 @@ def _not_an_image(entry: os.DirEntry) -> str | None:
         try:
             target = os.stat(entry.path)
         except OSError as e:
+            if broken_links_are_records and image:
+                return None
             return f"a link that loops or leads nowhere ({e.strerror or e})"
         if stat.S_ISDIR(target.st_mode):
             return "a link to a folder (not followed)"

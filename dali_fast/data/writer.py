@@ -352,7 +352,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item]
             name = wds.source(i)
             items.append(_Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
     else:
-        classes, found, other, unlisted = scan_image_folder(src)
+        classes, found, other, unlisted = scan_image_folder(src, broken_links_are_records=False)
         items = [_Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
