@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import jpeg_bytes, make_folder
+from builders import jpeg_bytes, make_folder
 
 from dali_fast.cli import main
 from dali_fast.data.writer import pack

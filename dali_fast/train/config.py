@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..data.base import Reader, StreamingReader, check_on_error, provides, read_record
+from ..files import check_writable_file, check_writable_folder
 from ..loaders.factory import BACKENDS
-from ..system import check_writable_file, check_writable_folder
 from ..transforms.decode import stored_size
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..system import cpus_per_local_rank
+from ..machine import cpus_per_local_rank
 from .recipe import Recipe
 
 # nvJPEG preallocates, for the `mixed` decoder, one device buffer and two pinned host buffers per
