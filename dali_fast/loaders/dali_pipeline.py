@@ -171,8 +171,10 @@ def build_pipeline(
     num_threads: int,
     prefetch: int,
     layout: str = "CHW",
+    decode: str | None = None,
 ):
-    """Build the decode → (random-resized-)crop → augment → normalize/flip → erase pipeline, fed by ``source``."""
+    """Build the decode → (random-resized-)crop → augment → normalize/flip → erase pipeline, fed by ``source``
+    (``decode``: how training decodes, "whole" or "roi", see `transforms.dali.augment`)."""
     from nvidia.dali import pipeline_def
 
     conditionals = {"enable_conditionals": True} if train and recipe.auto_augment is not None else {}
@@ -199,7 +201,14 @@ def build_pipeline(
                 source=source, num_outputs=3, batch=True, dtype=[types.UINT8, types.INT64, types.FLOAT]
             )
         images = augment(
-            jpegs, train=train, recipe=recipe, gpu=gpu, layout=layout, num_threads=num_threads, erase=erase
+            jpegs,
+            train=train,
+            recipe=recipe,
+            gpu=gpu,
+            layout=layout,
+            num_threads=num_threads,
+            erase=erase,
+            decode=decode,
         )
         if gpu:
             labels = labels.gpu()
