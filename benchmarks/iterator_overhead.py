@@ -23,8 +23,9 @@ cost), one warm-up epoch then ``--epochs`` timed epochs, and the rows alternate 
 (each round starts at the next row), so drift of the machine's speed falls on every row alike. The table
 gives each row's median img/s and its ratios to rows (p) and (a), and the CPU time its process spent per
 image (all threads: decoding and feeding; steadier than wall time on a shared machine) and its ratio to
-(p)'s. ``--rss-epochs N`` then runs every row N more epochs and prints its process's resident memory and
-Python threads: flat when nothing grows.
+(p)'s; **cores** is the CPU time over the wall time (near the thread count when nothing else ran; far
+below it, the machine was shared and the row's img/s says less). ``--rss-epochs N`` then runs every row N
+more epochs and prints its process's resident memory and Python threads: flat when nothing grows.
 """
 
 from __future__ import annotations
@@ -284,6 +285,7 @@ def main() -> None:
         label = {**ROWS, **{f"{row}*": f"{ROWS[row]} [compared]" for row in "bcd"}}
         rate: dict[str, list[float]] = {row: [] for row in names}
         cost: dict[str, list[float]] = {row: [] for row in names}
+        busy: dict[str, list[float]] = {row: [] for row in names}
         for r in range(args.rounds):
             for row in names[r % len(names) :] + names[: r % len(names)]:
                 other = args.compare_with if row.endswith("*") else None
@@ -291,19 +293,21 @@ def main() -> None:
                 assert got["images"] == n * args.epochs, (row, got)
                 rate[row].append(got["images"] / got["seconds"])
                 cost[row].append(1000 * got["cpu"] / got["images"])
+                busy[row].append(got["cpu"] / got["seconds"])
         speed = {row: statistics.median(v) for row, v in rate.items()}
         ms = {row: statistics.median(v) for row, v in cost.items()}
+        cores = {row: statistics.median(v) for row, v in busy.items()}
         print(
             f"\nmedian of {args.rounds} rounds of {args.epochs} epochs; each row in a process of its own, rows alternating\n"
         )
         with_a = "a" in speed  # (a): the same reference reader, this project's graph
-        head = "| feed | img/s | x (p) |" + (" x (a) |" if with_a else "") + " CPU ms/img | (p)'s CPU / this |"
+        head = "| feed | img/s | x (p) |" + (" x (a) |" if with_a else "") + " CPU ms/img | (p)'s CPU / this | cores |"
         print(head + "\n|---|" + "---:|" * (head.count("|") - 2))
         for row in names:
             vs_a = f" {speed[row] / speed['a']:.2f} |" if with_a else ""
             print(
                 f"| {label[row]} | {speed[row]:.0f} | {speed[row] / speed['p']:.2f} |{vs_a} {ms[row]:.2f} | "
-                f"{ms['p'] / ms[row]:.2f} |"
+                f"{ms['p'] / ms[row]:.2f} | {cores[row]:.2f} |"
             )
         if args.rss_epochs:
             print(f"\nresident memory over {args.rss_epochs} more epochs, each row in a process of its own\n")
