@@ -291,3 +291,16 @@ def test_both_decodes_give_pillow_s_pixels_on_the_cpu():
         for got in (a, b):
             diff = np.abs(got.astype(int) - pillow)
             assert diff.mean() < 0.5 and diff.max() <= 3, (diff.mean(), diff.max())
+
+
+def test_make_loader_takes_the_decode_choice_for_dali_and_ignores_it_for_torch():
+    """``train_decode`` is how DALI decodes: `make_loader` hands it to DALIIterator, and a TorchIterator
+    (asked for, or the fallback without DALI) decodes whole images anyway, so it is not refused there."""
+    from dali_fast.loaders.factory import make_loader
+    from dali_fast.loaders.torch_iterator import TorchIterator
+
+    reader = IndexReader([jpeg_bytes(40, 30)] * 4)
+    torch_loader = make_loader(reader, 2, backend="torch", train_decode="whole", device="cpu", num_workers=0)
+    assert isinstance(torch_loader, TorchIterator)
+    pytest.importorskip("nvidia.dali")
+    assert make_loader(reader, 2, backend="dali", train_decode="whole", device="cpu").train_decode == "whole"
