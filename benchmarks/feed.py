@@ -5,7 +5,7 @@
 
 What is timed is only the callable DALIIterator hands to ``fn.external_source`` (reads, checks, labels,
 erasing boxes), called until it raises StopIteration, as DALI calls it: no decoding, no pipeline. The data
-are real photos of ImageNet size (benchmarks/photos.py, 640x480, quality 95: about 100 KB each) in four
+are real photos of ImageNet size (scripts/photos.py, 640x480, quality 95: about 100 KB each) in four
 forms: a packed set, the ImageFolder itself, WebDataset shards of the same files, and the packed set behind
 a warm LRU cache. The ImageFolder and WebDataset rows are compared with reading the same bytes with a pool
 of threads and doing nothing else (their targets: within 2x of that). Every row runs once per round, rows
@@ -46,8 +46,8 @@ import numpy as np
 import dali_fast
 from dali_fast import open_dataset, pack
 
-sys.path.insert(0, str(Path(__file__).parent))
-from photos import make_photos  # noqa: E402 - a sibling script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from photos import make_photos  # noqa: E402 - scripts/photos.py
 
 SIZE, QUALITY = (640, 480), 95  # about 100 KB per photo, as ImageNet's training JPEGs (110 KB on average)
 SHARD_RECORDS = 500

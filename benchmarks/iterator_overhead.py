@@ -1,6 +1,6 @@
 """Is the external source the bottleneck? DALI's own file reader vs DALIIterator's feeds, side by side.
 
-    pip install scikit-image      # the photos extra (benchmarks/photos.py makes the default data)
+    pip install scikit-image      # the photos extra (scripts/photos.py makes the default data)
     python benchmarks/iterator_overhead.py [--data FOLDER] [--images 400] [--rounds 5] [--epochs 3] [--rss-epochs 30]
                                            [--rows pabcde] [--compare-with OTHER_REVISION/dali_fast]
 
@@ -16,7 +16,7 @@ Rows (images/s over full epochs, all in this one run):
       (the floor of any external source: what is left between it and (a) is DALI's, not the feed's)
 Rows (a)-(e) run the same operators after the source (`augment`).
 
-The data are real photos (benchmarks/photos.py: 470x370, quality 90, as the speed facts use), or
+The data are real photos (scripts/photos.py: 470x370, quality 90, as the speed facts use), or
 ``--data`` (an ImageFolder); ``--rows`` picks rows by letter (``p`` always). Each row runs in a process of
 its own (as a training process would: DALI pipelines sharing one process were seen to change each other's
 cost), one warm-up epoch then ``--epochs`` timed epochs, and the rows alternate over ``--rounds`` rounds
@@ -49,8 +49,8 @@ from dali_fast import DALIIterator, open_dataset, pack
 from dali_fast.transforms.dali import augment, default_num_threads
 from dali_fast.transforms.recipe import Recipe
 
-sys.path.insert(0, str(Path(__file__).parent))
-from photos import make_photos  # noqa: E402 - a sibling script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from photos import make_photos  # noqa: E402 - scripts/photos.py
 
 
 def file_reader_epochs(root: Path, args, threads: int) -> Callable[[], int]:

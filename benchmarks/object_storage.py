@@ -12,7 +12,7 @@ as a separate process on 127.0.0.1). Each round times one epoch of each, in turn
 The shard index is built before timing (a one-time cost per node, reported apart). Ratios are against
 ``local`` in the same round; the table gives the median over rounds.
 
-    python benchmarks/photos.py build/photos --images 2000     # real photographs (pip install scikit-image)
+    python scripts/photos.py build/photos --images 2000     # real photographs (pip install scikit-image)
     python benchmarks/object_storage.py --data build/photos --rounds 5
     python benchmarks/object_storage.py --images 2000          # synthetic images
 """

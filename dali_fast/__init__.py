@@ -20,13 +20,17 @@ _HOME = {
     "PackReport": ".data.writer",
     "Progressive": ".transforms.recipe",
     "Recipe": ".transforms.recipe",
+    "RemoteDataError": ".data.remote.errors",
+    "ShardReport": ".data.shard_writer",
     "TorchIterator": ".loaders.torch_iterator",
     "create_optimized_dataloader": ".loaders.dataloader",
+    "gather_outputs": ".train.distributed",
     "make_dataloader": ".loaders.dataloader",
     "make_loader": ".loaders.factory",
     "make_synthetic": ".data.synthetic",
     "open_dataset": ".data.open",
     "pack": ".data.writer",
+    "write_shards": ".data.shard_writer",
 }
 
 __all__ = [
@@ -41,13 +45,17 @@ __all__ = [
     "PackReport",
     "Progressive",
     "Recipe",
+    "RemoteDataError",
+    "ShardReport",
     "TorchIterator",
     "create_optimized_dataloader",
+    "gather_outputs",
     "make_dataloader",
     "make_loader",
     "make_synthetic",
     "open_dataset",
     "pack",
+    "write_shards",
 ]
 
 

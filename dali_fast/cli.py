@@ -28,11 +28,56 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_options(args: argparse.Namespace, dataset: str | None) -> dict[str, Any]:
+    """The keywords of `open_dataset` that ``--cache-dir``, ``--cache-limit`` and ``--storage-option`` give;
+    refused for local data, which has no use for them (never accepted and then ignored)."""
+    flags = {"--cache-dir": args.cache_dir, "--cache-limit": args.cache_limit, "--storage-option": args.storage_option}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return {}
+    from .data.remote.store import is_remote
+
+    if not is_remote(dataset):
+        what = "the synthetic set" if dataset is None else dataset
+        raise UserError(f"{given[0]} applies to data at a URL (s3://, gs://, https://, ...), not to {what}")
+    options: dict[str, Any] = {}
+    for key, value in args.storage_option or []:
+        if key in options:
+            raise UserError(f"--storage-option {key} is given twice; give each key once")
+        options[key] = value
+    kw = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit, "storage_options": options or None}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from .data.remote.store import is_remote
+
+    src: Any = args.src
+    options = _open_options(args, args.src if is_remote(args.src) else args.dst)  # for whichever is a URL
+    if options and is_remote(args.src):  # opened here with its cache and storage options, read by its reader
+        from .data.open import open_dataset
+
+        src = open_dataset(args.src, **options)
+    if args.format == "webdataset":
+        from .data.shard_pack import pack_shards
+
+        if args.shard_size == 0:
+            raise UserError("--shard-size 0: shards need a size; give one such as 256M, or leave it out")
+        kw = {"max_side": args.max_side, "workers": args.workers, "prefix": args.prefix}
+        if is_remote(args.dst) and "storage_options" in options:
+            kw["storage_options"] = options["storage_options"]
+        if args.shard_size is not None:
+            kw["shard_size"] = args.shard_size
+        report = pack_shards(src, args.dst, verify=not args.no_verify, shuffle=not args.no_shuffle, **kw)
+        print(report.summary())
+        return 0
     from .data.writer import pack
 
+    unused = _changed(args, ("prefix", "no_shuffle"))
+    if unused:
+        raise UserError(f"{unused[0]} is for WebDataset shards; add --format webdataset")
     kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
-    report = pack(args.src, args.dst, verify=not args.no_verify, **kw)
+    report = pack(src, args.dst, verify=not args.no_verify, **kw)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
@@ -40,7 +85,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect_dataset
 
-    return inspect_dataset(args.dataset, verify=args.verify, emit=print)
+    return inspect_dataset(args.dataset, verify=args.verify, emit=print, open_options=_open_options(args, args.dataset))
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -77,54 +122,26 @@ def _cmd_stages(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         image_size=args.image_size,
         model=args.model,
-        cache_bytes=args.cache_bytes or None,
+        cache_bytes=args.cache_bytes,
         total_epochs=args.total_epochs,
         total_images=args.total_images,
         progressive=args.progressive,
         out=args.out,
         emit=log.info,
+        open_options=_open_options(args, args.dataset),
     )
     print(stages_summary(result, Path(args.out)))
     return 0
 
 
-# The flags of the loader rows that `bench --stages` has no use for (its stages are fixed).
-STAGES_IGNORE = (
-    "loaders",
-    "controller",
-    "on_error",
-    "no_limit",
-    "alternate",
-    "augment",
-    "random_erasing",
-    "mixup",
-    "cutmix",
-    "label_smoothing",
-    "eval_crop_fraction",
-)
-
-
 def _changed(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
     """The flags among ``names`` (argparse dests) given a value other than their default, as --flags."""
-    defaults = build_parser().parse_args([args.command])
-    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != getattr(defaults, n)]
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != args.default_of(n)]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import run_bench
     from .tools.report import bench_summary
-
-    if args.stages:
-        ignored = _changed(args, STAGES_IGNORE)
-        if ignored:
-            raise UserError(
-                f"{ignored[0]} belongs to the loader rows; --stages runs its own fixed stages (it takes "
-                "--images, --epochs, --batch-size, --image-size, --model, --cache-bytes, --progressive, --out, "
-                "--total-epochs and --total-images)"
-            )
-        return _cmd_stages(args)
-    if args.total_epochs != 90 or args.total_images != 1_281_167:
-        raise UserError("--total-epochs and --total-images project a whole run: use them with --stages")
 
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     if not loaders:
@@ -163,6 +180,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         limit=not args.no_limit,
         alternate=args.alternate,
         emit=log.info,
+        open_options=_open_options(args, args.dataset),
     )
     print(bench_summary(result, Path(args.out)))
     return 0 if all("error" not in r for r in result["rows"]) else 1
@@ -181,7 +199,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
-    run_train(open_dataset(args.dataset or default_dataset(args.images)[1]), config, emit=print)
+    options = _open_options(args, args.dataset)
+    run_train(open_dataset(args.dataset or default_dataset(args.images)[1], **options), config, emit=print)
     return 0
 
 
@@ -210,23 +229,35 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "pack": _cmd_pack,
     "inspect": _cmd_inspect,
     "bench": _cmd_bench,
+    "stages": _cmd_stages,
     "train": _cmd_train,
     "doctor": _cmd_doctor,
 }
 
 
+# Loggers of the object-store clients: WARNING and above, and under -v also their INFO lines (not their
+# DEBUG lines, which are every request's headers).
+CHATTY = ("botocore", "aiobotocore", "s3fs", "fsspec", "gcsfs", "urllib3")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.default_of = parser.commands[args.command].get_default  # what `_changed` compares with
     quiet = int(os.environ.get("RANK", "0")) > 0  # under torchrun only rank 0 talks; the others warn
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name in CHATTY:  # their INFO lines ("Found credentials in environment variables") on every run
+        logging.getLogger(name).setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from .data.remote.errors import RemoteDataError
+
     try:
         with _log_above_bars():
             return int(COMMANDS[args.command](args) or 0)
-    except (UserError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError, RemoteDataError) as e:
         print(f"dali-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

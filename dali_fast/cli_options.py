@@ -4,6 +4,7 @@ default; a usage error is one line, exit code 2). `dali_fast.cli` runs the comma
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -48,6 +49,19 @@ def _size(text: str) -> int:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G")
     return int(value)
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as (key, value): VALUE read as JSON where it parses (``true``, ``3``, ``{"verify": false}``),
+    else kept as text (``http://minio:9000``)."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; e.g. endpoint_url=http://minio:9000")
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.strip(), parsed
 
 
 def _count(minimum: int) -> Callable[[str], int]:
@@ -102,12 +116,52 @@ def _progressive(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--progressive {text!r}: ")) from None
 
 
-def _add_data_args(s: argparse.ArgumentParser) -> None:
-    """The data and batch arguments `bench` and `train` share."""
+def _add_model_arg(s: argparse.ArgumentParser) -> None:
+    """``--model`` of the commands that time loading (bench, stages)."""
+    s.add_argument(
+        "--model",
+        default="none",
+        choices=["none", "resnet_tiny", "resnet18", "resnet50"],
+        help="a training step per batch with this model (none: loading only)",
+    )
+
+
+def _add_remote_args(s: argparse.ArgumentParser) -> None:
+    """The options of data at a URL (refused for local data, which has no use for them)."""
+    s.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="data at a URL: the node-local folder its shards are cached in (default: $DALI_FAST_CACHE/remote)",
+    )
+    s.add_argument(
+        "--cache-limit",
+        type=_size,
+        metavar="BYTES",
+        default=None,
+        help="data at a URL: bytes of shards the cache may hold on this node, e.g. 200G (default: the disk's "
+        "free space at open, less a margin)",
+    )
+    s.add_argument(
+        "--storage-option",
+        type=_storage_option,
+        action="append",
+        metavar="KEY=VALUE",
+        default=None,
+        help="data at a URL: an fsspec option such as endpoint_url=http://minio:9000 or anon=true; VALUE is read "
+        "as JSON where it parses (true, 3), else as text; repeatable",
+    )
+
+
+def _add_data_args(s: argparse.ArgumentParser, on_error: bool = True) -> None:
+    """The data and batch arguments `bench`, `stages` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
+    _add_remote_args(s)
     s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
     s.add_argument("--batch-size", type=_count(1), default=64, help="images per batch")
     s.add_argument("--image-size", type=_count(1), default=224, help="output side in pixels")
+    if not on_error:
+        return
     s.add_argument(
         "--on-error",
         choices=ON_ERROR,
@@ -153,7 +207,8 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
 
 DATASETS = (
     "a packed set, an ImageFolder root, WebDataset shards (a .tar, a folder of .tar files, or a brace pattern such "
-    "as 'train-{000000..000146}.tar', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
+    "as 'train-{000000..000146}.tar', quoted), Parquet files (a .parquet, a folder or Hugging Face snapshot, or a "
+    "pattern such as 'data/train-*.parquet', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
 )
 
 
@@ -173,13 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
     s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
 
-    s = _command(sub, "pack", "pack an ImageFolder or WebDataset shards into one memory-mappable data set")
+    s = _command(sub, "pack", "write a data set as one memory-mappable packed set, or as WebDataset shards")
+    s.add_argument("src", help=DATASETS.replace("or a URL of shards", "or a URL of shards to convert"))
+    s.add_argument("dst", help="destination folder (must not exist), or with --format webdataset a URL")
     s.add_argument(
-        "src",
-        help="an ImageFolder root SRC/<class>/<image>, or local WebDataset shards: a .tar, a folder of .tar files, "
-        "or a brace pattern such as 'train-{000000..000146}.tar' (quoted)",
+        "--format",
+        choices=("packed", "webdataset"),
+        default="packed",
+        help="packed: index.bin + data.bin (read in place, O(1) per record); webdataset: tar shards "
+        "PREFIX-000000.tar, ... (.jpg/.png with .cls or .json), for object storage",
     )
-    s.add_argument("dst", help="destination folder (must not exist)")
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
     s.add_argument(
         "--max-side", type=_count(1), default=None, help="re-encode images whose longer side exceeds N pixels"
@@ -193,26 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--shard-size",
         type=_size,
-        default=0,
+        default=None,
         metavar="BYTES",
-        help="write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
-        "(default: 0, one data.bin)",
+        help="packed: write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
+        "(default: one data.bin); webdataset: each shard's most bytes (default: 256M)",
     )
+    s.add_argument(
+        "--prefix", default="shard", help="webdataset: the shards' names PREFIX-000000.tar, ... and the keys' start"
+    )
+    s.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="webdataset: keep the source's order (default: a fixed shuffle, so each shard mixes the classes)",
+    )
+    _add_remote_args(s)
 
     s = _command(sub, "inspect", "describe a data set: records, classes, bytes")
     s.add_argument("dataset", help=DATASETS)
+    _add_remote_args(s)
     s.add_argument("--verify", action="store_true", help="check every record's crc32 (packed sets)")
 
     s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
     s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
     s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
-    s.add_argument(
-        "--model",
-        default="none",
-        choices=["none", "resnet_tiny", "resnet18", "resnet50"],
-        help="a training step per batch with this model (none: loading only)",
-    )
+    _add_model_arg(s)
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
@@ -228,16 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
         "every row alike; all loaders stay alive meanwhile)",
     )
     _add_recipe_args(s, several=True)
-    s.add_argument(
-        "--stages",
-        action="store_true",
-        help="measure the optimizations cumulatively, one row each (baseline, +cache, +factory, +device ops, "
-        "+DALI, +controller, +progressive resizing), with the projected time of a whole training run",
+
+    s = _command(
+        sub, "stages", "measure what each optimization buys, cumulatively, one row each, and project a whole run"
     )
-    s.add_argument("--total-epochs", type=_count(1), default=90, help="with --stages: epochs of the projected run")
+    _add_data_args(s, on_error=False)
+    s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs of each stage after one warm-up epoch")
+    _add_model_arg(s)
+    s.add_argument("--cache-bytes", type=_size, default=None, help="LRU cache budget, e.g. 2G (default: half the data)")
+    s.add_argument("--out", default="stages-results", help="folder for stages.json and stages.png")
     s.add_argument(
-        "--total-images", type=_count(1), default=1_281_167, help="with --stages: images per epoch of the projected run"
+        "--progressive",
+        type=_progressive,
+        default=None,
+        metavar="START:END:FROM_EPOCH:TO_EPOCH",
+        help="the last row's resolution schedule (default: FFCV's ramp scaled to --total-epochs)",
     )
+    s.add_argument("--total-epochs", type=_count(1), default=90, help="epochs of the projected run")
+    s.add_argument("--total-images", type=_count(1), default=1_281_167, help="images per epoch of the projected run")
 
     s = _command(sub, "train", "train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
     _add_data_args(s)
@@ -290,4 +361,5 @@ def build_parser() -> argparse.ArgumentParser:
     usages = [c.format_usage().removeprefix("usage: ").rstrip() for c in sub.choices.values()]
     p.epilog = "synopsis:\n" + "\n".join("  " + u.replace("\n", "\n  ") for u in usages)
     p.epilog += "\n\n`dali-fast COMMAND --help` says what each option does."
+    p.commands = sub.choices  # type: ignore[attr-defined]  # each command's parser, by name
     return p

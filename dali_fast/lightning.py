@@ -28,7 +28,8 @@ from typing import Any
 from .data.base import Reader
 from .data.format import INDEX_FILE
 from .data.open import open_dataset
-from .data.remote_store import is_remote
+from .data.parquet_index import expand_parquet, is_parquet
+from .data.remote.store import is_remote
 from .data.shards import expand_shards, is_webdataset
 from .loaders.base import LoaderBase
 from .loaders.controller import BatchSizeController
@@ -166,6 +167,12 @@ def _check_source(split: str, source: Any) -> None:
         raise ValueError(f"DaliFastDataModule: {split}={source!r}: pass a data set path (str or Path) or a Reader")
     text = os.fspath(source)
     where = f"DaliFastDataModule: {split}={text!r}"
+    if is_parquet(text):
+        try:
+            expand_parquet(text)
+        except (FileNotFoundError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        return
     if is_webdataset(text):
         try:
             expand_shards(text)
@@ -175,7 +182,8 @@ def _check_source(split: str, source: Any) -> None:
     path = Path(text)
     if not path.exists():
         raise FileNotFoundError(
-            f"{where}: no such file or folder; pass a packed data set, WebDataset shards or an ImageFolder root"
+            f"{where}: no such file or folder; pass a packed data set, WebDataset shards, Parquet files or an "
+            "ImageFolder root"
         )
     if not path.is_dir() or not ((path / INDEX_FILE).exists() or any(d.is_dir() for d in path.iterdir())):
         raise ValueError(

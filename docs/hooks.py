@@ -1,8 +1,8 @@
 """MkDocs hooks for this site (`hooks:` in mkdocs.yml).
 
 - `<!-- include PATH -->` on a line of its own puts a file of the repository there, so that the home page
-  is README.md and the Docker page is docker/README.md, each kept in one place; their links into docs/
-  are rewritten to the pages of the site.
+  is README.md, the Docker page docker/README.md and the contributing page CONTRIBUTING.md, each kept in
+  one place; their links into docs/ and to one another are rewritten to the pages of the site.
 - `::: dali_fast.NAME` on the API page documents a public name where it is defined: the package's
   `__init__.py` is read (not imported, so neither torch nor DALI is needed) to find the module behind
   each name, lazy ones included, and the heading keeps the public name.
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dali_fast"
 INCLUDE = re.compile(r"^<!-- include (\S+) -->$", re.M)
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+SITE_PAGES = {"docker/README.md": "docker.md", "CONTRIBUTING.md": "contributing.md"}  # files included as pages
 IDENTIFIER = re.compile(r"^::: (dali_fast(?:\.\w+)+)[ \t]*$", re.M)
 
 def _module_exists(dotted: str) -> bool:
@@ -73,8 +74,9 @@ def _include(match: re.Match) -> str:
         if re.match(r"^[a-z]+:", target):  # a URL
             return link.group(0)
         path = (source.parent / target).resolve()
-        if path == ROOT / "docker" / "README.md":
-            return f"](docker.md{anchor})"
+        page = SITE_PAGES.get(path.relative_to(ROOT).as_posix()) if ROOT in path.parents else None
+        if page is not None:
+            return f"]({page}{anchor})"
         if docs in path.parents:
             return f"]({path.relative_to(docs).as_posix()}{anchor})"
         raise PluginError(f"include {match.group(1)}: the link to {target} has no page in the site")

@@ -1,14 +1,12 @@
-"""Shared fixtures: tiny data sets built in tmp_path."""
+"""Shared fixtures: tiny data sets built in tmp_path (what they are built from is in helpers/builders.py)."""
 
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from builders import IndexReader, jpeg_bytes, make_folder, png_bytes
 
 if "mutmut" in sys.modules:
     # A mutation run forks a process per mutant from one that has run the tests: torch's OpenMP threads do
@@ -16,43 +14,6 @@ if "mutmut" in sys.modules:
     import torch
 
     torch.set_num_threads(1)
-
-
-def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90, **save) -> bytes:
-    rng = np.random.default_rng(w * 1000 + h)
-    arr = np.clip(np.array(color, np.float32) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(arr).save(out, "JPEG", quality=quality, **save)
-    return out.getvalue()
-
-
-def first_batch(loader):
-    """The loader's first batch, its pass then left and closed at once (not whenever the garbage collector
-    reaches the generator: a pass finalized later, in the middle of other code, runs its cleanup there)."""
-    batches = iter(loader)
-    try:
-        return next(batches)
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()
-
-
-def png_bytes(w: int = 40, h: int = 30, mode: str = "RGBA") -> bytes:
-    arr = np.full((h, w, len(mode)), 120, np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(arr, mode=mode).save(out, "PNG")
-    return out.getvalue()
-
-
-def make_folder(root: Path, per_class: dict[str, list[bytes]], ext: str = ".jpg") -> Path:
-    for cls, items in per_class.items():
-        (root / cls).mkdir(parents=True, exist_ok=True)
-        for i, data in enumerate(items):
-            suffix = ".png" if data.startswith(b"\x89PNG") else ext
-            name = f"{i:03d}{suffix}"
-            (root / cls / name).write_bytes(data)
-    return root
 
 
 @pytest.fixture
@@ -68,39 +29,11 @@ def small_folder(tmp_path: Path) -> Path:
     )
 
 
-class IndexReader:
-    """A data set whose label is the record's index, so a batch of labels names its records."""
-
-    def __init__(self, items: list[bytes], classes: int | None = None):
-        self.items = [np.frombuffer(b, np.uint8) for b in items]
-        self.classes = [str(i) for i in range(classes or len(items))]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i], int(i)
-
-    @property
-    def labels(self):
-        return np.arange(len(self.items), dtype=np.int64)
-
-    def source(self, i):
-        return f"mem://{i}.jpg"
-
-
 @pytest.fixture(scope="session")
 def index_reader() -> IndexReader:
     """37 small JPEGs (a prime count, so no batch size divides it) labelled by index."""
     colors = [(200, 30, 60), (10, 200, 10), (0, 0, 255), (250, 250, 0)]
     return IndexReader([jpeg_bytes(32 + i % 5, 24 + i % 3, colors[i % 4]) for i in range(37)])
-
-
-def one_line(excinfo) -> str:
-    """The message of a raised error, which must be one line."""
-    msg = str(excinfo.value)
-    assert "\n" not in msg
-    return msg
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ N = 37
 
 SCRIPT = """
 import json, os, sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {helpers!r})
 import torch
 from accelerate import Accelerator
-from test_lightning import loader, reader
+from framework_loaders import loader, reader
 backends, out = sys.argv[1].split(","), sys.argv[2]
 acc = Accelerator(cpu=True)
 for backend in backends:  # one launch, one process group, each backend in turn
@@ -55,7 +55,7 @@ def _launch(tmp_path: Path, backends: list[str], nproc: int) -> dict[str, list[d
     """Run the script under ``nproc`` processes for each of ``backends``; per backend, each rank's record."""
     backend = ",".join(backends)
     script = tmp_path / "acc_run.py"
-    script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
+    script.write_text(SCRIPT.format(helpers=str(ROOT / "tests" / "helpers")))
     if nproc == 1:
         cmd = [sys.executable, str(script), backend, str(tmp_path)]
     else:
@@ -73,7 +73,7 @@ def _launch(tmp_path: Path, backends: list[str], nproc: int) -> dict[str, list[d
 def test_prepare_in_one_process(backend):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from test_lightning import loader, reader
+    from framework_loaders import loader, reader
 
     acc = Accelerator(cpu=True)
     try:
@@ -104,7 +104,7 @@ def test_accelerate_without_a_process_group_is_not_sharded_by_rank(backend, monk
     (one process: every sample), made before or after the Accelerator, and say so in one line."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from test_lightning import loader, reader
+    from framework_loaders import loader, reader
 
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -150,7 +150,7 @@ def test_accelerate_launch_two_processes_each_rank_its_shard(tmp_path):
 
 
 def test_loader_state_round_trips_through_torch_save_weights_only(tmp_path):
-    from conftest import IndexReader, jpeg_bytes
+    from builders import IndexReader, jpeg_bytes
 
     from dali_fast import BatchSizeController, TorchIterator
 

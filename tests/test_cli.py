@@ -5,7 +5,7 @@ import pytest
 
 from dali_fast.cli import main
 
-COMMANDS = ["make-synthetic", "pack", "inspect", "bench", "train", "doctor"]
+COMMANDS = ["make-synthetic", "pack", "inspect", "bench", "stages", "train", "doctor"]
 
 
 def test_every_command_has_a_runner():
@@ -63,21 +63,15 @@ def test_bad_input_exit_2_one_line(tmp_path):
         ),
         (["bench", "{data}", "--augment", "none,none"], "--augment 'none,none' names one more than once"),
         (["train", "{data}", "--augment", "none,randaugment"], "train takes one (bench compares several)"),
-        (["bench", "{data}", "--stages", "--augment", "randaugment"], "--augment belongs to the loader rows"),
-        (["bench", "{data}", "--stages", "--loaders", "dali"], "--loaders belongs to the loader rows"),
-        (["bench", "{data}", "--stages", "--mixup", "0.2"], "--mixup belongs to the loader rows"),
-        (["bench", "{data}", "--stages", "--on-error", "skip"], "--on-error belongs to the loader rows"),
-        (["bench", "{data}", "--stages", "--random-erasing", "0.5"], "--random-erasing belongs to the loader rows"),
-        (["bench", "{data}", "--stages", "--alternate"], "--alternate belongs to the loader rows"),
         (
             ["bench", "{data}", "--loaders", "baseline", "--cache-bytes", "1M"],
             "--cache-bytes does nothing to the baseline",
         ),
         (["bench", "{data}", "--loaders", "baseline", "--controller"], "--controller does nothing to the baseline"),
         (["bench", "{data}", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
-        (["bench", "{data}", "--stages", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
+        (["stages", "{data}", "--out", "{file}"], "--out {file}: {file} is a file, not a folder"),
         (["bench", "{data}", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of {data}"),
-        (["bench", "{data}", "--stages", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of"),
+        (["stages", "{data}", "--batch-size", "10"], "--batch-size 10 is larger than the 9 images of"),
         (["train", "{data}", "--checkpoint-every", "3"], "--checkpoint-every needs a checkpoint folder"),
         (["bench", "{data}", "--eval-crop-fraction", "0.9"], "--eval-crop-fraction shapes evaluation batches"),
         (["bench", "{data}", "--label-smoothing", "0.1"], "--label-smoothing alone changes only the loss"),
@@ -98,8 +92,30 @@ def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "data", "full"]  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stages", "--augment", "randaugment"],
+        ["stages", "--loaders", "dali"],
+        ["stages", "--mixup", "0.2"],
+        ["stages", "--on-error", "skip"],
+        ["stages", "--random-erasing", "0.5"],
+        ["stages", "--alternate"],
+        ["bench", "--stages"],
+        ["bench", "--total-epochs", "10"],
+    ],
+)
+def test_each_command_takes_only_the_options_it_honours(argv, capsys):
+    """`stages` runs its own fixed rows: the loader rows' flags are not among its options (nothing is
+    accepted and then ignored), and `bench` no longer has the stages' flags."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"unrecognized arguments: {argv[1]}" in err[0], err
+
+
 def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
-    from test_shards import write_shards  # skipped without the webdataset package
+    from builders import write_shards  # skipped without the webdataset package
 
     from dali_fast.data.synthetic import make_synthetic
     from dali_fast.data.writer import pack
@@ -180,19 +196,25 @@ def test_on_a_terminal_the_bar_is_closed_before_the_error_line(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-def test_the_stages_refusal_names_exactly_the_options_stages_takes(tmp_path, capsys):
-    """Every bench option --stages honours is named in its refusal line, and none it refuses."""
-    import re
-
-    from dali_fast.cli import STAGES_IGNORE
+def test_stages_takes_what_bench_s_stages_honoured_and_nothing_else():
+    """`stages` has exactly the options its fixed rows use (the refusal list `bench --stages` needed is gone)."""
     from dali_fast.cli_options import build_parser
 
-    bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]  # noqa: SLF001
-    taken = {
-        a.option_strings[0]
-        for a in bench._actions  # noqa: SLF001
-        if a.option_strings and a.dest not in (*STAGES_IGNORE, "help", "stages")
+    stages = build_parser().commands["stages"]
+    taken = {a.option_strings[0] for a in stages._actions if a.option_strings}  # noqa: SLF001
+    assert taken == {
+        "-h",
+        "--images",
+        "--batch-size",
+        "--image-size",
+        "--epochs",
+        "--model",
+        "--cache-bytes",
+        "--out",
+        "--progressive",
+        "--total-epochs",
+        "--total-images",
+        "--cache-dir",  # data at a URL
+        "--cache-limit",
+        "--storage-option",
     }
-    assert main(["bench", str(tmp_path), "--stages", "--mixup", "0.2"]) == 2
-    named = set(re.findall(r"--[a-z-]+", capsys.readouterr().err.split("(it takes", 1)[1]))
-    assert named == taken

@@ -6,7 +6,7 @@ import pytest
 from dali_fast.cli import main
 from dali_fast.cli_options import build_parser
 
-COMMANDS = ["make-synthetic", "pack", "inspect", "bench", "train", "doctor"]
+COMMANDS = ["make-synthetic", "pack", "inspect", "bench", "stages", "train", "doctor"]
 
 
 def test_every_command_is_listed():

@@ -4,8 +4,10 @@ and the command-line page lists every option with the parser's default.
 
 How blocks run (docs/tests.md says the same to readers):
 - ```python: exec'd in a fresh namespace in a working folder per page, where `data/train` (48 synthetic
-  images, 4 classes), `data/val` (16) and `shards/train-{000000..000003}.tar` exist, and
-  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names.
+  images, 4 classes), `data/val` (16), `shards/train-{000000..000003}.tar` and `my-dataset/` (the same
+  images as a Hugging Face snapshot: `data/train-0000{0,1}-of-00002.parquet`, `data/test-00000-of-00001.parquet`) exist, and
+  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names
+  (for shell blocks too).
   Only `model` and `optimizer` (the reader's own objects) are given. Sizes: `epochs = N` and
   `max_epochs=N` become 1, and `batch_size=`, `min_batch=`, `max_batch=` are divided by 32.
 - ```bash: each command run in the page's folder, `dali-fast` through its entry point `dali_fast.cli:main`; `--epochs` 1, `--images` 48,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import json
 import os
 import re
 import shlex
@@ -107,11 +110,11 @@ def small_command(command: str) -> list[str]:
     words = shlex.split(command, comments=True)
     if words[0] == "make":
         return ["make", "-n", "-C", str(ROOT), *words[1:]]
-    if words[0] == "bash" and len(words) > 1 and words[1].startswith("benchmarks/"):
+    if words[0] == "bash" and len(words) > 1 and words[1].startswith(("benchmarks/", "gpu_check/", "scripts/")):
         return words
     if words[0] != "dali-fast":
         raise AssertionError(
-            f"`{command.strip()}`: a shell block runs dali-fast, make or bash benchmarks/... commands; "
+            f"`{command.strip()}`: a shell block runs dali-fast, make or bash benchmarks/, gpu_check/ or scripts/ commands; "
             "mark a block that cannot run here with <!-- not run: reason --> just before it"
         )
     out: list[str] = []
@@ -129,7 +132,7 @@ def small_command(command: str) -> list[str]:
         else:
             out.append(w)
     command_name = next((w for w in words[1:] if not w.startswith("-")), "")
-    if command_name in ("bench", "train") and "--batch-size" not in out:
+    if command_name in ("bench", "stages", "train") and "--batch-size" not in out:
         out += ["--batch-size", "2"]
     if command_name == "train" and "--model" not in out:
         out += ["--model", "resnet_tiny"]
@@ -175,6 +178,29 @@ def _write_shards(src: Path, dst: Path, shards: int = 4) -> None:
                 cls.unlink()
 
 
+def _write_parquet(src: Path, dst: Path, split: str, files: int) -> None:
+    """An ImageFolder as a Hugging Face snapshot writes it: `image: struct<bytes, path>`, `label: int64` with
+    the ClassLabel names in the schema metadata, row groups of 100 rows (when pyarrow is installed)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    classes = sorted(p.name for p in src.iterdir() if p.is_dir())
+    rows = [(f, label) for label, c in enumerate(classes) for f in sorted((src / c).iterdir())]
+    meta = {"info": {"features": {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}}}
+    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    (dst / "data").mkdir(parents=True, exist_ok=True)
+    per = -(-len(rows) // files)
+    for k in range(files):
+        part = rows[k * per : (k + 1) * per]
+        table = pa.table({
+            "image": pa.array([{"bytes": f.read_bytes(), "path": f.name} for f, _ in part], kind),
+            "label": pa.array([label for _, label in part], pa.int64()),
+        }).replace_schema_metadata({"huggingface": json.dumps(meta)})  # fmt: skip
+        pq.write_table(table, dst / "data" / f"{split}-{k:05d}-of-{files:05d}.parquet", row_group_size=100)
+
+
 @pytest.fixture(scope="module")
 def docs_env(tmp_path_factory):
     """The tiny data every page's folder starts with, a cache folder, and a lazily started S3 server."""
@@ -185,6 +211,8 @@ def docs_env(tmp_path_factory):
     make_synthetic(template / "data" / "train", images=48, classes=4, seed=0, progress=False)
     make_synthetic(template / "data" / "val", images=16, classes=4, seed=1, progress=False)
     _write_shards(template / "data" / "train", template / "shards")
+    _write_parquet(template / "data" / "train", template / "my-dataset", "train", 2)
+    _write_parquet(template / "data" / "val", template / "my-dataset", "test", 1)
     env = {"base": base, "template": template, "cache": base / "cache", "pages": {}, "s3": None}
     yield env
     if env["s3"] is not None:
@@ -194,7 +222,6 @@ def docs_env(tmp_path_factory):
 def _s3(env: dict) -> str:
     """The local S3 server's endpoint, with the template's shards in `s3://bucket/`."""
     if env["s3"] is None:
-        sys.path.insert(0, str(ROOT / "tests"))
         from object_store import S3Server
 
         server = S3Server()
@@ -243,10 +270,20 @@ def _page_dir(env: dict, page: str) -> Path:
     if folder is None:
         folder = env["base"] / "pages" / page.replace("/", "_")
         shutil.copytree(env["template"], folder, copy_function=os.link)
-        (folder / "benchmarks").symlink_to(ROOT / "benchmarks")
+        for name in ("benchmarks", "gpu_check", "scripts"):
+            (folder / name).symlink_to(ROOT / name)
         env["pages"][page] = folder
         env[("ran", page)] = set()
     return folder
+
+
+def _local_s3(env: dict, monkeypatch) -> None:
+    """AWS_ENDPOINT_URL names the local S3 server; no file system of an earlier endpoint is reused (fsspec
+    keeps one per set of options, the endpoint it read from the environment included)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _run_python(block: Block, folder: Path, env: dict, objects: dict, monkeypatch) -> None:
@@ -255,7 +292,7 @@ def _run_python(block: Block, folder: Path, env: dict, objects: dict, monkeypatc
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
     if "s3://" in block.code:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", _s3(env))
+        _local_s3(env, monkeypatch)
     namespace = {"__name__": "__snippet__", **objects}
     try:
         exec(compile(small_python(block.code), block.id, "exec"), namespace)  # noqa: S102 - the docs' own code
@@ -280,6 +317,8 @@ def _run_shell(block: Block, folder: Path, env: dict, monkeypatch, capsys) -> No
 
     monkeypatch.chdir(folder)
     monkeypatch.setenv("DALI_FAST_CACHE", str(env["cache"]))
+    if "s3://" in block.code:
+        _local_s3(env, monkeypatch)
     for command in shell_commands(block.code):
         argv = small_command(command)
         if argv[0] == "dali-fast":
@@ -338,7 +377,7 @@ def test_not_run_blocks_are_few_and_give_a_reason():
 
 # ---------------------------------------------------------------------------------------------- references
 
-TEST_REF = re.compile(r"tests/(test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
+TEST_REF = re.compile(r"tests/((?:\w+/)*test_\w+\.py)(?:::(\w+)(?:::(\w+))?)?")
 BARE_REF = re.compile(r"(?<![\w/])(test_\w+\.py)")
 
 
@@ -413,10 +452,12 @@ def test_cli_page_lists_every_option_with_its_default():
 
     rows = _cli_rows()
     recipe = rows.get("Recipe options (bench and train)", {})
+    url = rows.get("URL options (train, bench, stages, inspect and pack)", {})
     commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001 - the CLI's own table
     problems = []
     for name, parser in commands.items():
         documented = {**rows.get(name, {}), **(recipe if name in ("bench", "train") else {})}
+        documented |= url if name in ("train", "bench", "stages", "inspect", "pack") else {}
         options = set()
         for action in parser._actions:  # noqa: SLF001
             for option in action.option_strings:

@@ -15,92 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IndexReader, jpeg_bytes
 from contract import each_once
 
 pl = pytest.importorskip("pytorch_lightning")
+from framework_loaders import N, loader, reader  # noqa: E402
+from lightning_parts import Model, Recorder  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-N = 37
 BACKENDS = ["dali", "torch"]
-
-
-def reader() -> IndexReader:
-    return IndexReader([jpeg_bytes(32 + i % 5, 24 + i % 3) for i in range(N)])
-
-
-def loader(backend: str, data, batch_size: int = 8, train: bool = True, **kw):
-    if backend == "dali":
-        pytest.importorskip("nvidia.dali")
-        from dali_fast import DALIIterator as cls
-
-        kw.setdefault("num_threads", 2)
-    else:
-        from dali_fast import TorchIterator as cls
-
-        kw.setdefault("num_workers", 0)
-    return cls(data, batch_size, train=train, image_size=16, device="cpu", seed=1, **kw)
-
-
-class Recorder(pl.Callback):
-    """What each stage saw: (epoch, labels) per training batch, labels per val/test/predict batch."""
-
-    def __init__(self):
-        self.train: list[tuple[int, list[int]]] = []
-        self.val: list[list[int]] = []
-        self.test: list[list[int]] = []
-        self.predict: list[list[int]] = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.train.append((trainer.current_epoch, batch[1].tolist()))
-
-    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.val.append(batch[1].tolist())
-
-    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.test.append(batch[1].tolist())
-
-    def on_predict_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.predict.append(batch[1].tolist())
-
-    def epoch(self, e: int) -> list[int]:
-        return [i for ep, labels in self.train if ep == e for i in labels]
-
-
-class Model(pl.LightningModule):
-    def __init__(self, loaders=None):
-        super().__init__()
-        self.lin = torch.nn.Linear(3 * 16 * 16, N)
-        self.loaders = loaders or {}
-
-    def forward(self, x):
-        return self.lin(x.flatten(1))
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
-
-    def test_step(self, batch, batch_idx):
-        pass
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0]).argmax(1)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return self.loaders.get("train", list)()
-
-    def val_dataloader(self):
-        return self.loaders.get("val", list)()
-
-    def test_dataloader(self):
-        return self.loaders.get("test", list)()
-
-    def predict_dataloader(self):
-        return self.loaders.get("predict", list)()
 
 
 def trainer(recorder, **kw):
@@ -342,9 +264,10 @@ def test_datamodule_progressive_resizing(backend, tmp_path):
 
 DDP_SCRIPT = """
 import json, os, sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {helpers!r})
 import pytorch_lightning as pl, torch
-from test_lightning import Model, Recorder, loader, reader
+from framework_loaders import loader, reader
+from lightning_parts import Model, Recorder
 backends, out = sys.argv[1].split(","), sys.argv[2]
 data = reader()
 for backend in backends:  # one launch, one process group, a Trainer per backend
@@ -362,7 +285,7 @@ for backend in backends:  # one launch, one process group, a Trainer per backend
 def test_ddp_two_processes_shard_each_epoch(tmp_path):
     backends = [b for b in BACKENDS if b != "dali" or importlib.util.find_spec("nvidia.dali")]
     script = tmp_path / "ddp_run.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(ROOT / "tests")))
+    script.write_text(DDP_SCRIPT.format(helpers=str(ROOT / "tests" / "helpers")))
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, str(script), ",".join(backends), str(tmp_path)],

@@ -52,36 +52,6 @@ def test_documented_import_paths(module, name):
         assert value is getattr(dali_fast, name)
 
 
-# Old paths the documentation once showed: still the same objects, with a DeprecationWarning naming the new home.
-MOVED = [
-    ("dali_fast.records", "pack", "dali_fast.data.writer"),
-    ("dali_fast.records", "open_dataset", "dali_fast.data.open"),
-    ("dali_fast.records", "MemmapReader", "dali_fast.data.packed"),
-    ("dali_fast.records", "ImageFolderReader", "dali_fast.data.folder"),
-    ("dali_fast.records", "PackReport", "dali_fast.data.writer"),
-    ("dali_fast.recipe", "Recipe", "dali_fast.transforms.recipe"),
-    ("dali_fast.recipe", "MixupCutmix", "dali_fast.transforms.mix"),
-    ("dali_fast.recipe", "soft_target_cross_entropy", "dali_fast.transforms.mix"),
-    ("dali_fast.fallback", "TorchIterator", "dali_fast.loaders.torch_iterator"),
-    ("dali_fast.fallback", "make_loader", "dali_fast.loaders.factory"),
-    ("dali_fast.pipeline", "augment", "dali_fast.transforms.dali"),
-    ("dali_fast.pipeline", "default_num_threads", "dali_fast.transforms.dali"),
-    ("dali_fast.iterator", "DALIIterator", "dali_fast.loaders.dali_iterator"),
-]
-
-
-@pytest.mark.parametrize(("old", "name", "home"), MOVED, ids=[f"{m}.{n}" for m, n, _ in MOVED])
-def test_moved_paths_warn_and_give_the_same_object(old, name, home):
-    module = importlib.import_module(old)
-    with pytest.warns(DeprecationWarning, match=rf"^{old}\.{name} moved: import it from {home} "):
-        value = getattr(module, name)
-    assert value is getattr(importlib.import_module(home), name)
-    with pytest.warns(DeprecationWarning):
-        exec(f"from {old} import {name}", {})  # the usual spelling warns too
-    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
-        module.nothing_here  # noqa: B018
-
-
 def test_import_is_cheap():
     code = "import sys, dali_fast; print(sorted(m for m in ('torch', 'nvidia.dali', 'PIL') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import plural
+from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .checks import check_encoded, check_index
 from .format import IMAGE_EXTENSIONS

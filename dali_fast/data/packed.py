@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import progress_bar
+from ..text import progress_bar
 from .base import CheckedBatch
 from .checks import (
     JPEG_EOI_BYTES,

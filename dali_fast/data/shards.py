@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import plural
+from ..text import plural
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 LABEL_EXTENSIONS = ("cls", "json")
@@ -76,28 +76,53 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
+def _header_ok(header: bytes) -> bool:
+    """Whether a 512-byte block is a tar header: its checksum (unsigned, or signed as old tars wrote it)
+    and its size field hold."""
+    try:
+        stored = int(header[148:156].rstrip(b"\0 ").strip() or b"-1", 8)
+        _octal(header[124:136])
+    except ValueError:
+        return False
+    rest = header[:148] + b" " * 8 + header[156:]
+    return stored == sum(rest) or stored == sum(rest) - 256 * sum(b > 127 for b in rest)
+
+
 def scan_tar(path: Path) -> tuple[list[tuple[str, int, int]], str | None]:
-    """(name, data offset, size) of each regular member of an uncompressed tar, and the reason the walk
-    stopped early (a truncated or damaged shard), or None."""
+    """(name, data offset, size) of each regular member of an uncompressed tar, and what is known of the
+    damage when the walk stopped early (a truncated or damaged shard: where it ends, and that whatever
+    followed is lost, however much that was), or None."""
     size = path.stat().st_size
     members: list[tuple[str, int, int]] = []
     if size == 0:
-        return members, "empty file"
+        return members, "empty file: any samples it held are lost"
     data = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(data)
     pos, long_name = 0, None
+
+    def after() -> str:
+        return f" after member {members[-1][0]}" if members else " before any member"
+
     while pos + _BLOCK <= size:
         header = bytes(buf[pos : pos + _BLOCK])
         if header == b"\0" * _BLOCK:
             return members, None  # the end-of-archive blocks
-        if header[257:262] != b"ustar" and sum(header[148:156]) == 0:
-            return members, f"not a tar header at byte {pos}"
-        length = _octal(header[124:136])
+        length = _octal(header[124:136]) if _header_ok(header) else -1
+        if length < 0:
+            return members, f"damaged: no tar header at byte {pos}{after()}; any samples after it are lost"
         kind = header[156:157]
         start = pos + _BLOCK
         if start + length > size:
+            if kind in (b"x", b"g", b"L", b"K"):  # the extended header of the member that would follow
+                return (
+                    members,
+                    f"truncated: the file ends inside a member's header{after()}; any samples after it are lost",
+                )
             name = long_name or header[:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
-            return members, f"truncated: member {name} runs past the end"
+            return members, (
+                f"truncated: the file ends inside member {name} (at byte {size} of the {start + length} it needs); "
+                "that sample and any after it are lost"
+            )
         if kind == b"L":  # GNU long name: the next member's name is this member's data
             long_name = bytes(buf[start : start + length]).rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif kind in (b"0", b"\0", b"7"):
@@ -112,7 +137,11 @@ def scan_tar(path: Path) -> tuple[list[tuple[str, int, int]], str | None]:
         else:  # directories, links, pax headers: not samples
             long_name = None if kind != b"x" else long_name
         pos = start + (length + _BLOCK - 1) // _BLOCK * _BLOCK
-    return members, (None if pos == size else f"truncated: {size - pos} bytes after the last whole member")
+    if pos < size and any(buf[pos:size]):
+        return members, f"truncated: the file ends inside a member's header{after()}; any samples after it are lost"
+    if pos >= size:  # a tar ends with zero blocks; a copy cut at a member's end has none
+        return members, f"truncated: no end-of-archive blocks{after()}; any samples after it are lost"
+    return members, None
 
 
 def _split_key(name: str) -> tuple[str, str]:
@@ -125,7 +154,9 @@ def _split_key(name: str) -> tuple[str, str]:
 @dataclass
 class ShardIndex:
     """One shard's samples, in the shard's order: each image's offset and size in the shard, its label and
-    name (``key.ext``); what was left out (``skipped``: (where, why)) and the other members, by extension."""
+    name (``key.ext``); the samples left out (``skipped``: (shard:key, why)), what is known of damage to
+    the shard itself (``damaged``: (shard, what); the samples it cost cannot be counted), and the other
+    members, by extension."""
 
     offsets: np.ndarray
     sizes: np.ndarray
@@ -133,24 +164,26 @@ class ShardIndex:
     names: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     ignored: Counter[str] = field(default_factory=Counter)
+    damaged: list[tuple[str, str]] = field(default_factory=list)
 
 
 def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip") -> ShardIndex:
     """Index one uncompressed shard by WebDataset's rules (the one place they live: local and remote
     shards are indexed by it). A sample is the members sharing a key; its image is ``.jpg``, ``.jpeg`` or
     ``.png``, its label a ``.cls`` (text) or the ``label_key`` field of a ``.json``. A sample without an
-    image or a label, and a damaged shard, are left out and listed (``on_error="skip"``) or refused in one
-    line naming the shard and key (``"raise"``)."""
+    image or a label is left out and listed (``skipped``), a damaged shard listed with what is known of it
+    (``damaged``: where it ends; the samples after that are lost), with ``on_error="skip"``; ``"raise"``
+    refuses either in one line naming the shard (and key)."""
     out = ShardIndex(np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.int64), [])
 
-    def bad(where: str, reason: str) -> None:
+    def bad(where: str, reason: str, into: list[tuple[str, str]] = out.skipped) -> None:
         if on_error == "raise":
             raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
-        out.skipped.append((where, reason))
+        into.append((where, reason))
 
     members, problem = scan_tar(path)
     if problem is not None:
-        bad(str(path), problem)
+        bad(str(path), problem, out.damaged)
     offsets, sizes, labels = [], [], []
     with open(path, "rb") as f:
         # WebDataset's grouping: a sample is a run of consecutive members with one key, so a key that comes
@@ -167,16 +200,20 @@ def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip")
             if ext in parts:
                 twice.append(ext)
             parts[ext] = (offset, size)
-        for key, parts, twice in samples:
+        for k, (key, parts, twice) in enumerate(samples):
             where = f"{path}:{key}"
+            # In a damaged shard the last sample may have lost members to the damage: if it is incomplete,
+            # it is among the samples the damage cost (said once, with the shard), not a sample left out.
+            lost = problem is not None and k == len(samples) - 1
+            fail = (lambda _w, _r: None) if lost else bad
             if twice:  # which of the two is meant cannot be told (webdataset refuses such a shard)
-                bad(where, f"two .{twice[0]} members under one key, one after the other; keep one of them")
+                fail(where, f"two .{twice[0]} members under one key, one after the other; keep one of them")
                 continue
             image = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
             if image is None:
-                bad(where, "no .jpg/.jpeg/.png member")
+                fail(where, "no .jpg/.jpeg/.png member")
                 continue
-            label = _label(f, parts, label_key, where, bad)
+            label = _label(f, parts, label_key, where, fail)
             if label is None:
                 continue
             offset, size = parts[image]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, cache_folder, default_cache_dir, progress_bar
+from ..files import atomic_dir, cache_folder, default_cache_dir
+from ..text import progress_bar
 from .writer import pack
 
 log = logging.getLogger(__name__)

@@ -24,22 +24,25 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_write, default_cache_dir, plural
+from ..files import atomic_write, default_cache_dir
 from .base import CheckedBatch, check_on_error, read_parallel
 from .checks import check_encoded, check_index
-from .shards import expand_shards, index_shard, refuse_compressed, shard_classes
+from .member_index import MemberIndexReader, names_blob
+from .shards import expand_shards, index_shard, refuse_compressed
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 2  # 2: WebDataset's grouping by consecutive key, labels checked (shards.index_shard)
+# 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards
+INDEX_VERSION = 4
 
 
-class WebDatasetReader:
+class WebDatasetReader(MemberIndexReader):
     """The reader interface over WebDataset tar shards (see the module docstring).
 
     ``label_key`` names the label in ``.json`` members (used when a sample has no ``.cls``).
-    ``on_error="skip"`` leaves out, counts and names samples without an image or a label and damaged
-    shards; ``"raise"`` refuses them in one line naming the shard and member.
+    ``on_error="skip"`` leaves out, counts and names samples without an image or a label (``skipped``) and
+    lists damaged shards with what is known of them (``damaged``: a truncated shard, where it ends);
+    ``"raise"`` refuses either in one line naming the shard and member.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class WebDatasetReader:
         self.on_error = check_on_error(on_error)
         self.path = self.shards[0].parent
         self.skipped: list[tuple[str, str]] = []
+        self.damaged: list[tuple[str, str]] = []
         self.ignored: Counter[str] = Counter()  # members with other extensions, by extension
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "wds-index"
         self.index_file = cache / f"{self._cache_key()}.npz"
@@ -67,16 +71,7 @@ class WebDatasetReader:
             self._build_index()
             self._save_index()
         self._maps: list[np.memmap | None] = [None] * len(self.shards)
-        if self.skipped:
-            log.warning(
-                "%s left out of %s (first: %s: %s)",
-                plural(len(self.skipped), "sample"),
-                plural(len(self.shards), "shard"),
-                *self.skipped[0],
-            )
-        self.classes = shard_classes(self._labels, self.source)
-        if not len(self._labels):
-            raise ValueError(f"{self.shards[0]}: no samples with an image and a label in {len(self.shards)} shard(s)")
+        self._index_done()
 
     # ------------------------------------------------------------------ index
     def _cache_key(self) -> str:
@@ -94,29 +89,29 @@ class WebDatasetReader:
         for s, path in enumerate(self.shards):
             found = index_shard(path, label_key=self.label_key, on_error=self.on_error)
             self.skipped += found.skipped
+            self.damaged += found.damaged
             self.ignored.update(found.ignored)
-            shard_ids.append(np.full(len(found.labels), s, dtype=np.uint32))
+            shard_ids.append(np.full(len(found.labels), s, dtype=np.int64))
             offsets.append(found.offsets)
             sizes.append(found.sizes)
             labels.append(found.labels)
             names += found.names
-        self._shard = np.concatenate(shard_ids).astype(np.uint32)
-        self._offset = np.concatenate(offsets).astype(np.uint64)
-        self._size = np.concatenate(sizes).astype(np.uint64)
+        self._shard_of = np.concatenate(shard_ids).astype(np.int64)
+        self._offset = np.concatenate(offsets).astype(np.int64)
+        self._size = np.concatenate(sizes).astype(np.int64)
         self._labels = np.concatenate(labels).astype(np.int64)
-        blob = "\n".join(names).encode("utf-8", "surrogateescape")
-        self._names = np.frombuffer(blob, dtype=np.uint8).copy()
-        self._name_ends = np.cumsum([len(n.encode("utf-8", "surrogateescape")) + 1 for n in names], dtype=np.int64)
+        self._names, self._name_ends = names_blob(names)
 
     def _save_index(self) -> None:
         arrays = {
-            "shard": self._shard,
+            "shard_of": self._shard_of,
             "offset": self._offset,
             "size": self._size,
             "labels": self._labels,
             "names": self._names,
             "name_ends": self._name_ends,
             "skipped": np.asarray(json.dumps([list(x) for x in self.skipped]).encode(), dtype=bytes),
+            "damaged": np.asarray(json.dumps([list(x) for x in self.damaged]).encode(), dtype=bytes),
             "ignored": np.asarray(json.dumps(dict(self.ignored)).encode(), dtype=bytes),
         }
         try:
@@ -129,27 +124,16 @@ class WebDatasetReader:
     def _load_index(self) -> bool:
         try:
             with np.load(self.index_file) as z:
-                self._shard, self._offset, self._size = z["shard"], z["offset"], z["size"]
+                self._shard_of, self._offset, self._size = z["shard_of"], z["offset"], z["size"]
                 self._labels, self._names, self._name_ends = z["labels"], z["names"], z["name_ends"]
                 self.skipped = [tuple(x) for x in json.loads(bytes(z["skipped"]))]
+                self.damaged = [tuple(x) for x in json.loads(bytes(z["damaged"]))]
                 self.ignored = Counter(json.loads(bytes(z["ignored"])))
         except (OSError, KeyError, ValueError):
             return False
         return True
 
     # ------------------------------------------------------------------ reader interface
-    def __len__(self) -> int:
-        return len(self._labels)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return self._labels
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of all images (the index's sizes)."""
-        return int(self._size.sum())
-
     @property
     def fingerprint(self) -> str:
         return f"webdataset:{len(self)}:{self.index_file.stem[:16]}"
@@ -160,15 +144,10 @@ class WebDatasetReader:
             m = self._maps[shard] = np.memmap(self.shards[shard], dtype=np.uint8, mode="r")
         return m
 
-    def member(self, i: int) -> tuple[str, int, int]:
-        """(shard path, offset, size) of record ``i``'s image in its shard."""
-        j = check_index(i, len(self))
-        return str(self.shards[int(self._shard[j])]), int(self._offset[j]), int(self._size[j])
-
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         j = check_index(i, len(self))
         off, size = int(self._offset[j]), int(self._size[j])
-        return self._map(int(self._shard[j]))[off : off + size], int(self._labels[j])
+        return self._map(int(self._shard_of[j]))[off : off + size], int(self._labels[j])
 
     def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         """The images of ``indices``, read in parallel by the read pool, and their labels (an unreadable
@@ -184,16 +163,9 @@ class WebDatasetReader:
 
     def _read_members(self, indices: Sequence[int], read: Callable) -> tuple[list, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64)
-        shards = [str(self.shards[s]) for s in self._shard[idx].tolist()]
+        shards = [str(self.shards[s]) for s in self._shard_of[idx].tolist()]
         members = zip(shards, self._offset[idx].tolist(), self._size[idx].tolist(), strict=True)
         return read_parallel(read, list(members)), self._labels[idx]
-
-    def source(self, i: int) -> str:
-        """``shard.tar:member`` of record ``i``."""
-        j = check_index(i, len(self))
-        start = int(self._name_ends[j - 1]) if j else 0
-        name = bytes(self._names[start : int(self._name_ends[j]) - 1]).decode("utf-8", "surrogateescape")
-        return f"{self.shards[int(self._shard[j])]}:{name}"
 
     # DataLoader workers: reopen by paths (the index comes from the cache file).
     def __getstate__(self) -> dict:

@@ -1,4 +1,5 @@
-"""`pack`: an ImageFolder (or WebDataset shards) written as a packed data set (see `format`), atomically.
+"""`pack`: an ImageFolder (WebDataset shards, Parquet files, any data set `open_dataset` opens) written as a
+packed data set (see `format`), atomically.
 
 Worker processes read, verify and re-encode; one writer writes in the source order, so the output is
 byte-identical for any number of workers, and only a fixed number of images is in flight.
@@ -6,7 +7,6 @@ byte-identical for any number of workers, and only a fixed number of images is i
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -19,8 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..system import atomic_dir, available_cpus, die_with_parent, plural, progress_bar
-from .checks import check_encoded, pillow_reason
+from ..files import atomic_dir
+from ..machine import available_cpus, die_with_parent
+from ..text import plural, progress_bar
+from .base import Reader
 from .folder import scan_image_folder
 from .format import (
     DATA_FILE,
@@ -33,6 +35,10 @@ from .format import (
     RECORD_DTYPE,
     SHARD_FILE,
 )
+from .open import open_dataset
+from .pack_sources import Item, load, load_chunk, reader_records, use_reader
+from .parquet_index import is_parquet
+from .remote.store import is_remote
 from .shards import is_webdataset
 from .webdataset import WebDatasetReader
 
@@ -50,80 +56,14 @@ class PackReport:
     reencoded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
 
     def summary(self) -> str:
+        lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
         return (
             f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-        )
-
-
-# pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
-def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """(bytes to store, reason it was rejected, whether it was re-encoded)."""
-    if not raw:
-        return None, "empty file", False
-    if not verify and max_side is None:
-        reason = check_encoded(raw)
-        return (None, reason, False) if reason else (raw, None, False)
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(raw)) as im:
-            fmt = im.format
-            if fmt not in ("JPEG", "PNG"):
-                return None, f"unsupported format {fmt}; only JPEG and PNG are packed", False
-            im.load()
-            if max_side is not None and max(im.size) > max_side:
-                scale = max_side / max(im.size)
-                size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
-                out = io.BytesIO()
-                im.convert("RGB").resize(size, Image.BILINEAR, reducing_gap=3.0).save(out, "JPEG", quality=90)
-                return out.getvalue(), None, True
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        return None, pillow_reason(e), False
-    return raw, None, False
-
-
-# pragma: no mutate end
-
-
-Source = str | tuple[str, int, int]  # a file, or (file, offset, size) of a member inside one (a tar shard)
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One image to pack: where its bytes are, its label, its name in reports and in paths.bin."""
-
-    source: Source
-    label: int
-    shown: str
-    stored: bytes
-
-
-def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
-    try:
-        if isinstance(source, tuple):
-            with open(source[0], "rb") as f:
-                f.seek(source[1])
-                raw = f.read(source[2])
-        else:
-            raw = Path(source).read_bytes()
-    except OSError as e:
-        return None, f"unreadable: {e}", False
-    return _prepare(raw, verify, max_side)
-
-
-# pragma: no mutate start (runs only in worker processes, where mutmut cannot map tests to it; the
-# byte-identical test of 1, 2 and 4 workers covers it)
-def _load_chunk(
-    sources: list[Source], verify: bool, max_side: int | None
-) -> list[tuple[bytes | None, str | None, bool]]:
-    return [_load_one(p, verify, max_side) for p in sources]
-
-
-# pragma: no mutate end
+        ) + (lost if self.damaged else "")
 
 
 PACK_CHUNK = 16  # images per task handed to a worker
@@ -132,13 +72,13 @@ PACK_SMALL = 256  # below this many images the default is one process (starting 
 
 
 def _prepared(
-    items: list[_Item], verify: bool, max_side: int | None, workers: int
-) -> Iterator[tuple[_Item, tuple[bytes | None, str | None, bool]]]:
+    items: list[Item], verify: bool, max_side: int | None, workers: int
+) -> Iterator[tuple[Item, tuple[bytes | None, str | None, bool]]]:
     """(path, label, prepared) for each item, in order: in this process, or by ``workers`` processes with
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
         for item in items:
-            yield item, _load_one(item.source, verify, max_side)
+            yield item, load(item.source, verify, max_side)
         return
     import multiprocessing
     from collections import deque
@@ -155,7 +95,7 @@ def _prepared(
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append((chunk, pool.submit(_load_chunk, [item.source for item in chunk], verify, max_side)))
+                pending.append((chunk, pool.submit(load_chunk, [item.source for item in chunk], verify, max_side)))
 
         for _ in range(workers * PACK_WINDOW):
             submit()
@@ -221,7 +161,7 @@ class _PackProgress:
 
 
 def pack(
-    src: str | os.PathLike,
+    src: str | os.PathLike | Reader,
     dst: str | os.PathLike,
     *,
     verify: bool = True,
@@ -232,7 +172,9 @@ def pack(
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
-    Classes are the sorted sub-folders of ``src`` (as in torchvision's ImageFolder).
+    Classes are the sorted sub-folders of ``src`` (as in torchvision's ImageFolder). ``src`` may also be
+    WebDataset shards, Parquet files, anything `open_dataset` opens, or a reader: its records, classes
+    and names are packed, and its bad records (a null image or label in Parquet) left out and listed.
     ``verify`` decodes each image once and leaves out what does not decode (listed in the
     report); ``max_side`` re-encodes larger images as JPEG (quality 90). Nothing appears at
     ``dst`` until the whole data set is written.
@@ -246,12 +188,24 @@ def pack(
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
     """
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    shards = _check_pack_arguments(src, dst, max_side, workers, shard_size)
-    classes, items, report = _sources(src, dst, shards)
+    if is_remote(src):  # data at a URL is read through its reader (a Path would make "s3:/..." of it)
+        src = open_dataset(str(src))
+    reader = src if isinstance(src, Reader) else None
+    if reader is not None:  # a reader: named by its folder where it has one (meta.json's source_root)
+        src = getattr(reader, "path", type(reader).__name__)
+    src, dst = Path(src), Path(dst)  # type: ignore[arg-type]
+    kind = _check_pack_arguments(src, dst, max_side, workers, shard_size, reader is not None)
+    if kind == "reader":
+        reader = reader if reader is not None else open_dataset(src)
+        classes, items, report = _reader_sources(reader, dst)
+    else:
+        classes, items, report = _sources(src, dst, kind == "webdataset")
     if workers is None:  # every CPU, where starting the worker processes pays off
         workers = available_cpus() if len(items) >= PACK_SMALL else 1
     workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
+    if reader is not None and sys.platform != "linux":
+        workers = 1  # a reader reaches the workers by fork (`pack_sources.use_reader`): Linux's start method here
+    use_reader(reader)
     with atomic_dir(dst, doing="packing", what="pack") as tmp:
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
         try:  # the bar is closed before any error is written under it
@@ -259,6 +213,7 @@ def pack(
             rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
         finally:
             bar.close()
+        use_reader(None)
         _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -273,16 +228,20 @@ def pack(
     report.seconds = time.perf_counter() - t0
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
+    for shard, what in report.damaged:
+        log.warning("damaged shard %s: %s", shard, what)
     log.debug(report.summary())  # pragma: no mutate (debug log)
     return report
 
 
 def _check_pack_arguments(
-    src: Path, dst: Path, max_side: int | None, workers: int | None, shard_size: int | None
-) -> bool:
-    """Refuse bad arguments in one line before any work; returns whether ``src`` names WebDataset shards."""
-    shards = is_webdataset(src)
-    if not shards and not src.is_dir():
+    src: Path, dst: Path, max_side: int | None, workers: int | None, shard_size: int | None, reader: bool = False
+) -> str:
+    """Refuse bad arguments in one line before any work; returns what ``src`` is: "folder" (an ImageFolder),
+    "webdataset" (shards) or "reader" (Parquet, a packed set, a reader: read through `open_dataset`)."""
+    other = reader or is_parquet(src) or (src / INDEX_FILE).is_file()
+    shards = not other and is_webdataset(src)
+    if not shards and not other and not src.is_dir():
         raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
@@ -301,26 +260,34 @@ def _check_pack_arguments(
         )
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
-    return shards
+    return "webdataset" if shards else "reader" if other else "folder"
 
 
-def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item], PackReport]:
+def _reader_sources(reader: Reader, dst: Path) -> tuple[list[str], list[Item], PackReport]:
+    """(classes, the records to pack, the report so far) of a reader: each record by its index."""
+    items = [Item(i, label, name, os.fsencode(name)) for i, label, name in reader_records(reader)]
+    return list(reader.classes), items, PackReport(dst=dst, records=0, classes=len(reader.classes), data_bytes=0)
+
+
+def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[Item], PackReport]:
     """(classes, the images to pack, the report so far: what is left out before reading any image)."""
     if shards:  # WebDataset shards: converted to a packed set
         wds = WebDatasetReader(str(src))
-        classes, other, unlisted = wds.classes, [], list(wds.skipped)
+        classes, other, unlisted, damaged = wds.classes, [], list(wds.skipped), list(wds.damaged)
         labels = wds.labels
         items = []
         for i in range(len(wds)):
             name = wds.source(i)
-            items.append(_Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
+            items.append(Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
     else:
         classes, found, other, unlisted = scan_image_folder(src)
-        items = [_Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
+        damaged = []
+        items = [Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
         raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
     report.skipped += unlisted
+    report.damaged += damaged
     for p in other:
         report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
     return classes, items, report
@@ -328,7 +295,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[_Item]
 
 def _write_records(
     tmp: Path,
-    prepared: Iterator[tuple[_Item, tuple[bytes | None, str | None, bool]]],
+    prepared: Iterator[tuple[Item, tuple[bytes | None, str | None, bool]]],
     count: int,
     shard_size: int | None,
     report: PackReport,

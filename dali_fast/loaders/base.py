@@ -1,8 +1,6 @@
 """`LoaderBase`: the epoch driver every backend shares, and what a backend must write (see its docstring).
-It imports no backend: `DALIIterator` and `TorchIterator` are subclasses in their own modules.
-
-What both backends raise and count for a bad record is in `bad_records` (`BadRecordError`, `SkipLog`).
-"""
+It imports no backend: `DALIIterator` and `TorchIterator` are subclasses in their own modules; what both
+raise and count for a bad record is in `bad_records` (`BadRecordError`, `SkipLog`)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,10 @@ import torch
 
 from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provides
 from ..data.cache import CachedReader, LRUCache
-from ..system import cuda_usable
+from ..machine import cuda_usable
 from ..transforms.recipe import Recipe, describe_resolution, describe_schedule, resolve_recipe
 from .bad_records import SkipLog
+from .order import kept_global_batch
 from .passes import ABANDONED, CLOSED, Pass, close_ends_the_pass
 from .sampler import EpochSampler, LoaderSampler, dist_rank_world, follow_process_group, sharding_note
 from .shard_order import StreamingOrder, make_order
@@ -38,6 +37,10 @@ class LoaderBase:
 
     ``recipe`` (a `dali_fast.Recipe`) is the per-image transform; ``image_size``, ``dtype`` and
     ``memory_format`` adjust the default recipe and must agree with a given one.
+
+    ``even`` (default: ``train``) gives every rank the same number of samples, as DDP training needs, by at
+    most ``world_size - 1`` repeats (or, with ``drop_last``, cutting the tail); ``even=False`` repeats
+    nothing, so ranks may differ by one sample and ``len()`` is this rank's own: exact evaluation.
 
     The position is the number of this rank's samples already *yielded* in the current epoch
     (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
@@ -86,6 +89,7 @@ class LoaderBase:
         prefetch: int = 2,
         memory_format: torch.memory_format | None = None,
         recipe: Recipe | None = None,
+        even: bool | None = None,
     ) -> None:
         missing = [name for name in self._REQUIRED if getattr(type(self), name) is getattr(LoaderBase, name)]
         if missing:
@@ -122,6 +126,7 @@ class LoaderBase:
         self.image_size = self.recipe.image_size
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        self.even = self.train if even is None else bool(even)
         self.num_threads = num_threads
         self.dtype = self.recipe.out_dtype
         self.on_error = on_error
@@ -201,9 +206,8 @@ class LoaderBase:
 
     def _new_order(self, rank: int, world_size: int) -> EpochSampler | StreamingOrder:
         """The epoch order: shards streamed for a streaming reader, else random access (`shard_order.make_order`)."""
-        return make_order(
-            self._data, seed=self.seed, shuffle=self.train, rank=rank, world_size=world_size, drop_last=self.drop_last
-        )
+        kw = {"seed": self.seed, "shuffle": self.train, "drop_last": self.drop_last, "even": self.even}
+        return make_order(self._data, rank=rank, world_size=world_size, **kw)
 
     def cache_stats(self) -> dict[str, float] | None:
         return self.cache.stats() if self.cache is not None else None
@@ -277,21 +281,15 @@ class LoaderBase:
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next batch starts at exactly the sample after the last one yielded."""
+        """Resume: the next batch starts at exactly the sample after the last one yielded. A state saved by one
+        rank of a lockstep run on another world size resumes too (`loaders.order`), keeping the global batch."""
         self._supersede_pass("load_state_dict()")
-        if (
-            not isinstance(state, dict)
-            or not isinstance(state.get("sampler"), dict)
-            or not {
-                "epoch",
-                "position",
-            }
-            <= set(state["sampler"])
-        ):
+        sampler = state.get("sampler") if isinstance(state, dict) else None
+        if not isinstance(sampler, dict) or not {"epoch", "position"} <= set(sampler):
             raise ValueError(
                 "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
             )
-        saved_kind, kind = state["sampler"].get("order", "random"), getattr(self.order, "kind", "random")
+        saved_kind, kind = sampler.get("order", "random"), self.order.kind
         if saved_kind != kind:
             raise ValueError(
                 f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
@@ -303,9 +301,12 @@ class LoaderBase:
                 f"cannot resume: the state was saved with resolution schedule {describe_schedule(saved)}, this loader "
                 f"has {describe_schedule(mine)}; resume with the recipe it was saved with"
             )
-        self.order.load_state_dict(state["sampler"])
+        self.order.load_state_dict(sampler)
         self._finished = bool(state.get("finished", False))
         self._batch_size = int(state.get("batch_size", self._batch_size))
+        saved_world = int(sampler.get("world_size", self.world_size))
+        if saved_world != self.world_size and self.controller is None:  # a controller sizes batches per rank
+            self._batch_size = kept_global_batch(self._batch_size, saved_world, self.world_size)
         if self.controller is not None and "controller" in state:
             self.controller.load_state_dict(state["controller"])
         self._resumed = True  # the next iter() continues from here instead of restarting the epoch

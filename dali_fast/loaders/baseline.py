@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from ..data.base import Reader, check_on_error, read_checked
 from ..data.checks import pillow_reason
-from ..system import cpus_per_local_rank
+from ..machine import cpus_per_local_rank
 from ..transforms.decode import open_image, to_rgb
 from ..transforms.pillow import PillowTransform
 from ..transforms.recipe import Recipe, resolve_recipe
@@ -104,6 +104,23 @@ class EpochSizes(Sampler):
         return len(self.inner)  # type: ignore[arg-type]
 
 
+class RankShare(Sampler):
+    """Rank ``rank``'s share of ``n`` samples in their order (every ``world``-th from ``rank``), nothing
+    repeated: evaluation under DDP, where `DistributedSampler` pads with repeats (ranks then differ by one)."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:
+        self.share = range(rank, n, world)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The order is the same every epoch (as a DDP script calls it on any sampler)."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.share)
+
+    def __len__(self) -> int:
+        return len(self.share)
+
+
 def skip_bad(samples: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """DataLoader's default collate, without the samples `BaselineDataset` skipped (None)."""
     from torch.utils.data import default_collate
@@ -131,8 +148,9 @@ def make_baseline_loader(
 ) -> DataLoader:
     """DataLoader(shuffle=train, num_workers=cpus (per local rank), pin_memory when CUDA) over `BaselineDataset`.
 
-    Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does; call
-    ``loader.sampler.set_epoch(epoch)`` each epoch then. A training recipe with a resolution schedule wraps
+    Under ``torch.distributed`` it shards with a `DistributedSampler`, as a DDP script does (evaluation
+    without ``drop_last``: `RankShare`, which repeats no sample); call ``loader.sampler.set_epoch(epoch)``
+    each epoch then. A training recipe with a resolution schedule wraps
     the sampler in `EpochSizes`: ``loader.sampler.set_epoch(epoch)`` then also sets the epoch's size.
     """
     check_on_error(on_error)
@@ -143,10 +161,12 @@ def make_baseline_loader(
     dataset = BaselineDataset(reader, train=train, on_error=on_error, recipe=recipe.at_epoch(0, train))
     sampler = None
     rank, world = dist_rank_world()
-    if world > 1:
+    if world > 1 and (train or drop_last):
         sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=drop_last
         )
+    elif world > 1:
+        sampler = RankShare(len(dataset), rank, world)
     shuffle: bool | None = train if sampler is None else None
     if train and recipe.resolution is not None:
         sampler = EpochSizes(sampler if sampler is not None else RandomSampler(dataset), recipe)

@@ -1,6 +1,6 @@
 """`BatchSizeController`: the batch size follows measured peak memory, changed only between epochs.
 
-The memory readings come from `probes` (NVML, the device, torch's CUDA allocator, this process's RSS);
+The memory readings come from `memory_probes` (NVML, the device, torch's CUDA allocator, this process's RSS);
 none is ever simulated. A probe that cannot read says so once and the controller holds the batch size.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .probes import MemoryProbe, default_probe, probe_capacity, probe_name, release_unused_memory
+from .memory_probes import MemoryProbe, default_probe, probe_capacity, probe_name, release_unused_memory
 
 log = logging.getLogger(__name__)
 GiB = 2**30

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..data.base import Reader
-from ..system import local_device_index
+from ..machine import local_device_index
 from ..transforms.dali import default_num_threads
 from ..transforms.decode_choice import choose_train_decode, jpeg_engine, requested_train_decode
 from ..transforms.draws import erasing_boxes

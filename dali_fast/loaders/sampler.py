@@ -1,17 +1,19 @@
-"""Per-epoch sample order, sharded across ranks, with a resumable cursor (`EpochSampler`), and a loader's
-order as a `torch.utils.data.Sampler` (`LoaderSampler`, what frameworks read)."""
+"""Per-epoch sample order, sharded across ranks, with a resumable (also elastic) cursor (`EpochSampler`);
+where the rank and world size come from (`dist_rank_world`); and a loader's order as a
+`torch.utils.data.Sampler` (`LoaderSampler`, what frameworks read)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
+
+from .order import OrderCursor, per_rank
 
 log = logging.getLogger(__name__)
 
@@ -84,41 +86,6 @@ def sharding_note(rank: int | None = None, world_size: int | None = None) -> str
     return None
 
 
-def per_rank(n: int, world_size: int, drop_last: bool) -> int:
-    """Samples each of ``world_size`` ranks gets of ``n``: an equal share, the tail cut (``drop_last``)
-    or padded with repeats."""
-    return n // world_size if drop_last else math.ceil(n / world_size)
-
-
-class OrderCursor:
-    """The cursor over an epoch's order, for an order that has ``indices()`` (this rank's samples of the
-    current epoch), ``position`` (samples already taken) and ``len`` (how many the epoch has)."""
-
-    position: int
-
-    def remaining(self) -> int:
-        return len(self) - self.position
-
-    def next_batch(self, batch_size: int) -> np.ndarray:
-        """The next ``batch_size`` (or fewer, at the end) indices; empty when the epoch is done."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size}: must be >= 1")
-        shard = self.indices()
-        out = shard[self.position : self.position + batch_size]
-        self.position += len(out)
-        return out
-
-    def batches(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
-        """The rest of the epoch cut into batches (consumes the cursor)."""
-        out = []
-        while self.remaining() > 0:
-            if drop_last and self.remaining() < batch_size:
-                self.position = len(self)
-                break
-            out.append(self.next_batch(batch_size))
-        return out
-
-
 def ranks_for(n: int, rank: int | None, world_size: int | None, drop_last: bool) -> tuple[int, int]:
     """(rank, world size) of an order over ``n`` samples (`dist_rank_world`), refused in one line when
     ``drop_last`` would leave a rank without a sample."""
@@ -131,24 +98,28 @@ def ranks_for(n: int, rank: int | None, world_size: int | None, drop_last: bool)
     return rank, world_size
 
 
-def check_same_settings(state: dict, order: Any, keys: Sequence[str], what: str) -> None:
-    """A saved order state must have ``order``'s value for each of ``keys`` it holds; else one line."""
-    for key in keys:
-        if key in state and state[key] != getattr(order, key):
-            raise ValueError(
-                f"cannot resume: the saved state has {key}={state[key]} but this {what} has "
-                f"{key}={getattr(order, key)}; resume with the same data set and settings"
-            )
-
-
 class EpochSampler(OrderCursor):
     """The order of one rank's samples for each epoch, and a cursor into it.
 
-    The epoch's order is a permutation drawn from ``(seed, epoch)``, the same on every rank;
-    rank ``r`` takes every ``world_size``-th sample from position ``r``. Shards are disjoint and of
-    equal length: without ``drop_last`` the permutation is padded by wrapping around (a few
-    samples appear twice in the epoch, as with torch's DistributedSampler); with ``drop_last``
-    the tail is cut instead.
+    The epoch's order is a permutation drawn from ``(seed, epoch)``, the same on every rank; rank ``r``
+    takes every ``world_size``-th sample from position ``r``. Shards are disjoint. With ``even`` (the
+    default; what training needs, so that DDP's ranks take the same number of steps) they are of equal
+    length: without ``drop_last`` the permutation is padded by wrapping around to its first samples (at most
+    ``world_size - 1`` samples appear twice in the epoch, as with torch's DistributedSampler); with
+    ``drop_last`` the tail is cut instead. With ``even=False`` (evaluation) and no ``drop_last``, no sample
+    is repeated: each is on exactly one rank, and the first ``n % world_size`` ranks have one more.
+
+    A state saved by one rank of a lockstep run loads with another world size: each sample no rank had
+    reached then comes once (`loaders.order` has the rule).
+
+    Args:
+        n: samples in the data set.
+        seed: seeds the permutation, with the epoch.
+        shuffle: permute (else the data set's order).
+        rank: this rank (default: the process group's, see `dist_rank_world`).
+        world_size: the number of ranks (default: the process group's).
+        drop_last: cut the tail so that every rank has ``n // world_size`` samples.
+        even: without ``drop_last``, give every rank the same count by padding; False: no repeats.
 
     >>> s = EpochSampler(10, seed=0, rank=1, world_size=2)
     >>> s.set_epoch(3); first = s.next_batch(4); rest = s.next_batch(100)
@@ -165,61 +136,35 @@ class EpochSampler(OrderCursor):
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
+        even: bool = True,
     ) -> None:
         if n < 0:
             raise ValueError(f"n={n}: the number of samples must be >= 0")
-        self.n = int(n)
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.rank, self.world_size = ranks_for(self.n, rank, world_size, drop_last)
-        self.drop_last = bool(drop_last)
-        self.epoch = 0
-        self.position = 0
-        self._cache: tuple[int, np.ndarray] | None = None
+        rank, world_size = ranks_for(n, rank, world_size, drop_last)
+        super().__init__(
+            n, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, drop_last=drop_last, even=even
+        )
 
-    def __len__(self) -> int:
-        """Samples per epoch on this rank."""
-        return per_rank(self.n, self.world_size, self.drop_last)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select ``epoch``'s order and put the cursor at its start."""
-        self.epoch = int(epoch)
-        self.position = 0
-
-    def indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's whole shard for ``epoch`` (default: the current one), as int64."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
+    def _sequence(self, epoch: int) -> np.ndarray:
         if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        else:
-            order = np.arange(self.n)
-        order = np.resize(order, len(self) * self.world_size)  # the tail cut, or padded by wrapping around
-        shard = order[self.rank :: self.world_size].astype(np.int64)
-        self._cache = (epoch, shard)
-        return shard
+            return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return np.arange(self.n)
 
-    def state_dict(self) -> dict[str, int | bool]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "n": self.n,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-        }
+    def _laid(self, seq: np.ndarray, world: int) -> np.ndarray:
+        """``seq`` as the places ``world`` ranks take in turn: equal runs (the tail cut, or padded by
+        wrapping around to its start), or as it is (``even=False``)."""
+        if self.drop_last or self.even:
+            return np.resize(seq, per_rank(len(seq), world, self.drop_last) * world)
+        return seq
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``: the next sample is exactly the one after the last consumed."""
-        check_same_settings(state, self, ("n", "world_size", "seed", "shuffle", "drop_last"), "sampler")
-        position = int(state["position"])
-        if not 0 <= position <= len(self):
-            raise ValueError(f"cannot resume: position {position} is outside this epoch's {len(self)} samples")
-        self.epoch = int(state["epoch"])
-        self.position = position
+    def _deal(self, seq: np.ndarray, epoch: int, world: int, rank: int, part: int) -> np.ndarray:
+        return self._laid(seq, world)[rank::world]
+
+    def _split(
+        self, seq: np.ndarray, epoch: int, world: int, position: int, part: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        laid = self._laid(seq, world)  # each rank at `position`: the first `position` rows of places taken
+        return laid[: position * world], laid[position * world :]
 
 
 # pragma: no mutate block (the sampler view of a loader: tested through the loaders)

@@ -1,9 +1,9 @@
 """`TorchIterator`: the same API and rules as `DALIIterator` in pure PyTorch (the fallback, and the yardstick).
 
 Workers decode, crop, resize, augment and mirror each image into shared-memory batch slots
-(`workers`); the main process makes each normalized batch in one pass, on the GPU after a page-locked
-copy on a side stream where there is one. Each sample's augmentation is drawn from (seed, epoch, index),
-so it does not depend on the number of workers, the batch size or a resume.
+(`torch_worker`, `torch_slots`); the main process makes each normalized batch in one pass, on the GPU
+after a page-locked copy on a side stream where there is one. Each sample's augmentation is drawn from
+(seed, epoch, index), so it does not depend on the number of workers, the batch size or a resume.
 """
 
 from __future__ import annotations
@@ -18,23 +18,13 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..data.base import Reader, read_checked
-from ..system import local_device_index
+from ..machine import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
 from .bad_records import BadRecordError, bad_record_message
 from .base import LoaderBase
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
-from .workers import (
-    IDLE,
-    BatchMaker,
-    OutputPool,
-    SlotRing,
-    Task,
-    _as_is,
-    batch_parts,
-    image_shape,
-    slot_layout,
-    worker_init,
-)
+from .torch_slots import IDLE, OutputPool, SlotRing, Task, batch_parts, image_shape, slot_layout
+from .torch_worker import BatchMaker, collate_as_is, worker_init
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +126,7 @@ class TorchIterator(LoaderBase):
                 pin_memory=False,  # pixels never travel through the DataLoader; the slots are pinned
                 prefetch_factor=self.prefetch,
                 persistent_workers=True,
-                collate_fn=_as_is,
+                collate_fn=collate_as_is,
                 worker_init_fn=worker_init,
             )
             # Each result as soon as it is made, and the next task to a worker with room: a worker that

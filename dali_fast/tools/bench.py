@@ -7,13 +7,17 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..data.base import Reader
 from ..data.open import open_dataset
 from ..data.synthetic import default_dataset
+from ..files import atomic_write, check_writable_folder
 from ..loaders.factory import BACKENDS
-from ..system import atomic_write, available_cpus, check_writable_folder, plural
+from ..machine import available_cpus
+from ..text import plural
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 from . import report
@@ -91,7 +95,7 @@ def one_line(error: BaseException) -> str:
 
 
 def run_bench(
-    dataset: str | None = None,
+    dataset: str | os.PathLike | Reader | None = None,
     *,
     images: int = 2000,
     loaders: Sequence[str] = BACKENDS,
@@ -110,9 +114,13 @@ def run_bench(
     limit: bool = True,
     alternate: bool = False,
     emit: Callable[[str], None] = log.info,
+    open_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
 
+    ``dataset`` is anything `open_dataset` opens (a path or a URL; ``open_options`` go to it), or a
+    reader; None means the synthetic set of ``images``. It is opened once and every row reads that reader, except the baseline, which reads
+    the image files of an ImageFolder as a plain script does (the synthetic set's folder, beside its pack).
     Each of ``augments`` (automatic augmentations, None or 'none' for none; default: the recipe's own)
     is one row per loader, ``recipe`` otherwise, so each recipe's cost shows beside the others. With
     ``limit``, the machine's decode-only ceiling on the same data and processes comes first
@@ -123,8 +131,8 @@ def run_bench(
     variants = _variants(loaders, epochs, batch_size, image_size, recipe, augments, mix)
     out = Path(out)
     check_writable_folder(out, "--out")
-    folder, packed = _bench_data(dataset, images, progress)
-    check_batch_fits(batch_size, len(open_dataset(packed)), packed)
+    data = bench_data(dataset, images, progress, open_options)
+    check_batch_fits(batch_size, len(data.reader), data.name)
     out.mkdir(parents=True, exist_ok=True)
     specs: list[tuple[str, Recipe | None]] = [(LIMIT, None)] if limit else []
     specs += [(k, v) for v in variants for k in loaders]
@@ -141,17 +149,17 @@ def run_bench(
 
     def make_row(kind: str, variant: Recipe | None, monitor: Any) -> Row:
         if kind == LIMIT:
-            source = open_dataset(folder if folder is not None else packed)
             return limit_row(
-                source, workers=available_cpus(), batch_size=batch_size, monitor=monitor, progress=progress
+                data.files, workers=available_cpus(), batch_size=batch_size, monitor=monitor, progress=progress
             )
         name = kind if len(variants) == 1 else f"{kind} + {_augment_of(variant)}"
-        return loader_row(kind, folder, packed, recipe=variant, monitor=monitor, name=name, **row_kw)
+        reader = data.files if kind == "baseline" else data.reader
+        return loader_row(kind, reader, recipe=variant, monitor=monitor, name=name, **row_kw)
 
     results = _run_rows(specs, make_row, epochs=epochs, alternate=alternate, several=len(variants) > 1, emit=emit)
     settings = {
-        "dataset": str(dataset or packed),
-        "images": len(open_dataset(packed)),
+        "dataset": data.name,
+        "images": len(data.reader),
         "loaders": list(loaders),
         "epochs": epochs,
         **{k: v for k, v in row_kw.items() if k not in ("progress", "on_error", "mix")},
@@ -209,13 +217,27 @@ def _write(results: dict[int, dict[str, Any]], settings: dict[str, Any], out: Pa
     return result
 
 
-def _bench_data(dataset: str | None, images: int, progress: bool) -> tuple[Path | None, Path]:
-    """(the ImageFolder the baseline reads, when there is one; what the other loaders read)."""
+@dataclass(frozen=True)
+class BenchData:
+    """The data every row reads, opened once: ``reader`` (the loaders'), ``files`` (what the baseline and
+    the limit row read: an ImageFolder's image files where there is one, else ``reader``) and ``name``."""
+
+    reader: Reader
+    files: Reader
+    name: str
+
+
+def bench_data(
+    dataset: str | os.PathLike | Reader | None, images: int, progress: bool, open_options: dict | None = None
+) -> BenchData:
+    """``dataset`` opened once (`open_dataset` takes paths and URLs alike, and ``open_options``), or the
+    synthetic set of ``images``: its pack for the loaders, its ImageFolder for the baseline."""
     if dataset is None:
-        return default_dataset(images, progress=progress)
-    reader = open_dataset(dataset)
-    folder = Path(dataset) if type(reader).__name__ == "ImageFolderReader" else None
-    return folder, Path(dataset)
+        folder, packed = default_dataset(images, progress=progress)
+        return BenchData(open_dataset(packed), open_dataset(folder), str(packed))
+    reader = dataset if isinstance(dataset, Reader) else open_dataset(dataset, **(open_options or {}))
+    name = os.fspath(dataset) if isinstance(dataset, str | os.PathLike) else repr(reader)
+    return BenchData(reader, reader, name)
 
 
 def _augment_of(variant: Recipe | None) -> str:

@@ -6,18 +6,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from ..data.base import read_checked
-from ..data.open import open_dataset
+from ..data.base import Reader, read_checked
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
-from ..loaders.workers import _as_is, worker_init
-from ..system import available_cpus, progress_bar
+from ..loaders.torch_worker import collate_as_is, worker_init
+from ..machine import available_cpus
+from ..text import progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix
@@ -153,8 +152,7 @@ def by_size(sizes: list[int | None], counts: list[int], times: list[float]) -> d
 
 def loader_row(
     kind: str,
-    folder: Path | None,
-    packed: Path,
+    reader: Reader,
     *,
     batch_size: int,
     image_size: int,
@@ -168,12 +166,10 @@ def loader_row(
     mix: dict[str, float] | None = None,
     name: str | None = None,
 ) -> Row:
-    """A loader's row: loading (+ a training step unless model='none'), ``recipe`` per image, ``mix``
-    (MixupCutmix settings) on each batch on the device it arrives on, inside the timed loop."""
+    """A loader's row over ``reader``: loading (+ a training step unless model='none'), ``recipe`` per
+    image, ``mix`` (MixupCutmix settings) on each batch on the device it arrives on, inside the timed loop."""
     from ..loaders.controller import BatchSizeController
 
-    # The baseline reads the image files, as a plain script does; the others read the packed set.
-    reader = open_dataset(folder if kind == "baseline" and folder is not None else packed)
     ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4) if controller and kind != "baseline" else None
     # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
     workers = available_cpus()
@@ -224,11 +220,6 @@ def loader_row(
     )
 
 
-def bench_loader(kind: str, folder: Path | None, packed: Path, *, epochs: int, **kw: Any) -> dict[str, Any]:
-    """Warm-up epoch, then ``epochs`` timed epochs of one loader (`loader_row`'s arguments), then closed."""
-    return run_alone(loader_row(kind, folder, packed, **kw), epochs)
-
-
 def run_alone(row: Row, epochs: int) -> dict[str, Any]:
     try:
         for _ in range(epochs + 1):
@@ -265,7 +256,7 @@ class _DecodeOnly(Dataset):
         return done
 
 
-def limit_row(reader: Any, *, workers: int, batch_size: int, monitor: Any, progress: bool) -> Row:
+def limit_row(reader: Reader, *, workers: int, batch_size: int, monitor: Any, progress: bool) -> Row:
     """The machine's ceiling on this data: reading and decoding every record whole (no crop) in
     ``workers`` processes, what a loader would reach if decoding were all it did. Loaders read as a
     share of it."""
@@ -274,11 +265,6 @@ def limit_row(reader: Any, *, workers: int, batch_size: int, monitor: Any, progr
     order = list(range(len(reader)))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     kw: dict[str, Any] = {"persistent_workers": True, "worker_init_fn": worker_init} if workers else {}
-    loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=_as_is, **kw)
+    loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=collate_as_is, **kw)
     extra = {"workers": workers, "cache": None, "batch_decisions": []}
     return Row(LIMIT, LIMIT, loader, len(reader), int, monitor=monitor, progress=progress, extra=extra)
-
-
-def decode_limit(reader: Any, *, epochs: int, **kw: Any) -> dict[str, Any]:
-    """`limit_row` for a warm-up epoch and ``epochs`` timed ones."""
-    return run_alone(limit_row(reader, **kw), epochs)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..system import nvml_handle
+from ..machine import nvml_handle
 from ..transforms.decode_choice import TRAIN_DECODE_ENV, has_jpeg_engine
 
 log = logging.getLogger(__name__)
@@ -292,7 +292,7 @@ def probe(quick: bool = False, nvml: Any = None) -> Readings:
     if r.dali:
         r.cpu_decode = decode_check("cpu", None)
         if r.cuda_available:
-            from ..system import local_device_index
+            from ..machine import local_device_index
 
             device = local_device_index()
             r.gpu_decode = decode_check("mixed", device)

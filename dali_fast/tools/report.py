@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..system import available_cpus, plural
+from ..machine import available_cpus
+from ..text import plural
 
 
 def machine_info() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`dali-fast bench --stages`: what each optimization buys, measured cumulatively, one stage per row.
+"""`dali-fast stages`: what each optimization buys, measured cumulatively, one stage per row.
 
 Each row adds one thing to the row above, on the same data, in one run:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,15 +33,14 @@ import torch
 
 from ..data.base import Reader
 from ..data.cache import CachedReader, LRUCache
-from ..data.open import open_dataset
-from ..data.synthetic import default_dataset
+from ..files import atomic_write, check_writable_folder
 from ..loaders.baseline import BaselineDataset, make_baseline_loader
 from ..loaders.dataloader import make_dataloader
 from ..loaders.factory import dali_status
-from ..system import atomic_write, available_cpus, check_writable_folder, memory_capacity
+from ..machine import available_cpus, memory_capacity
 from ..transforms.recipe import Progressive, Recipe
 from . import report
-from .bench import check_batch_fits
+from .bench import bench_data, check_batch_fits
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +103,11 @@ def stage_peak_memory(monitor: Any, phases: list[str]) -> int | None:
 
 @dataclass
 class _Bench:
-    """What every stage runs on: the same data (the folder the DataLoader rows read, the packed set the
-    iterators read), batch, image size, cache budget and processes."""
+    """What every stage runs on: the same data (``files``, what the DataLoader rows read; ``reader``, what the
+    iterators read: see `bench.BenchData`), batch, image size, cache budget and processes."""
 
-    folder: Reader
-    packed: Reader
+    files: Reader
+    reader: Reader
     batch_size: int
     image_size: int
     cache_bytes: int
@@ -116,7 +116,7 @@ class _Bench:
 
 
 def run_stages(
-    dataset: str | Path | None = None,
+    dataset: str | os.PathLike | Reader | None = None,
     *,
     images: int = 2000,
     epochs: int = 2,
@@ -131,9 +131,11 @@ def run_stages(
     out: str | Path = "bench-results",
     progress: bool = True,
     emit: Callable[[str], None] = log.info,
+    open_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Measure the stages cumulatively; writes stages.json and stages.png into ``out``. ``progressive`` is
-    the last row's schedule (default: `default_ramp` of ``image_size`` over ``total_epochs``)."""
+    """Measure the stages cumulatively; writes stages.json and stages.png into ``out``. ``dataset`` is what
+    `bench` takes (opened once, with ``open_options``); ``progressive`` is the last row's schedule (default: `default_ramp` of
+    ``image_size`` over ``total_epochs``)."""
     from ..train.monitor import UtilizationMonitor
     from ..train.trainer import Trainer
 
@@ -142,13 +144,15 @@ def run_stages(
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be a whole number of 1 or more")
     if batch_size < 1 or image_size < 1:
         raise ValueError("--batch-size and --image-size must be 1 or more")
+    if cache_bytes is not None and cache_bytes < 1:
+        raise ValueError(f"--cache-bytes {cache_bytes}: the cache rows need a budget; leave it out for half the data")
     check_writable_folder(out, "--out")
-    folder, packed = default_dataset(images, progress=progress) if dataset is None else (Path(dataset), Path(dataset))
+    data = bench_data(dataset, images, progress, open_options)
     ramp = progressive if progressive is not None else default_ramp(image_size, total_epochs)
-    bench = _Bench(open_dataset(folder), open_dataset(packed), batch_size, image_size, 0, available_cpus(), False)
-    n = len(bench.packed)
-    check_batch_fits(batch_size, n, packed)
-    data_bytes = sum(len(bench.packed[i][0]) for i in range(n))
+    bench = _Bench(data.files, data.reader, batch_size, image_size, 0, available_cpus(), False)
+    n = len(bench.reader)
+    check_batch_fits(batch_size, n, data.name)
+    data_bytes = sum(len(bench.reader[i][0]) for i in range(n))
     # Smaller than the data, as in real use, unless given: the hit rate is honest.
     bench.cache_bytes = data_bytes // 2 if cache_bytes is None else cache_bytes
     bench.gpu = torch.cuda.is_available()
@@ -174,7 +178,7 @@ def run_stages(
                 continue
             emit(f"stage {stage.name}: {stage.adds} ...")
             loader, ctrl = _stage_loader(stage.name, bench, ramp)
-            trainer = Trainer(model, len(bench.packed.classes)) if model != "none" else None
+            trainer = Trainer(model, len(bench.reader.classes)) if model != "none" else None
             if stage.name == PROGRESSIVE:
                 measured = _measure_sizes(stage.name, loader, ctrl, trainer, mon, epochs, bench, ramp, total_epochs)
                 row.update(_figures_sizes(stage.name, loader, ctrl, mon, measured, ramp, total_images, total_epochs))
@@ -182,7 +186,7 @@ def run_stages(
             measured = _measure(stage.name, loader, ctrl, trainer, mon, controller_epochs if ctrl else epochs, bench)
             row.update(_figures(stage.name, loader, ctrl, mon, measured, total_images * total_epochs))
     settings = {
-        "dataset": str(dataset or packed),
+        "dataset": data.name,
         "images": n,
         "data_bytes": data_bytes,
         "cache_bytes": bench.cache_bytes,
@@ -219,9 +223,9 @@ def _stage_loader(stage: str, bench: _Bench, ramp: Progressive | None = None) ->
 
     batch_size, workers = bench.batch_size, bench.workers
     if stage == "baseline":
-        return make_baseline_loader(bench.folder, batch_size, image_size=bench.image_size, num_workers=workers), None
+        return make_baseline_loader(bench.files, batch_size, image_size=bench.image_size, num_workers=workers), None
     if stage == "+ cache":
-        ds = _CacheReportingDataset(bench.folder, bench.cache_bytes, bench.image_size)
+        ds = _CacheReportingDataset(bench.files, bench.cache_bytes, bench.image_size)
         loader = torch.utils.data.DataLoader(
             ds,
             batch_size=batch_size,
@@ -233,22 +237,22 @@ def _stage_loader(stage: str, bench: _Bench, ramp: Progressive | None = None) ->
         )
         return loader, None
     if stage == "+ factory":
-        ds = _CacheReportingDataset(bench.folder, bench.cache_bytes, bench.image_size)
+        ds = _CacheReportingDataset(bench.files, bench.cache_bytes, bench.image_size)
         loader = make_dataloader(
             ds, batch_size, shuffle=True, num_workers=workers, prefetch_factor=4, collate_fn=_collate_with_hits
         )
         return loader, None
     common = {"image_size": bench.image_size, "cache_bytes": bench.cache_bytes, "seed": 0}
     if stage == "+ device ops":
-        return TorchIterator(bench.packed, batch_size, num_workers=workers, **common), None
+        return TorchIterator(bench.reader, batch_size, num_workers=workers, **common), None
     from ..loaders.dali_iterator import DALIIterator
 
     if stage == "+ DALI":
-        return DALIIterator(bench.packed, batch_size, **common), None
+        return DALIIterator(bench.reader, batch_size, **common), None
     ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4)
     if stage == PROGRESSIVE:
         common["recipe"] = Recipe(image_size=common.pop("image_size"), resolution=ramp)
-    return DALIIterator(bench.packed, batch_size, controller=ctrl, **common), ctrl
+    return DALIIterator(bench.reader, batch_size, controller=ctrl, **common), ctrl
 
 
 def _consume(images: torch.Tensor, labels: torch.Tensor, trainer: Any, ctrl: Any, bench: _Bench) -> None:

@@ -2,8 +2,9 @@
 
 `save_checkpoint` writes atomically (temp file, fsync, rename), so a kill at any point leaves the
 previous checkpoint whole; `load_checkpoint` refuses other versions and unreadable files in one
-line; `check_resume_config` refuses a resume whose settings differ from the saved run's;
-`IndexRecorder` writes one JSON line per batch (what training saw), flushed as it goes.
+line; `check_resume_config` refuses a resume whose settings differ from the saved run's; `rank_state`
+and `resume_batch_size` say what each rank resumes from and with which batch size, also on another
+number of ranks; `IndexRecorder` writes one JSON line per batch (what training saw), flushed as it goes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, BinaryIO, TextIO
 
 import torch
 
-from ..system import atomic_write
+from ..files import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_VERSION = 2  # 2: a checksummed payload, and the data set's fingerprint in the saved settings
@@ -105,6 +106,68 @@ def _first_difference(
                 return inner
         return f"{prefix}{key}", was, now
     return None
+
+
+def rank_state(
+    path: str | Path, ranks: Sequence[Mapping[str, Any]], rank: int, world_size: int
+) -> tuple[dict[str, Any] | None, dict[str, float]]:
+    """(loader state, the epoch's partial sums) rank ``rank`` of ``world_size`` resumes from, out of the
+    per-rank entries (``loader``, ``partial``) of a checkpoint saved by ``len(ranks)`` ranks.
+
+    On the same number of ranks, each its own. On another, every rank loads rank 0's loader state: in a
+    lockstep run the ranks stopped at the same place, so one state says what the whole job consumed and
+    the loader resumes elastically (a checkpoint whose ranks disagree is refused in one line). The saved
+    ranks' partial sums (samples, loss) are summed over ranks later, so rank 0 takes them all."""
+    if len(ranks) == world_size:
+        return ranks[rank]["loader"], dict(ranks[rank]["partial"])
+    states = [r["loader"] for r in ranks]
+    places = {
+        json.dumps([s["sampler"]["epoch"], s["sampler"]["position"], s["sampler"].get("history", [])])
+        for s in states
+        if s is not None
+    }
+    if len(places) > 1:
+        raise ValueError(
+            f"{path}: the {len(ranks)} saved ranks stopped at different places in the epoch ({', '.join(sorted(places))}); "
+            f"resume on {len(ranks)} processes"
+        )
+    partial = {"samples": 0, "loss_sum": 0.0}
+    if rank == 0:
+        partial = {key: sum(r["partial"][key] for r in ranks) for key in partial}
+    return states[0], partial
+
+
+def resume_batch_size(
+    saved: int, saved_world: int, given: int, world: int, most: int | None = None
+) -> tuple[int, str | None]:
+    """(per-rank batch size, the line that says what changed, or None) of a resume on ``world`` ranks of a
+    run saved on ``saved_world`` ranks with ``saved`` per rank, given ``given`` (``--batch-size``).
+
+    Another ``given`` is taken as given. The same one on another number of ranks keeps the global batch
+    (``saved * saved_world``) when it splits into ``world`` equal batches of at most ``most`` (the samples
+    a rank has, when the tail batch is dropped); else the per-rank size stays and the line says the
+    global batch changed. The learning rate is not rescaled."""
+    total = saved * saved_world
+    if given != saved:
+        if world == saved_world:
+            return given, f"batch size {saved} → {given} as given"
+        return given, (
+            f"batch size {saved} → {given} as given, with ranks {saved_world} → {world} "
+            f"(a global batch of {given * world}, was {total})"
+        )
+    if world == saved_world:
+        return given, None
+    kept = total // world
+    if total % world == 0 and (most is None or kept <= most):
+        return (
+            kept,
+            f"ranks {saved_world} → {world}: batch size {saved} → {kept} per rank, the global batch stays {total}",
+        )
+    return saved, (
+        f"ranks {saved_world} → {world}: a global batch of {total} does not split into {world} equal batches"
+        + ("" if total % world else f" of at most {most} samples")
+        + f", so the batch size stays {saved} per rank (a global batch of {saved * world}; the learning rate is unchanged)"
+    )
 
 
 def plain(obj: Any) -> Any:

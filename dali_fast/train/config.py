@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..data.base import check_on_error
+from ..files import check_writable_folder
 from ..loaders.factory import BACKENDS
-from ..system import check_writable_folder
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 

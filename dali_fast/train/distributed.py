@@ -1,18 +1,20 @@
 """This process's place in a job: `distributed_context` joins torchrun's process group (nccl on GPUs, gloo
-on CPUs) and names the rank, world size and CUDA device; `gather` and `broadcast` move small objects."""
+on CPUs) and names the rank, world size and CUDA device; `gather` and `broadcast` move small objects;
+`gather_outputs` collects every rank's per-sample outputs in data set order (exact distributed metrics)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..system import cuda_usable, local_device_index
+from ..machine import cuda_usable, local_device_index
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,57 @@ def broadcast(obj: Any, ctx: DistContext) -> Any:
     box = [obj if ctx.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_outputs(outputs: torch.Tensor, indices: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Every rank's per-sample ``outputs``, one row per data set index, in data set order, on every rank.
+
+    Call it on every rank after an evaluation pass, with the rows this rank computed and the data set
+    index of each (``loader.last_indices`` after each batch, concatenated). Ranks may hold different
+    numbers of rows (an evaluation loader repeats no sample, so ranks differ by one): each rank's rows
+    are padded to the longest, gathered (``all_gather``, on gloo or nccl, on the device the outputs are
+    on) and trimmed. A sample that came twice (the padding of a loader with ``even=True``) is kept once,
+    so a metric over the result (accuracy, mean average precision, AUC) equals the one-process number.
+    Without a process group (or with one rank), the rows are only put in order.
+
+    Args:
+        outputs: ``(N, ...)`` this rank's rows (logits, scores, targets...); the trailing shape and dtype
+            the same on every rank.
+        indices: the ``N`` data set indices of the rows.
+
+    Returns:
+        ``(M, ...)``: the rows of every rank, sorted by data set index, each index once. Ranks whose rows
+        differ in dtype or trailing shape all raise the same one-line `ValueError` (none is left waiting).
+    """
+    import torch.distributed as dist
+
+    idx = torch.as_tensor(np.asarray(indices, dtype=np.int64) if not torch.is_tensor(indices) else indices)
+    idx = idx.to(device=outputs.device, dtype=torch.int64).reshape(-1)
+    if len(idx) != len(outputs):
+        raise ValueError(f"{len(outputs)} rows of outputs but {len(idx)} indices: give the data set index of each row")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shapes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shapes, (len(idx), str(outputs.dtype), tuple(outputs.shape[1:])))
+        if len({s[1:] for s in shapes}) > 1:  # every rank sees the same list: every rank raises, none hangs
+            said = ", ".join(f"rank {r}: {d} {list(t)}" for r, (_, d, t) in enumerate(shapes))
+            raise ValueError(
+                f"gather_outputs: the ranks' rows differ in dtype or shape ({said}); give every rank the same kind of rows"
+            )
+        sizes = [s[0] for s in shapes]
+        boolean = outputs.dtype == torch.bool  # gathered as bytes: not every backend moves bools
+        rows = outputs.to(torch.uint8) if boolean else outputs
+        pad = max(sizes) - len(idx)
+        rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))]).contiguous()
+        padded_idx = torch.cat([idx, idx.new_full((pad,), -1)])
+        all_rows = [torch.empty_like(rows) for _ in sizes]
+        all_idx = [torch.empty_like(padded_idx) for _ in sizes]
+        dist.all_gather(all_rows, rows)
+        dist.all_gather(all_idx, padded_idx)
+        outputs = torch.cat([r[:k] for r, k in zip(all_rows, sizes, strict=True)])
+        outputs = outputs.bool() if boolean else outputs
+        idx = torch.cat([i[:k] for i, k in zip(all_idx, sizes, strict=True)])
+    order = torch.argsort(idx, stable=True)
+    idx, outputs = idx[order], outputs[order]
+    first = torch.ones(len(idx), dtype=torch.bool, device=idx.device)
+    first[1:] = idx[1:] != idx[:-1]
+    return outputs[first]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..system import available_cpus, nvml_handle, read_proc_kib
+from ..machine import available_cpus, nvml_handle, read_proc_kib
 
 log = logging.getLogger(__name__)
 

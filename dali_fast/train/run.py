@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from ..data.base import Reader, SubsetReader, check_labels, fingerprint, split
+from ..files import atomic_write
 from ..loaders.base import LoaderBase
 from ..loaders.controller import BatchSizeController
 from ..loaders.factory import make_loader
-from ..system import atomic_write
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, describe_resolution
 from .checkpoint import (
@@ -36,6 +36,8 @@ from .checkpoint import (
     check_resume_config,
     load_checkpoint,
     plain,
+    rank_state,
+    resume_batch_size,
     save_checkpoint,
 )
 from .config import TrainConfig
@@ -124,7 +126,8 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
             f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {config.holdout:.0%}): every batch would "
             f"be dropped; use --batch-size {max(1, per_rank)} or less, or more images"
         )
-    check_labels(reader, len(reader.classes))  # once, on the CPU: never per step on the device
+    if config.on_error == "raise":  # once, on the CPU, before any step; "skip" skips such records as bad ones
+        check_labels(reader, len(reader.classes))
     mix = None
     if config.mixup > 0 or config.cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
         mix = MixupCutmix(**config.mix, num_classes=len(reader.classes), seed=config.seed * 1000 + ctx.rank)
@@ -207,7 +210,8 @@ def _left_out(config: TrainConfig) -> dict[str, Any]:
 
 
 def _resume(run: _Run) -> None:
-    """Continue from the checkpoint, when there is one: model, optimizer, loader and progress as saved."""
+    """Continue from the checkpoint, when there is one: model, optimizer, loader and progress as saved, also
+    on another number of processes (each rank takes its part of the rest of the epoch, see `rank_state`)."""
     ctx, ckpt_path = run.ctx, run.ckpt_path
     assert ckpt_path is not None  # resume needs a checkpoint folder (TrainConfig.checked)
     found = ctx.is_main and ckpt_path.is_file()
@@ -215,21 +219,36 @@ def _resume(run: _Run) -> None:
     if state is None:
         run.emit(f"no checkpoint in {run.config.checkpoint} yet: starting from the beginning")
         return
-    check_resume_config(ckpt_path, state["config"], run.settings, defaults=_left_out(run.config))
+    elastic = {"world_size"}  # another number of processes resumes: the rest of the epoch is shared out again
+    saved_config = {k: v for k, v in state["config"].items() if k not in elastic}
+    settings = {k: v for k, v in run.settings.items() if k not in elastic}
+    check_resume_config(ckpt_path, saved_config, settings, defaults=_left_out(run.config))
     run.trainer.load_state_dict(state["trainer"])
-    mine = state["ranks"][ctx.rank]
-    if mine["loader"] is not None:
-        run.train_loader.load_state_dict(mine["loader"])
+    loader_state, run.partial = rank_state(ckpt_path, state["ranks"], ctx.rank, ctx.world_size)
+    if loader_state is not None:
+        run.train_loader.load_state_dict(loader_state)
     run.step, run.rows = int(state["step"]), list(state["rows"])
     run.start_epoch = int(state["epoch"]) + (1 if state["epoch_done"] else 0)
-    run.partial = dict(mine["partial"])
     torch.set_rng_state(state["torch_rng"])
     run.emit(f"resumed from {ckpt_path}: epoch {state['epoch']}, step {run.step}")
-    batch_size = run.config.batch_size
-    if run.resumable and run.ctrl is None and run.train_loader.batch_size != batch_size:
-        # Positions count samples, so a new batch size resumes exactly too (e.g. after an OOM).
-        run.emit(f"batch size {run.train_loader.batch_size} → {batch_size} as given")
-        run.train_loader.batch_size = batch_size
+    if run.resumable and loader_state is not None:
+        _resume_batch_size(run, int(loader_state["batch_size"]), len(state["ranks"]))
+
+
+def _resume_batch_size(run: _Run, saved: int, saved_world: int) -> None:
+    """The batch size of a resume: ``--batch-size`` as given; the same one on another number of processes
+    keeps the global batch where it can (`resume_batch_size`); said in one line when it changes. Positions
+    count samples, so any batch size resumes exactly (e.g. a smaller one after an out-of-memory)."""
+    world = run.ctx.world_size
+    if run.ctrl is not None:  # the controller sizes each rank's batch from its own memory
+        if world != saved_world:
+            run.emit(f"ranks {saved_world} → {world}: the controller sizes each rank's batch")
+        return
+    most = len(run.train_set) // world if run.config.drop_last else None
+    batch_size, line = resume_batch_size(saved, saved_world, run.config.batch_size, world, most)
+    if line is not None:
+        run.emit(line)
+    run.train_loader.batch_size = batch_size
 
 
 def _save(run: _Run, epoch: int, epoch_done: bool, samples: int, loss_sum: float) -> None:
@@ -285,7 +304,9 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
         # A new input shape: cudnn.benchmark (on on a GPU) times its convolution algorithms again on the
         # first batch, once per size (sizes seen before stay cached), and the controller has already
         # scaled the batch size to the pixels.
-        tuned = " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
+        tuned = (
+            " (cudnn.benchmark re-tunes the convolutions on its first batch)" if trainer.device.type == "cuda" else ""
+        )
         run.emit(f"epoch {epoch}: training at {size} px, was {before} px{tuned}")
     t0, n = time.perf_counter(), 0
     loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..loaders.controller import BatchSizeController
-from ..system import cuda_usable
+from ..machine import cuda_usable
 from ..transforms.mix import MixupCutmix, soft_target_cross_entropy
 from .distributed import DistContext
 from .models import build_model
@@ -114,10 +114,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> tuple[float, float]:
-        """(mean loss, accuracy) over a loader; under DDP over all ranks' shards together.
+        """(mean loss, accuracy) over a loader; under DDP over all ranks' shards together, with rank 0's
+        weights and BatchNorm statistics on every rank (each rank's statistics drift apart in training: DDP
+        hands out rank 0's only at the next step), so the numbers are those of the model a checkpoint
+        saves. An evaluation loader repeats no sample (``even=False``), so they equal one process's.
 
         The sums stay on the device and are read once at the end: no host sync per batch."""
         self.module.eval()
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
         total = 0
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, correct
         for images, labels in loader:

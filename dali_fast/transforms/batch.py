@@ -22,9 +22,7 @@ def _normalization(
     return mean_t, inv_std
 
 
-def erase_boxes(
-    x: torch.Tensor, boxes: torch.Tensor, fill: tuple[float, ...] = (0.0, 0.0, 0.0)
-) -> torch.Tensor:
+def erase_boxes(x: torch.Tensor, boxes: torch.Tensor, fill: tuple[float, ...] = (0.0, 0.0, 0.0)) -> torch.Tensor:
     """Fill each sample's (top, left, h, w) box of NCHW ``x`` with ``fill`` (per channel), in place,
     without a host sync."""
     boxes = boxes.to(x.device, non_blocking=True)

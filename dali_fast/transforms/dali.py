@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..system import cpus_per_local_rank
+from ..machine import cpus_per_local_rank
 from .decode_choice import HW_DECODER_LOAD, choose_train_decode
 from .recipe import Recipe
 

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from ..system import nvml_handle
+from ..machine import nvml_handle
 
 log = logging.getLogger(__name__)
 

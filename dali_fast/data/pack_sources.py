@@ -1,0 +1,122 @@
+"""What `pack` reads: the images of an ImageFolder, of WebDataset shards or of any reader `open_dataset` opens
+(Parquet files, another packed set), each read and prepared (verified, re-encoded) in this process or in
+`pack`'s worker processes. A reader reaches forked workers as this module's reader (`use_reader`)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .base import LabelledReader, Reader, provides, read_batch_checked
+from .checks import check_encoded, pillow_reason
+
+_READER: Reader | None = None
+
+
+# pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
+def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+    """(bytes to store, reason it was rejected, whether it was re-encoded)."""
+    if not raw:
+        return None, "empty file", False
+    if not verify and max_side is None:
+        reason = check_encoded(raw)
+        return (None, reason, False) if reason else (raw, None, False)
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            fmt = im.format
+            if fmt not in ("JPEG", "PNG"):
+                return None, f"unsupported format {fmt}; only JPEG and PNG are packed", False
+            im.load()
+            if max_side is not None and max(im.size) > max_side:
+                scale = max_side / max(im.size)
+                size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+                out = io.BytesIO()
+                im.convert("RGB").resize(size, Image.BILINEAR, reducing_gap=3.0).save(out, "JPEG", quality=90)
+                return out.getvalue(), None, True
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
+        return None, pillow_reason(e), False
+    return raw, None, False
+
+
+# pragma: no mutate end
+
+
+Source = str | tuple[str, int, int] | int  # a file, (file, offset, size) of a member of one, or a reader's record
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image to pack: where its bytes are, its label, its name in reports and in paths.bin."""
+
+    source: Source
+    label: int
+    shown: str
+    stored: bytes
+
+
+def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+    """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
+    try:
+        if isinstance(source, tuple):
+            with open(source[0], "rb") as f:
+                f.seek(source[1])
+                raw = f.read(source[2])
+        else:
+            raw = Path(source).read_bytes()
+    except OSError as e:
+        return None, f"unreadable: {e}", False
+    return _prepare(raw, verify, max_side)
+
+
+# pragma: no mutate start (runs only in worker processes, where mutmut cannot map tests to it; the
+# byte-identical test of 1, 2 and 4 workers covers it)
+def load_chunk(
+    sources: list[Source], verify: bool, max_side: int | None
+) -> list[tuple[bytes | None, str | None, bool]]:
+    if sources and isinstance(sources[0], int):  # a reader's records: read as one batch
+        return [_prepare_read(raw, why, verify, max_side) for raw, why in read_rows(sources)]  # type: ignore[arg-type]
+    return [_load_one(p, verify, max_side) for p in sources]
+
+
+# pragma: no mutate end
+
+
+def load(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+    """`_load_one` of a file or a member, or the reader's record ``source`` (an int) read with its checks."""
+    if isinstance(source, int):
+        return _prepare_read(*read_rows([source])[0], verify, max_side)
+    return _load_one(source, verify, max_side)
+
+
+def _prepare_read(raw: bytes | None, why: str | None, verify: bool, max_side: int | None) -> tuple:
+    return (None, why, False) if raw is None else _prepare(raw, verify, max_side)
+
+
+def use_reader(reader: Reader | None) -> None:
+    """The reader `read_rows` reads, in this process and in the workers forked after the call."""
+    global _READER
+    _READER = reader
+
+
+def reader_records(reader: Reader) -> list[tuple[int, int, str]]:
+    """(index, label, name) of every record of ``reader``: the labels from its label column where it has one."""
+    if provides(reader, LabelledReader):
+        labels = np.asarray(reader.labels, dtype=np.int64).tolist()  # type: ignore[attr-defined]
+    else:
+        labels = [int(reader[i][1]) for i in range(len(reader))]
+    return [(i, labels[i], reader.source(i)) for i in range(len(reader))]
+
+
+def read_rows(rows: Sequence[int]) -> list[tuple[bytes | None, str | None]]:
+    """(bytes, None), or (None, why the record is bad), of each of ``rows`` of the reader `use_reader` set,
+    read as one batch (a Parquet row group is read once for all of its rows)."""
+    if _READER is None:
+        raise RuntimeError("pack's reader is not set in this process (use_reader)")
+    datas, _, bad = read_batch_checked(_READER, list(rows))
+    return [(None, bad[k]) if k in bad else (bytes(datas[k]), None) for k in range(len(rows))]  # type: ignore[arg-type]

@@ -1,0 +1,350 @@
+"""`ParquetReader`: image sets stored as Parquet (Hugging Face ``datasets``, Spark, Ray) read in place.
+
+Opening reads the files' footers and label column only (`parquet_index`), and saves that index under
+``$DALI_FAST_CACHE/parquet-index``, keyed on each file's size, mtime, inode, device and ctime, so a
+second open costs milliseconds and a changed file is indexed again.
+
+A Parquet file is read by row group (its compressed pages have no per-row offsets): a row group's image
+column is read whole, once, into a small per-process LRU of row groups bounded in bytes
+(``row_group_cache``), and every record is a zero-copy view into its Arrow buffer. Each row is checked
+(`check_encoded`) once, when its group is read, in the reader threads. So the order matters:
+
+- a random-access shuffle reads a row group for nearly every sample unless the whole set fits in the
+  row-group cache: it is the default only for such sets (then every group is read once per process);
+- larger sets use the streaming order (`loaders.shard_order.StreamingOrder`): row groups shuffled, then
+  samples shuffled within windows of ``shuffle_window`` row groups, each group read once per pass.
+
+``streaming=True``/``False`` chooses; docs/data.md has the measured cost of each. A null image, a null
+label, a label outside the class names and bytes that are not an image are bad records named
+``file.parquet:row``, which the loaders raise or skip and count (``on_error``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..files import default_cache_dir
+from ..text import plural
+from .base import CheckedBatch, read_parallel
+from .cache import LRUCache
+from .checks import check_encoded, check_index, check_label
+from .parquet_index import expand_parquet, load_or_build, local_identity, pyarrow_parquet
+from .shards import shard_classes
+
+log = logging.getLogger(__name__)
+
+ROW_GROUP_CACHE = 256 << 20  # bytes of row groups kept per process (a set this small is read at random)
+MAX_WINDOW = 64  # row groups shuffled together at most (more costs memory, not mixing that matters)
+NULL_IMAGE, NULL_LABEL = "null image", "null label"
+
+_READERS: weakref.WeakSet = weakref.WeakSet()
+
+
+# pragma: no mutate start (runs in forked children, where mutmut does not follow; the fork test covers it)
+def _reset_readers_in_child() -> None:
+    """A forked child (a DataLoader worker) starts without its parent's row groups, whose lock a reader
+    thread of the parent may have held at the fork."""
+    for reader in list(_READERS):
+        reader._reset_process_state()  # noqa: SLF001
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_readers_in_child)
+# pragma: no mutate end
+
+
+class _Group:
+    """One row group's images: the Arrow data buffer as uint8 (read-only), each row's offsets into it,
+    which rows are null, and why each row is not an image (None when it is one)."""
+
+    __slots__ = ("data", "offsets", "reasons", "nbytes")
+
+    def __init__(self, column: Any, image_field: str | None) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        chunks = [pc.struct_field(c, image_field) if image_field else c for c in column.chunks]
+        if len(chunks) == 1:
+            arr = chunks[0]
+        else:  # a row group of several chunks (or none): one array, with 64-bit offsets
+            arr = pa.concat_arrays([c.cast(pa.large_binary()) for c in chunks] or [pa.array([], pa.large_binary())])
+        wide = pa.types.is_large_binary(arr.type)
+        _, offsets, data = arr.buffers()
+        self.offsets = np.frombuffer(offsets, np.int64 if wide else np.int32)[arr.offset : arr.offset + len(arr) + 1]
+        self.data = np.frombuffer(data if data is not None else b"", np.uint8)
+        self.data.flags.writeable = False  # the cache's bytes: a consumer cannot change them
+        nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(len(arr), bool)
+        ends = self.offsets.tolist()
+        self.reasons = [
+            NULL_IMAGE if null else check_encoded(self.data[a:b])
+            for a, b, null in zip(ends[:-1], ends[1:], nulls.tolist(), strict=True)
+        ]
+        self.nbytes = self.data.nbytes + self.offsets.nbytes
+
+    def view(self, row: int) -> np.ndarray:
+        return self.data[int(self.offsets[row]) : int(self.offsets[row + 1])]
+
+
+class ParquetReader:
+    """The reader interface over Parquet files (see the module docstring).
+
+    Args:
+        spec: a ``.parquet`` file, a folder of them or a Hugging Face snapshot (``data/*.parquet``), a
+            brace pattern or a glob (``snapshot/data/train-*.parquet``: how a split is chosen).
+        image_column: the column of encoded images (binary, or ``struct<bytes, path>``); found by type
+            when None.
+        label_column: the column of class labels (integers, or class names); found when None.
+        streaming: the streaming order over row groups (True), random access (False), or None: streaming
+            when the images do not fit in ``row_group_cache``.
+        shuffle_window: row groups whose samples are shuffled together in the streaming order (None:
+            as many as half of ``row_group_cache`` holds, at most `MAX_WINDOW`).
+        row_group_cache: bytes of row groups each process keeps (raised to two of the largest group).
+        cache_dir: where the index is saved (default ``$DALI_FAST_CACHE/parquet-index``).
+    """
+
+    def __init__(
+        self,
+        spec: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        image_column: str | None = None,
+        label_column: str | None = None,
+        streaming: bool | None = None,
+        shuffle_window: int | None = None,
+        row_group_cache: int = ROW_GROUP_CACHE,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self._pq = pyarrow_parquet()  # one line saying how to install pyarrow, before any work
+        if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
+            raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive number of row groups")
+        if row_group_cache < 0:
+            raise ValueError(f"row_group_cache={row_group_cache}: must be >= 0 bytes")
+        paths = expand_parquet(spec) if isinstance(spec, str | os.PathLike) else [Path(p) for p in spec]
+        if not paths:
+            raise ValueError("no Parquet files given")
+        self.files = [str(p.resolve()) for p in paths]
+        self.path = Path(self.files[0]).parent
+        self._meta: dict[int, Any] = {}
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "parquet-index"
+        named = [(f, local_identity(f)) for f in self.files]
+        index, self.index_file = load_or_build(
+            named, self._open, image_column=image_column, label_column=label_column, cache=cache
+        )
+        self.columns = index.columns
+        self._labels, self._null_label = index.labels, index.null_label
+        self.group_rows, self.group_file, self.group_bytes = index.group_rows, index.group_file, index.group_bytes
+        self.shard_bounds = np.concatenate([[0], np.cumsum(self.group_rows)]).astype(np.int64)  # per row group
+        file_rows = np.bincount(self.group_file, weights=self.group_rows, minlength=len(self.files)).astype(np.int64)
+        self._file_start = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
+        self._group_base = np.searchsorted(self.group_file, np.arange(len(self.files)))  # each file's first group
+        if not len(self._labels):
+            raise ValueError(f"{self.files[0]}: no rows in {plural(len(self.files), 'Parquet file')}")
+        self.classes = self._classes(index.names)
+        self._bad_label = self._null_label | (self._labels < 0) | (self._labels >= len(self.classes))
+        self._warn_bad_labels()
+        biggest = int(self.group_bytes.max()) if len(self.group_bytes) else 0
+        self.row_group_cache = max(int(row_group_cache), 2 * biggest)
+        self.streaming = self.total_bytes > self.row_group_cache if streaming is None else bool(streaming)
+        if shuffle_window is None:
+            shuffle_window = max(1, min(MAX_WINDOW, self.row_group_cache // max(1, 2 * biggest)))
+        self.shuffle_window = int(min(shuffle_window, len(self.group_rows)))
+        self._reset_process_state()
+        _READERS.add(self)
+
+    # ------------------------------------------------------------------ open
+    def _classes(self, names: list[str] | None) -> list[str]:
+        """The ClassLabel names, the names of a string column, or the labels seen ("0" .. the largest)."""
+        if self.columns.names:
+            return list(self.columns.names)
+        if names is not None:
+            return names
+        good = np.flatnonzero(~self._null_label & (self._labels >= 0))
+        return shard_classes(self._labels[good], lambda k: self.source(int(good[k])))
+
+    # pragma: no mutate start (the words of a log line; the loaders and `label_problems` name each record)
+    def _warn_bad_labels(self) -> None:
+        bad = np.flatnonzero(self._bad_label)
+        if len(bad):
+            log.warning(
+                "%s of %s: a null label or one outside the %s (first: %s: %s); the loaders raise, or skip "
+                "and count them (on_error)",
+                plural(len(bad), "row"),
+                plural(len(self), "row"),
+                plural(len(self.classes), "class", "classes"),
+                self.source(int(bad[0])),
+                self._label_reason(int(bad[0])),
+            )
+
+    # pragma: no mutate end
+
+    # pragma: no mutate start (the parsed footers are kept for speed only: without them each read parses its own)
+    def _open(self, k: int) -> Any:
+        """File ``k`` as a ``pyarrow.parquet.ParquetFile`` (its footer parsed once per process, then
+        shared): every read of a file goes through here."""
+        meta = self._meta.get(k)
+        pf = self._pq.ParquetFile(self.files[k], metadata=meta, pre_buffer=False)
+        if meta is None:
+            self._meta[k] = pf.metadata
+        return pf
+
+    # pragma: no mutate end
+
+    # ------------------------------------------------------------------ the row groups
+    def _load(self, gid: int) -> _Group | str:
+        """Row group ``gid`` read whole, or why it cannot be (a damaged or shortened file)."""
+        import pyarrow as pa
+
+        k = int(self.group_file[gid])
+        try:
+            table = self._open(k).read_row_group(
+                int(gid - self._group_base[k]),
+                columns=[self.columns.image_leaf],
+                use_threads=False,  # pragma: no mutate
+            )
+            return _Group(table.column(0), self.columns.image_field)
+        except (OSError, pa.ArrowException) as e:
+            return f"unreadable: row group {int(gid - self._group_base[k])} of {self.files[k]}: {e}"
+
+    def _groups(self, gids: np.ndarray) -> dict[int, _Group | str]:
+        """The row groups ``gids``, from this process's LRU or read in parallel (and kept)."""
+        keys = gids.tolist()
+        found = dict(zip(keys, self._cache.get_many(keys), strict=True))
+        missing = [g for g, v in found.items() if v is None]
+        for g, group in zip(missing, read_parallel(self._load, missing), strict=True):
+            found[g] = group
+            if isinstance(group, _Group):
+                self._cache.put(g, group, group.nbytes)
+        return found  # type: ignore[return-value]
+
+    def _rows(self, indices: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        out = np.where(idx < 0, idx + n, idx)
+        if len(out) and (out.min() < 0 or out.max() >= n):
+            bad = int(idx[(out < 0) | (out >= n)][0])
+            check_index(bad, n)  # the IndexError naming the record
+        return out
+
+    # ------------------------------------------------------------------ reader interface
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Every row's label (int64; -1 where the label is null)."""
+        return self._labels
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the image column, uncompressed (the footers' sizes, which count 4 bytes a row more)."""
+        return int(self.group_bytes.sum())
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies the contents (a resume on other data is refused by it): each file's name, size
+        and mtime, the row groups and the labels; the same on every node that mounts the files, and for
+        a copy that keeps names and mtimes (the index's key also has inodes and devices)."""
+        h = hashlib.sha1()
+        for f in self.files:
+            st = os.stat(f)
+            h.update(f"{Path(f).name}|{st.st_size}|{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        h.update(self.group_rows.tobytes())
+        h.update(self._labels.tobytes())
+        return f"parquet:{len(self)}:{h.hexdigest()[:16]}"
+
+    def read_batch_checked(self, indices: Sequence[int]) -> CheckedBatch:
+        """The images of ``indices`` (views into their row groups, each group read once), their labels,
+        and why each bad one is bad: a null or out-of-range label, a null image, bytes that are not an
+        image, or a row group that cannot be read."""
+        idx = self._rows(indices)
+        gids = np.searchsorted(self.shard_bounds, idx, side="right") - 1
+        groups = self._groups(np.unique(gids))
+        datas: list[np.ndarray | None] = []
+        bad: dict[int, str] = {}
+        rows = (idx - self.shard_bounds[gids]).tolist()
+        for pos, (i, gid, row) in enumerate(zip(idx.tolist(), gids.tolist(), rows, strict=True)):
+            group = groups[gid]
+            if isinstance(group, str):
+                datas.append(None)
+                bad[pos] = group
+                continue
+            why = group.reasons[row]
+            datas.append(None if why == NULL_IMAGE else group.view(row))
+            if self._bad_label[i]:
+                why = self._label_reason(i)
+            if why is not None:
+                bad[pos] = why
+        return datas, self._labels[idx], bad
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """`read_batch_checked` without the verdicts (a null image is an empty array); a row group that
+        cannot be read raises OSError."""
+        datas, labels, bad = self.read_batch_checked(indices)
+        unreadable = next((why for why in bad.values() if why.startswith("unreadable")), None)
+        if unreadable is not None:
+            raise OSError(unreadable)
+        return [d if d is not None else np.zeros(0, np.uint8) for d in datas], labels
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        datas, labels = self.read_batch([i])
+        return datas[0], int(labels[0])
+
+    def source(self, i: int) -> str:
+        """``file.parquet:row`` of record ``i`` (the row counted from 0 in its file)."""
+        j = check_index(i, len(self))
+        k = int(np.searchsorted(self._file_start, j, side="right") - 1)
+        return f"{self.files[k]}:{j - int(self._file_start[k])}"
+
+    def _label_reason(self, i: int) -> str | None:
+        if self._null_label[i]:
+            return NULL_LABEL
+        return check_label(int(self._labels[i]), len(self.classes))
+
+    @property
+    def label_problems(self) -> dict[int, str]:
+        """``{record: why its label is bad}`` (null, or outside the classes): what `pack` leaves out."""
+        return {int(i): self._label_reason(int(i)) or "" for i in np.flatnonzero(self._bad_label)}
+
+    # The streaming order's hooks: local files need nothing downloaded ahead.
+    def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
+        """The loaders' upcoming order (nothing to fetch ahead for local files)."""
+
+    def advance(self, count: int) -> None:
+        """``count`` more records delivered (nothing to release for local files)."""
+
+    # ------------------------------------------------------------------ processes
+    def _reset_process_state(self) -> None:
+        """This process's own row groups (an unpickled reader, a forked child, a new reader)."""
+        self._cache = LRUCache(self.row_group_cache)
+        self._meta = dict(self._meta)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_pq")}
+        state["_meta"] = {}  # each process parses the footers it reads
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pq = pyarrow_parquet()
+        self._reset_process_state()
+        _READERS.add(self)
+
+    def cache_stats(self) -> dict[str, float]:
+        """This process's row-group LRU: hits, misses, hit_rate, evictions, bytes."""
+        return self._cache.stats()
+
+    # pragma: no mutate start (display)
+    def __repr__(self) -> str:
+        return (
+            f"ParquetReader({plural(len(self.files), 'file')}, {plural(len(self.group_rows), 'row group')}, "
+            f"records={len(self)}, classes={len(self.classes)}, {'streaming' if self.streaming else 'random access'})"
+        )
+
+    # pragma: no mutate end

@@ -1,0 +1,12 @@
+"""Object storage: WebDataset shards at a URL (``s3://``, ``gs://``, ``https://``, any fsspec URL), read
+through a node-local cache. A URL's open runs top to bottom through these files:
+
+- ``reader.py``: `RemoteShardsReader`, what `open_dataset` returns for a URL: it lists the shards, builds or
+  loads each shard's member index, and serves records.
+- ``store.py``: the object store through fsspec: what a URL names, and each shard's bytes fetched by
+  range requests, retried and checked.
+- ``cache.py``: the shard cache one node's processes share, within a byte budget.
+- ``stream.py``: one process's downloads ahead of the loader's order, and the shards it pins.
+
+Nothing here is imported by ``import dali_fast``: fsspec and its backends load with the reader.
+"""

@@ -1,0 +1,392 @@
+"""`RemoteShardsReader`: WebDataset shards in object storage (``s3://``, ``gs://``, ``https://``, any fsspec
+URL), read through a node-local shard cache. numpy only: no torch here.
+
+``open_dataset("s3://bucket/train-{000000..000146}.tar")`` returns one. What it does:
+
+- **Open.** One listing (or one HEAD per shard) gives each shard's size and what identifies its content
+  (ETag, version or generation; `store.list_shards`). Each shard's member index (offsets, sizes,
+  labels) is built once, from the whole shard fetched into the cache, by the same rules as local shards
+  (`shards.index_shard`), and saved under ``index_dir`` keyed on (URL, size, identity): a shard changed on
+  the server gets a new index, and the old one is never used for it. Indexing leaves the shard in the
+  cache when the budget has room.
+- **The shard cache** (`cache.ShardCache`, ``cache_dir``, ``cache_limit`` bytes) is shared by every
+  process of the node: one download per shard per node, a size and crc32 check against the index
+  (`store.ShardDownloader`), then a rename, so a crash never leaves a partial shard under a
+  shard's name.
+- **Streaming.** The loaders give the reader their upcoming order (`schedule`) and what they have
+  delivered (`advance`); its `stream.ShardStream` downloads ahead in that order, up to this rank's
+  share of the budget, and unpins a shard once every sample of it in the order was delivered.
+- **Faults.** Range requests are retried with backoff; a shard that is gone, changed or truncated on the
+  server, or that still fails, is a bad shard: reading its samples raises `ShardError` (an ``OSError``),
+  which the loaders report as bad records (``on_error``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import weakref
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...files import atomic_write, cache_folder
+from ..base import check_on_error
+from ..checks import check_index
+from ..member_index import MemberIndexReader
+from ..shards import index_shard
+from .cache import ShardCache, close_lock, open_lock
+from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
+from .stream import ShardStream
+
+log = logging.getLogger(__name__)
+
+_READERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _reset_readers_in_child() -> None:
+    """A forked child (a DataLoader worker) starts each reader's per-process state afresh: its parent's
+    pins are not its own (the cache closes their locks) and its download threads did not survive."""
+    for reader in list(_READERS):
+        reader._reset_process_state()  # noqa: SLF001
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_readers_in_child)
+
+
+class RemoteShardsReader(MemberIndexReader):
+    """The reader interface over remote WebDataset shards, streamed through a `ShardCache`.
+
+    ``cache_dir`` (default ``$DALI_FAST_CACHE/remote``) holds the shards (``shards/``) and, unless
+    ``index_dir`` says otherwise, their indexes (``index/``). ``cache_limit``: bytes of shards on this
+    node (None: what the disk can spare at open, its free space less a margin: `cache.DISK_MARGIN`); each
+    of the node's ``LOCAL_WORLD_SIZE`` ranks may pin an equal share, which must hold two shuffle windows of
+    ``shuffle_window`` shards. ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an
+    S3-compatible server; ``AWS_ENDPOINT_URL`` works too). ``on_error`` as for local shards: ``"skip"``
+    counts and names what indexing left out (``skipped`` samples, ``damaged`` shards), ``"raise"`` refuses
+    it; a shard that fails later is reported through the loaders' own ``on_error``. What cannot be had for
+    a reason of the store (credentials, access, endpoint, TLS, bucket, a full disk) raises a
+    `errors.RemoteDataError` naming it.
+    ``prefetch_next_epoch``: once this epoch's shards are local or under way, download the next epoch's
+    first shards too, as the budget allows (no stall when an epoch starts).
+    """
+
+    streaming = True  # the loaders use the streaming order (`loaders.shard_order.StreamingOrder`) over it
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        label_key: str = "label",
+        on_error: str = "skip",
+        cache_dir: str | os.PathLike | None = None,
+        cache_limit: int | None = None,
+        index_dir: str | os.PathLike | None = None,
+        storage_options: dict[str, Any] | None = None,
+        shuffle_window: int = 4,
+        download_threads: int = 4,
+        retry_seconds: float = 60.0,
+        timeout: float = 60.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        prefetch_next_epoch: bool = True,
+    ) -> None:
+        for name, value in (("shuffle_window", shuffle_window), ("download_threads", download_threads)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if retry_seconds < 0 or timeout <= 0 or chunk_bytes < 1:
+            raise ValueError("retry_seconds must be >= 0, timeout and chunk_bytes > 0")
+        self.spec = str(spec)
+        self.label_key = label_key
+        self.on_error = check_on_error(on_error)
+        self.shuffle_window = shuffle_window
+        self.download_threads = download_threads
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        root = Path(cache_dir) if cache_dir is not None else cache_folder("remote")
+        self.cache = ShardCache(root / "shards", cache_limit)
+        self.index_dir = Path(index_dir) if index_dir is not None else root / "index"
+        fs, self.infos = list_shards(self.spec, dict(storage_options or {}))
+        self.store = ShardDownloader(
+            self.infos,
+            dict(storage_options or {}),
+            retry_seconds=float(retry_seconds),
+            timeout=float(timeout),
+            chunk_bytes=int(chunk_bytes),
+            fs=fs,
+        )
+        self.shards = [s.url for s in self.infos]
+        self.shard_bytes = np.array([s.size for s in self.infos], dtype=np.int64)
+        self.path = self.spec
+        self._check_budget()  # before any download
+        self._bad: dict[int, ShardError] = {}  # shards that failed, with the error: reading them raises it
+        self._reset_process_state()
+        self._build()
+        _READERS.add(self)
+
+    # ------------------------------------------------------------------ open: the index
+    def _build(self) -> None:
+        n = len(self.infos)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        first = n * local_rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        order = list(range(first, n)) + list(range(first))  # ranks of a node index different shards first
+        parts: list[dict[str, Any] | None] = [None] * n
+        with ThreadPoolExecutor(self.download_threads) as pool:
+            for s, part in zip(order, pool.map(self._shard_index, order), strict=True):
+                parts[s] = part
+        counts = [len(p["labels"]) for p in parts]  # type: ignore[index]
+        self.shard_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._shard_of = np.repeat(np.arange(n, dtype=np.int64), counts)
+        self._offset = np.concatenate([p["offset"] for p in parts]).astype(np.int64)  # type: ignore[index]
+        self._size = np.concatenate([p["size"] for p in parts]).astype(np.int64)  # type: ignore[index]
+        self._labels = np.concatenate([p["labels"] for p in parts]).astype(np.int64)  # type: ignore[index]
+        blobs = [p["names"] for p in parts]  # type: ignore[index]
+        starts = np.cumsum([0] + [len(b) for b in blobs[:-1]])
+        self._names = np.concatenate(blobs).astype(np.uint8)
+        self._name_ends = np.concatenate([p["name_ends"] + o for p, o in zip(parts, starts, strict=True)])  # type: ignore[index]
+        self.shard_crc = np.array([int(p["crc"]) for p in parts], dtype=np.int64)  # type: ignore[index]
+        self.skipped: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["skipped"]]  # type: ignore[index,misc]
+        self.damaged: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["damaged"]]  # type: ignore[index,misc]
+        self.ignored: Counter[str] = sum((Counter(p["ignored"]) for p in parts), Counter())  # type: ignore[index]
+        if (self.damaged or self.skipped) and self.on_error == "raise":
+            where, reason = (self.damaged or self.skipped)[0]
+            raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
+        self._index_done("remote shard")
+
+    def _check_budget(self) -> None:
+        limit = self.cache.limit
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        need = ranks * 2 * self.shuffle_window * int(self.shard_bytes.max())
+        if limit < need and not self.cache.limit_given:
+            raise ValueError(
+                f"cache_dir {self.cache.folder}: its disk can spare {limit} bytes (its free space less a margin), "
+                f"too little for {ranks} rank(s) on this node each reading shuffle windows of {self.shuffle_window} "
+                f"shard(s) of up to {int(self.shard_bytes.max())} bytes ({need} bytes); free space there, choose a "
+                "cache folder on a larger disk (--cache-dir, cache_dir), or use a smaller shuffle_window"
+            )
+        if limit < need:
+            raise ValueError(
+                f"cache_limit={limit}: too small for {ranks} rank(s) on this node each reading shuffle windows of "
+                f"{self.shuffle_window} shard(s) of up to {int(self.shard_bytes.max())} bytes; use cache_limit >= "
+                f"{need} (two windows per rank) or a smaller shuffle_window"
+            )
+
+    def _index_path(self, s: int) -> Path:
+        return self.index_dir / f"{self.infos[s].key(self.label_key)}.npz"
+
+    def _shard_index(self, s: int) -> dict[str, Any]:
+        """Shard ``s``'s member index, from ``index_dir`` or built from the shard (fetched into the cache)."""
+        path = self._index_path(s)
+        part = _load_index(path)
+        if part is not None:
+            return part
+        try:
+            return self._build_shard_index(s, path)
+        except ShardError as e:
+            if isinstance(e.__cause__, PERMANENT):  # credentials, access, TLS: the store's, not the shard's
+                raise e.__cause__  # noqa: B904 - it carries its own cause
+            if self.on_error == "raise":
+                raise ShardError(f"{e}; the shard cannot be indexed (or open with on_error='skip')") from e
+            log.warning("left out shard %s: %s", self.infos[s].url, e)
+            empty = np.empty(0, np.int64)
+            return {
+                "offset": empty,
+                "size": empty,
+                "labels": empty,
+                "names": np.empty(0, np.uint8),
+                "name_ends": empty,
+                "skipped": [],
+                "ignored": {},
+                "damaged": [(self.infos[s].url, f"cannot be indexed: {e}")],
+                "crc": 0,
+            }  # not saved: the next open tries again
+
+    def _build_shard_index(self, s: int, path: Path) -> dict[str, Any]:
+        self.index_dir.mkdir(parents=True, exist_ok=True)
+        fd = open_lock(path.with_suffix(".lock"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it; the others wait and load it
+            part = _load_index(path)
+            if part is None:
+                part = self._make_index(s)
+                try:
+                    atomic_write(path, lambda f: np.savez(f, **_pack_index(part)))
+                except OSError as e:
+                    log.warning("cannot save the shard index %s (%s); the next open indexes it again", path, e)
+            return part
+        finally:
+            close_lock(fd)
+
+    def _make_index(self, s: int) -> dict[str, Any]:
+        info = self.infos[s]
+        crc: list[int] = []
+        pin = self.cache.acquire(
+            info.key(), info.size, lambda tmp: crc.append(self.store.download(s, tmp, None)), pin=True
+        )
+        assert isinstance(pin, int)
+        try:
+            return self._index_local(s, crc)
+        finally:
+            self.cache.release(info.key(), pin, used=False)  # left in the cache for the first epoch
+
+    def _index_local(self, s: int, crc: list[int]) -> dict[str, Any]:
+        """Shard ``s``'s index from its file in the cache, by the local shards' rules (`shards.index_shard`)."""
+        info = self.infos[s]
+        local = self.cache.path(info.key())
+        if not crc:  # already in the cache (from another process or an earlier index): the crc from the file
+            crc.append(_crc_file(local))
+        found = index_shard(local, label_key=self.label_key, on_error="skip")
+        names = [n.encode("utf-8", "surrogateescape") for n in found.names]
+        return {
+            "offset": found.offsets.astype(np.int64),
+            "size": found.sizes.astype(np.int64),
+            "labels": found.labels.astype(np.int64),
+            "names": np.frombuffer(b"".join(names), dtype=np.uint8).copy(),
+            "name_ends": np.cumsum([len(x) for x in names], dtype=np.int64),
+            "skipped": [(w.replace(str(local), info.url, 1), r) for w, r in found.skipped],
+            "ignored": dict(found.ignored),
+            "damaged": [(info.url, r) for _, r in found.damaged],
+            "crc": crc[0],
+        }
+
+    def _fetch(
+        self, s: int, pin: bool, block_for_room: bool = True, cancel: Callable[[], bool] | None = None
+    ) -> int | None | bool:
+        """Shard ``s`` made local (see `ShardCache.acquire`); a failure is remembered as a bad shard."""
+        bad = self._bad.get(s)
+        if bad is not None:
+            raise bad
+        info = self.infos[s]
+        try:
+            return self.cache.acquire(
+                info.key(),
+                info.size,
+                lambda tmp: self.store.download(s, tmp, int(self.shard_crc[s]), cancel),
+                pin=pin,
+                block_for_room=block_for_room,
+            )
+        except ShardError as e:
+            self._bad[s] = e
+            log.warning("bad shard: %s", e)
+            raise
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha1("|".join(s.key(self.label_key) for s in self.infos).encode()).hexdigest()[:16]
+        return f"remote-webdataset:{len(self)}:{h}"
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        j = check_index(i, len(self))
+        s = int(self._shard_of[j])
+        m = self._stream.map(s)
+        off = int(self._offset[j])
+        return m[off : off + int(self._size[j])], int(self._labels[j])
+
+    def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
+        """The records this process will read next, in order (the rest of the loader's pass), and optionally
+        the next epoch's: shards are downloaded ahead in that order and unpinned once used (`advance`)."""
+        following = None
+        if then is not None and len(then) and self.prefetch_next_epoch:
+            following = self._shard_of[np.asarray(then, dtype=np.int64)]
+        self._stream.schedule(self._shard_of[np.asarray(order, dtype=np.int64)], following)
+
+    def advance(self, count: int) -> None:
+        """``count`` more records of the schedule were delivered: unpin the shards whose use is over."""
+        self._stream.advance(count)
+
+    def close(self) -> None:
+        """Stop downloading ahead (a download under way stops at its next range request) and unpin every
+        shard; the files stay in the cache."""
+        self._stream.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def stats(self) -> dict[str, int]:
+        """This process's downloads (shards, bytes), evictions, and shards pinned now."""
+        return {
+            "downloads": self.cache.downloads,
+            "downloaded_bytes": self.store.downloaded_bytes,
+            "evictions": self.cache.evictions,
+            "pinned": self._stream.pinned,
+            "bad_shards": len(self._bad),
+        }
+
+    # ------------------------------------------------------------------ processes
+    def _reset_process_state(self) -> None:
+        """Per-process state, fresh: in a new reader, after unpickling, and in a forked child (whose
+        pins were its parent's and whose threads did not survive the fork)."""
+        self._stream = ShardStream(
+            self.cache,
+            [info.key() for info in self.infos],
+            self.shards,
+            self.shard_bytes,
+            self._fetch,
+            self._bad,
+            window=self.shuffle_window,
+            threads=self.download_threads,
+        )
+        if getattr(self, "_pid", None) not in (None, os.getpid()):
+            self.store.forget_connections()  # fsspec's clients (event loops, connections) do not survive a fork
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k in _PICKLED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pid = None
+        self._reset_process_state()
+        _READERS.add(self)
+
+    def __repr__(self) -> str:
+        return f"RemoteShardsReader({len(self.shards)} shards, records={len(self)}, classes={len(self.classes)})"
+
+
+_PICKLED = ("_shard_of", "_offset", "_size", "_labels", "_names", "_name_ends", "_bad")
+
+
+def _crc_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _pack_index(part: dict[str, Any]) -> dict[str, np.ndarray]:
+    out = {k: part[k] for k in ("offset", "size", "labels", "names", "name_ends")}
+    out["crc"] = np.asarray(part["crc"], dtype=np.int64)
+    meta = {k: part[k] for k in ("skipped", "ignored", "damaged")}
+    out["meta"] = np.asarray(json.dumps(meta).encode(), dtype=bytes)
+    return out
+
+
+# np.load parses headers with ast, which CPython 3.11 cannot run in two threads at once (gh-106905)
+_NPY_LOAD = threading.Lock()
+
+
+def _load_index(path: Path) -> dict[str, Any] | None:
+    try:
+        with _NPY_LOAD, np.load(path) as z:
+            part = {k: z[k] for k in ("offset", "size", "labels", "names", "name_ends")}
+            part["crc"] = int(z["crc"])
+            meta = json.loads(bytes(z["meta"]))
+    except (OSError, KeyError, ValueError):
+        return None
+    if "damaged" not in meta:  # an index of an older version (damage counted as a sample): made again
+        return None
+    part["skipped"] = [tuple(x) for x in meta["skipped"]]
+    part["ignored"] = meta["ignored"]
+    part["damaged"] = [tuple(x) for x in meta["damaged"]]
+    return part

@@ -1,0 +1,191 @@
+"""`pack_shards` (``dali-fast pack --format webdataset``): any data set `open_dataset` opens, written as
+WebDataset shards by `write_shards`, verified as `pack` verifies, byte-identical for any number of workers.
+
+This process reads the records (a chunk at a time, through the reader's own batch read); worker
+processes decode (and re-encode) them; the results come back in order and one writer writes them. So
+the output depends only on the data and the options, and a fixed number of images is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..files import atomic_dir
+from ..machine import available_cpus, die_with_parent
+from ..text import plural, progress_bar
+from .base import Reader, StreamingReader, provides, read_batch_checked
+from .folder import ImageFolderReader, scan_image_folder
+from .open import open_dataset
+from .pack_sources import _prepare
+from .remote.store import is_remote, url_to_fs
+from .shard_writer import DEFAULT_SHARD_SIZE, ShardReport, check_shard_arguments, stale_shards, write_shards
+from .writer import PACK_CHUNK, PACK_SMALL, PACK_WINDOW
+
+log = logging.getLogger(__name__)
+
+Prepared = tuple[bytes | None, str | None, bool]  # (bytes to write, why it is left out, re-encoded)
+
+
+# pragma: no mutate start (runs in worker processes; the byte-identical test of 1 and 2 workers covers it)
+def _prepare_chunk(raws: list[bytes | None], verify: bool, max_side: int | None) -> list[Prepared]:
+    return [(None, None, False) if raw is None else _prepare(raw, verify, max_side) for raw in raws]
+
+
+# pragma: no mutate end
+
+
+def _read(reader: Reader, chunk: np.ndarray) -> tuple[list[bytes | None], np.ndarray, dict[int, str]]:
+    """A chunk's records as bytes (None where bad), their targets, and why each bad one is bad."""
+    datas, targets, bad = read_batch_checked(reader, chunk)
+    raws = [None if pos in bad or d is None else bytes(memoryview(d)) for pos, d in enumerate(datas)]
+    return raws, targets, bad
+
+
+def _records(
+    reader: Reader, order: np.ndarray, verify: bool, max_side: int | None, workers: int, report: ShardReport, bar: Any
+) -> Iterator[tuple[bytes, Any]]:
+    """(bytes, target) of each good record in ``order``: prepared here, or by ``workers`` processes with at
+    most ``workers * PACK_WINDOW`` chunks in flight. What is left out goes to ``report.skipped``."""
+    streaming = provides(reader, StreamingReader)
+    if streaming:
+        reader.schedule(order)  # type: ignore[attr-defined]  # remote shards download ahead, in this order
+    chunks = (order[k : k + PACK_CHUNK] for k in range(0, len(order), PACK_CHUNK))
+    pool = None
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),))
+    pending: deque = deque()
+
+    def submit() -> None:
+        chunk = next(chunks, None)
+        if chunk is None:
+            return
+        raws, targets, bad = _read(reader, chunk)
+        if streaming:
+            reader.advance(len(chunk))  # type: ignore[attr-defined]
+        if pool is None:
+            pending.append((chunk, targets, bad, _prepare_chunk(raws, verify, max_side)))
+        else:
+            pending.append((chunk, targets, bad, pool.submit(_prepare_chunk, raws, verify, max_side)))
+
+    try:
+        for _ in range(max(1, workers) * PACK_WINDOW):
+            submit()
+        while pending:
+            chunk, targets, bad, result = pending.popleft()
+            submit()
+            prepared = result if pool is None else result.result()
+            for pos, (i, (payload, reason, reencoded)) in enumerate(zip(chunk.tolist(), prepared, strict=True)):
+                bar.update(1)
+                if payload is None:
+                    report.skipped.append((reader.source(i), bad.get(pos) or reason or "rejected"))
+                    continue
+                report.reencoded += reencoded
+                yield payload, targets[pos]
+    finally:
+        if pool is not None:
+            for *_, future in pending:
+                future.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pack_shards(
+    src: str | os.PathLike | Reader,
+    dst: str | os.PathLike,
+    *,
+    prefix: str = "shard",
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    verify: bool = True,
+    max_side: int | None = None,
+    shuffle: bool = True,
+    workers: int | None = None,
+    progress: bool = True,  # pragma: no mutate (display only)
+    storage_options: dict[str, Any] | None = None,
+) -> ShardReport:
+    """Write the data set at ``src`` (anything `open_dataset` opens, or a reader) as WebDataset shards in a new folder
+    ``dst`` (whole or not at all), or at a URL where no shard of ``prefix`` is yet (each shard whole).
+
+    ``verify`` decodes each image once and leaves out what does not decode; ``max_side`` re-encodes
+    larger images as JPEG (quality 90); both as `pack` does, and what is left out is listed in the
+    report. ``shuffle`` writes the records in a fixed shuffled order (seed 0), so that every shard holds
+    a mix of classes (a loader streaming shards shuffles within a few shards at a time); without it the
+    source's order is kept. ``workers`` processes decode; the output is byte-identical for any number.
+    """
+    t0 = time.perf_counter()
+    check_shard_arguments(prefix, shard_size, "raise")
+    if max_side is not None and max_side < 1:
+        raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers={workers}: must be 1 or more")
+    remote = is_remote(dst)
+    if remote:
+        _refuse_existing_shards(str(dst), prefix, storage_options)
+    elif Path(dst).exists():
+        raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
+    elif not isinstance(src, Reader) and Path(src).is_dir() and Path(dst).resolve().is_relative_to(Path(src).resolve()):
+        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
+    reader = src if isinstance(src, Reader) else open_dataset(src)
+    name = Path(str(getattr(reader, "path", src) if isinstance(src, Reader) else src)).name
+    order = np.random.default_rng(0).permutation(len(reader)) if shuffle else np.arange(len(reader))
+    if workers is None:
+        workers = available_cpus() if len(reader) >= PACK_SMALL else 1
+    if workers > available_cpus():
+        log.warning("workers=%d: more than the %s this process may use; packing with %d",
+                    workers, plural(available_cpus(), "CPU"), available_cpus())  # fmt: skip
+    workers = min(workers, available_cpus())
+    if not verify and max_side is None:
+        workers = 1  # nothing to decode: the structural checks run here, as the records are read
+    report = ShardReport(dst=str(dst), prefix=prefix)
+    report.skipped += _left_out_before(reader)
+    bar = progress_bar(len(order), f"pack {name}", "img", enabled=progress)
+    try:
+        records = _records(reader, order, verify, max_side, workers, report, bar)
+        if remote:
+            written = write_shards(records, dst, prefix=prefix, shard_size=shard_size, storage_options=storage_options)
+        else:
+            with atomic_dir(dst, doing="packing", what="pack") as tmp:
+                written = write_shards(records, tmp, prefix=prefix, shard_size=shard_size)
+    finally:
+        bar.close()
+        getattr(reader, "close", lambda: None)()
+    report.shards, report.samples, report.bytes = written.shards, written.samples, written.bytes
+    report.seconds = time.perf_counter() - t0
+    for where, why in report.skipped:
+        log.warning("left out %s: %s", where, why)
+    return report
+
+
+def _left_out_before(reader: Reader) -> list[tuple[str, str]]:
+    """What the source left out before any record was read: files of other kinds in an ImageFolder (as
+    `pack` lists them), folders that could not be listed, shards' samples without an image or a label."""
+    skipped = [tuple(x) for x in getattr(reader, "skipped", [])]
+    if isinstance(reader, ImageFolderReader):
+        _, _, other, _ = scan_image_folder(reader.path)
+        skipped += [(str(p), "not a .jpg/.jpeg/.png file") for p in other]
+    return skipped  # type: ignore[return-value]
+
+
+def _refuse_existing_shards(url: str, prefix: str, storage_options: dict[str, Any] | None) -> None:
+    fs, root = url_to_fs(url.rstrip("/"), storage_options)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root.rstrip("/"), detail=False, refresh=True)]
+    except FileNotFoundError:
+        return
+    found = stale_shards(names, prefix, 0)
+    if found:
+        raise FileExistsError(
+            f"{url}: already holds shards of prefix {prefix!r} ({found[0]}, ...); remove them, or choose another "
+            "URL or --prefix"
+        )

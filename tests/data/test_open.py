@@ -1,0 +1,56 @@
+"""`open_dataset`: which reader opens what, and what it says about what it cannot open."""
+
+import pytest
+from builders import jpeg_bytes, one_line
+
+from dali_fast.data.open import open_dataset
+
+
+def test_open_dataset_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such data set"):
+        open_dataset(tmp_path / "nope")
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "x.jpg").write_bytes(jpeg_bytes())
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "flat")
+    assert one_line(e) == (
+        f"{tmp_path / 'flat'}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
+        "WebDataset shards (.tar), Parquet files (.parquet) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
+    )
+
+
+def test_a_url_opens_remote_shards_with_the_keywords(monkeypatch):
+    import dali_fast.data.remote.reader as remote
+
+    opened = []
+    monkeypatch.setattr(remote, "RemoteShardsReader", lambda url, **kw: opened.append((url, kw)) or "remote")
+    assert open_dataset("s3://bucket/train-{000000..000003}.tar", cache_dir="/tmp/c", shuffle_window=4) == "remote"
+    assert opened == [("s3://bucket/train-{000000..000003}.tar", {"cache_dir": "/tmp/c", "shuffle_window": 4})]
+
+
+def test_a_folder_is_told_by_what_it_holds_and_a_mix_is_refused(tmp_path, cache):
+    from builders import write_shards  # skipped without the webdataset package
+
+    from dali_fast.data.writer import pack
+
+    write_shards(tmp_path / "shards")
+    assert type(open_dataset(tmp_path / "shards")).__name__ == "WebDatasetReader"
+    (tmp_path / "shards" / ".hidden").mkdir()  # hidden entries are neither
+    assert type(open_dataset(tmp_path / "shards")).__name__ == "WebDatasetReader"
+    (tmp_path / "shards" / "cat").mkdir()
+    (tmp_path / "shards" / "cat" / "a.jpg").write_bytes(jpeg_bytes())
+    for call in (lambda: open_dataset(tmp_path / "shards"), lambda: pack(tmp_path / "shards", tmp_path / "p")):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert one_line(e).startswith(
+            f"{tmp_path / 'shards'}: holds both WebDataset shards (3 shards: train-000000.tar, ...) and sub-folders "
+            "(1 folder: cat, ...); a data set is one or the other"
+        )
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("pattern", ["x-{000..003}.tar", "x-{a,b}", "{x,y}/{0..1}.tar"])
+def test_a_brace_pattern_that_matches_no_file_is_named(tmp_path, pattern):
+    with pytest.raises(FileNotFoundError) as e:
+        open_dataset(tmp_path / pattern)
+    assert one_line(e).startswith(f"{tmp_path / pattern}: the pattern matches no file (none of ")

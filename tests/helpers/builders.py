@@ -1,0 +1,121 @@
+"""What tests build their data from: small encoded images, image folders, in-memory readers, WebDataset
+shards, the JPEG markers of hand-made records, and two small checks (a pass's first batch, a one-line error)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90, **save) -> bytes:
+    """A ``w`` x ``h`` JPEG of ``color`` with a little noise (the same bytes for the same size); ``save`` goes to Pillow."""
+    rng = np.random.default_rng(w * 1000 + h)
+    arr = np.clip(np.array(color, np.float32) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(arr).save(out, "JPEG", quality=quality, **save)
+    return out.getvalue()
+
+
+def png_bytes(w: int = 40, h: int = 30, mode: str = "RGBA") -> bytes:
+    """A flat ``w`` x ``h`` PNG in ``mode``."""
+    arr = np.full((h, w, len(mode)), 120, np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(arr, mode=mode).save(out, "PNG")
+    return out.getvalue()
+
+
+def make_folder(root: Path, per_class: dict[str, list[bytes]], ext: str = ".jpg") -> Path:
+    """An ImageFolder at ``root``: one folder per class, its images named 000, 001, ... (PNGs as .png)."""
+    for cls, items in per_class.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i, data in enumerate(items):
+            suffix = ".png" if data.startswith(b"\x89PNG") else ext
+            name = f"{i:03d}{suffix}"
+            (root / cls / name).write_bytes(data)
+    return root
+
+
+class IndexReader:
+    """A data set whose label is the record's index, so a batch of labels names its records."""
+
+    def __init__(self, items: list[bytes], classes: int | None = None):
+        self.items = [np.frombuffer(b, np.uint8) for b in items]
+        self.classes = [str(i) for i in range(classes or len(items))]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i], int(i)
+
+    @property
+    def labels(self):
+        return np.arange(len(self.items), dtype=np.int64)
+
+    def source(self, i):
+        return f"mem://{i}.jpg"
+
+
+def first_batch(loader):
+    """The loader's first batch, its pass then left and closed at once (not whenever the garbage collector
+    reaches the generator: a pass finalized later, in the middle of other code, runs its cleanup there)."""
+    batches = iter(loader)
+    try:
+        return next(batches)
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
+def one_line(excinfo) -> str:
+    """The message of a raised error, which must be one line."""
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+# ----------------------------------------------------------------------------- WebDataset shards
+
+N_SHARDS, PER_SHARD = 3, 7
+
+
+def write_shards(root: Path, *, label: str = "cls", extra: dict | None = None) -> list[tuple[bytes, int]]:
+    """Shards root/train-000000.tar ...; returns (image bytes, label) of every sample in order (skips the test
+    without the webdataset package)."""
+    wds = pytest.importorskip("webdataset")
+    root.mkdir(parents=True, exist_ok=True)
+    samples = []
+    for s in range(N_SHARDS):
+        with wds.TarWriter(str(root / f"train-{s:06d}.tar")) as sink:
+            for k in range(PER_SHARD):
+                i = s * PER_SHARD + k
+                image = png_bytes(20 + i, 10 + k, "RGB") if i % 5 == 0 else jpeg_bytes(30 + i, 20 + k)
+                lab = i % 4
+                sample = {"__key__": f"sample{i:05d}", "jpg" if i % 5 else "png": image}
+                if label == "cls":
+                    sample["cls"] = str(lab).encode()
+                else:
+                    sample["json"] = json.dumps({"label": lab, "caption": f"image {i}"}).encode()
+                sample.update((extra or {}).get(i, {}))
+                sink.write(sample)
+                samples.append((image, lab))
+    return samples
+
+
+# ----------------------------------------------------------------------------- JPEG markers
+
+
+def jpeg_segment(marker: int, body: bytes) -> bytes:
+    """A JPEG marker segment: the marker, its length field, then ``body``."""
+    return bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
+
+
+SOI, EOI = b"\xff\xd8", b"\xff\xd9"
+APP0 = jpeg_segment(0xE0, b"JFIF\x00" + bytes(9))
+SOS = jpeg_segment(0xDA, bytes(10))

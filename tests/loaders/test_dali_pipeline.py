@@ -1,0 +1,45 @@
+"""DALIIterator's external source: the plan handed out in order, read in batches, each with its boxes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from loader_cases import bad_reader
+
+from dali_fast.transforms.recipe import Recipe
+
+
+def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
+    """The DALI source without DALI: good records in plan order, bad ones skipped and accounted for (or the
+    first named in raise mode), known decoder failures excluded, and erasing boxes drawn for the kept ones."""
+    from dali_fast.loaders.bad_records import BadRecordError, SkipLog
+    from dali_fast.loaders.dali_pipeline import BatchSource
+    from dali_fast.transforms.draws import erasing_boxes
+
+    reader = bad_reader()  # records 2, 5 and 7 are bad
+    recipe = Recipe(image_size=16, random_erasing=0.5)
+    plan = [np.array([0, 1, 2]), np.array([5, 7]), np.array([9, 8, 3]), np.array([4, 6])]
+
+    def boxes(indices):
+        return erasing_boxes(recipe, 3, 1, indices).astype(np.float32)
+
+    source = BatchSource(reader, plan, "skip", SkipLog(), exclude={8: "breaks the decoder"}, boxes=boxes)
+    outputs = []
+    with pytest.raises(StopIteration):
+        while True:
+            outputs.append(source())
+    assert [out[1].tolist() for out in outputs] == [[0, 1], [9, 3], [4, 6]]
+    for datas, labels, rows in outputs:
+        assert [bytes(d) for d in datas] == [bytes(reader.items[i]) for i in labels.tolist()]
+        assert labels.dtype == np.int64 and rows.dtype == np.float32 and np.array_equal(rows, boxes(labels))
+    fed = [source.consume() for _ in outputs]
+    assert [(f.consumed, f.kept, f.batches) for f in fed] == [(3, [0, 1], 1), (5, [9, 3], 2), (2, [4, 6], 1)]
+    assert [i for f in fed for i, _ in f.skipped] == [2, 5, 7, 8]
+    assert dict(fed[1].skipped)[8] == "breaks the decoder" and source.skips.count == 4
+    raising = BatchSource(reader, plan[2:] + plan[:1], "raise", SkipLog())
+    first = raising()
+    assert first[1].tolist() == [9, 8, 3] and len(first) == 2
+    raising()
+    with pytest.raises(BadRecordError) as e:
+        raising()
+    assert str(e.value).startswith("record 2 (mem://2.jpg): truncated JPEG")
