@@ -275,10 +275,7 @@ def main() -> None:
         if compared:
             rows.update({f"{name} [compared]": run for name, run in compared.items()})
         files = [folder.source(i) for i in range(len(folder))]
-        members = [
-            (str(shards.shards[int(s)]), int(o), int(z))
-            for s, o, z in zip(shards._shard, shards._offset, shards._size, strict=True)  # noqa: SLF001
-        ]
+        members = [shards.member(i) for i in range(len(shards))]  # (file, offset, size)
         pool = ThreadPoolExecutor(args.threads)
 
         def read_file(i: int) -> bytes:
