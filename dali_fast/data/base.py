@@ -3,6 +3,7 @@ have), the reads with their checks, the shared reader threads, subsets and finge
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -112,8 +113,17 @@ def read_checked(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | 
 def read_batch_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
     """`read_checked` for a batch: through the reader's own ``read_batch_checked`` where it has one
     (a packed set checks in O(1) per record, folders and shards read in parallel), else record by record."""
+    return batch_reader(reader)(indices)
+
+
+def batch_reader(reader: Reader) -> Callable[[Sequence[int]], CheckedBatch]:
+    """`read_batch_checked` for ``reader``, with what it provides looked up once (a feed reads many batches)."""
     if provides(reader, BatchReader):
-        return reader.read_batch_checked(indices)  # type: ignore[attr-defined]
+        return reader.read_batch_checked  # type: ignore[attr-defined]
+    return functools.partial(_read_records_checked, reader)
+
+
+def _read_records_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
     datas: list[np.ndarray | None] = []
     labels: list[int] = []
     bad: dict[int, str] = {}

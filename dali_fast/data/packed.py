@@ -61,6 +61,8 @@ class MemmapReader:
     ``reader[i]`` returns a zero-copy ``uint8`` view of record ``i`` and its label.
     """
 
+    reads_views = True  # batch reads are views of the map: reading ahead holds no memory and does no I/O
+
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._open()
