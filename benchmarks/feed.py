@@ -12,6 +12,13 @@ of threads and doing nothing else (their targets: within 2x of that). Every row 
 alternating in one process, after one untimed warm-up epoch each (the page cache is warm: this measures
 the feed's own cost, not the disk); the table gives the median of the rounds.
 
+Then the feed inside DALI: DALIIterator in CPU-only mode over the packed set, decoding and cropping to
+``--image-size`` on ``--dali-threads`` threads, at each of ``--dali-batch-sizes``; per record, the CPU time
+of the training thread (``time.thread_time``, not wall time: on a busy machine wall time counts DALI's own
+threads) spent in the source callable, and in the callable plus DALI's own feeding of what it returned
+(``Pipeline._iter_setup``: checks, wrapping, and the copy unless the source's arrays are taken in place). One
+warm-up epoch, then one timed epoch per round: the steady state, page faults of the map excluded.
+
 ``--profile`` runs one epoch of each row under cProfile and prints where the time goes.
 """
 
@@ -139,6 +146,79 @@ def source_rows(package: ModuleType, paths: dict[str, Path], batch: int, cache_b
     return {name: (lambda plan, lo=lo: epoch(lo, plan)) for name, lo in loaders.items()}
 
 
+class InsideDali:
+    """Per record, the training thread's CPU time in ``package``'s source callable and in DALI's feeding of
+    it (`Pipeline._iter_setup`, which calls the callable), over one epoch of a DALIIterator in CPU mode."""
+
+    def __init__(self, package: ModuleType, packed: Path, batch: int, image_size: int, threads: int) -> None:
+        self.package, self.packed, self.batch = package, packed, batch
+        self.image_size, self.threads = image_size, threads
+        self.pipeline = _module(package, "loaders.dali_pipeline", "pipeline")
+
+    def epoch(self) -> tuple[float, float]:
+        """(callable µs/record, callable + DALI's feed µs/record) of the epoch after a warm-up epoch."""
+        from nvidia.dali.pipeline import Pipeline
+
+        spent = {"call": 0.0, "feed": 0.0}
+        source_cls, real_call, real_setup = (
+            self.pipeline.BatchSource,
+            self.pipeline.BatchSource.__call__,
+            Pipeline._iter_setup,
+        )
+
+        def call(source: object) -> tuple:
+            t0 = time.thread_time()
+            try:
+                return real_call(source)
+            finally:
+                spent["call"] += time.thread_time() - t0
+
+        def setup(pipe: Pipeline) -> None:
+            t0 = time.thread_time()
+            try:
+                real_setup(pipe)
+            finally:
+                spent["feed"] += time.thread_time() - t0
+
+        loader = self.package.DALIIterator(
+            self.package.open_dataset(self.packed), self.batch, device="cpu", num_threads=self.threads,
+            image_size=self.image_size,
+        )  # fmt: skip
+        source_cls.__call__, Pipeline._iter_setup = call, setup
+        try:
+            for epoch in (0, 1):
+                spent["call"] = spent["feed"] = 0.0
+                loader.set_epoch(epoch)
+                n = sum(len(labels) for _, labels in loader)
+        finally:
+            source_cls.__call__, Pipeline._iter_setup = real_call, real_setup
+            loader.close()
+        return 1e6 * spent["call"] / n, 1e6 * spent["feed"] / n
+
+
+def inside_dali_table(args: argparse.Namespace, packed: Path, compared: ModuleType | None) -> None:
+    """The feed inside DALI at each batch size, this revision (and ``compared``), medians of the rounds."""
+    sizes = [int(b) for b in args.dali_batch_sizes.split(",") if b]
+    if not sizes:
+        return
+    revisions = {"this revision": dali_fast, **({args.compare_with.parent.name: compared} if compared else {})}
+    got: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for _ in range(args.rounds):  # revisions and batch sizes alternate within each round
+        for name, package in revisions.items():
+            for batch in sizes:
+                row = InsideDali(package, packed, batch, args.image_size, args.dali_threads)
+                got.setdefault((name, batch), []).append(row.epoch())
+    print(
+        f"\nthe feed inside DALI: the training thread's CPU time per record (time.thread_time), DALIIterator in "
+        f"CPU-only mode, {args.dali_threads} threads, {args.image_size}px; median of {args.rounds} rounds\n"
+    )
+    print("| revision | batch | in the source callable, µs | callable + DALI's feed, µs |\n|---|---:|---:|---:|")
+    for (name, batch), values in got.items():
+        call = statistics.median(v[0] for v in values)
+        feed = statistics.median(v[1] for v in values)
+        print(f"| {name} | {batch} | {call:.1f} | {feed:.1f} |")
+
+
 def pool_epoch(pool: ThreadPoolExecutor, read: Callable[[int], bytes], plan: list[np.ndarray]) -> int:
     """The target: the same records' bytes read by a thread pool, batch by batch, and nothing else (each
     batch split into one run of reads per thread, so the pool's own cost is per run, not per file)."""
@@ -164,6 +244,13 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="make (or reuse) the data here instead of a temp dir")
     ap.add_argument("--profile", action="store_true", help="one epoch of each row under cProfile")
     ap.add_argument(
+        "--dali-batch-sizes",
+        default="64,256",
+        help="the feed inside DALI at these batch sizes (comma-separated; empty: not measured)",
+    )
+    ap.add_argument("--dali-threads", type=int, default=2, help="DALI threads of the inside-DALI rows")
+    ap.add_argument("--image-size", type=int, default=224, help="the crop size of the inside-DALI rows")
+    ap.add_argument(
         "--compare-with",
         type=Path,
         default=None,
@@ -183,16 +270,12 @@ def main() -> None:
         cache_bytes = 2 * packed.data_size + 2**20
         rows = source_rows(dali_fast, paths, args.batch_size, cache_bytes)
         names = list(rows)
-        compared = args.compare_with and source_rows(
-            load_package(args.compare_with), paths, args.batch_size, cache_bytes
-        )
+        before = load_package(args.compare_with) if args.compare_with else None
+        compared = before and source_rows(before, paths, args.batch_size, cache_bytes)
         if compared:
             rows.update({f"{name} [compared]": run for name, run in compared.items()})
         files = [folder.source(i) for i in range(len(folder))]
-        members = [
-            (str(shards.shards[int(s)]), int(o), int(z))
-            for s, o, z in zip(shards._shard, shards._offset, shards._size, strict=True)  # noqa: SLF001
-        ]
+        members = [shards.member(i) for i in range(len(shards))]  # (file, offset, size)
         pool = ThreadPoolExecutor(args.threads)
 
         def read_file(i: int) -> bytes:
@@ -247,6 +330,7 @@ def main() -> None:
         pool.shutdown()
         for fd in fds.values():
             os.close(fd)
+        inside_dali_table(args, paths["packed"], before)
 
 
 if __name__ == "__main__":

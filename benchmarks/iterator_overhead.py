@@ -2,24 +2,30 @@
 
     pip install scikit-image      # the photos extra (scripts/photos.py makes the default data)
     python benchmarks/iterator_overhead.py [--data FOLDER] [--images 400] [--rounds 5] [--epochs 3] [--rss-epochs 30]
-                                           [--compare-with OTHER_REVISION/dali_fast]
+                                           [--rows pabcde] [--compare-with OTHER_REVISION/dali_fast]
 
-Rows (images/s over full epochs, all in this one run, the same operators after the source):
-  (a) DALI fn.readers.file over the ImageFolder                            (the reference)
+Rows (images/s over full epochs, all in this one run):
+  (p) the plain DALI pipeline a user would write: fn.readers.file -> decoders.image_random_crop -> resize
+      -> crop_mirror_normalize, read through DALIGenericIterator                (the reference)
+  (a) DALI fn.readers.file over the ImageFolder, then this project's graph (`augment`): what is left between
+      it and (p) is the graph's cost; between it and (b)-(d), the feed's
   (b) DALIIterator over the ImageFolder (each batch's files read by the reader threads)
   (c) DALIIterator over the packed data set (memory-mapped)
   (d) DALIIterator over the packed data set with a warm LRU cache
   (e) a bare external source: the same operators fed the images' bytes from memory by a trivial callable
       (the floor of any external source: what is left between it and (a) is DALI's, not the feed's)
+Rows (a)-(e) run the same operators after the source (`augment`).
 
 The data are real photos (scripts/photos.py: 470x370, quality 90, as the speed facts use), or
-``--data`` (an ImageFolder). Each row runs in a process of its own (as a training process would: DALI
-pipelines sharing one process were seen to change each other's cost), one warm-up epoch then ``--epochs`` timed
-epochs, and the rows alternate over ``--rounds`` rounds (each round starts at the next row), so drift of
-the machine's speed falls on every row alike. The table gives each row's median img/s and its ratio to
-row (a), and the CPU time its process spent per image (all threads: decoding and feeding; steadier than
-wall time on a shared machine) and its ratio. ``--rss-epochs N`` then runs every row N more epochs and
-prints its process's resident memory and Python threads: flat when nothing grows.
+``--data`` (an ImageFolder); ``--rows`` picks rows by letter (``p`` always). Each row runs in a process of
+its own (as a training process would: DALI pipelines sharing one process were seen to change each other's
+cost), one warm-up epoch then ``--epochs`` timed epochs, and the rows alternate over ``--rounds`` rounds
+(each round starts at the next row), so drift of the machine's speed falls on every row alike. The table
+gives each row's median img/s and its ratios to rows (p) and (a), and the CPU time its process spent per
+image (all threads: decoding and feeding; steadier than wall time on a shared machine) and its ratio to
+(p)'s; **cores** is the CPU time over the wall time (near the thread count when nothing else ran; far
+below it, the machine was shared and the row's img/s says less). ``--rss-epochs N`` then runs every row N
+more epochs and prints its process's resident memory and Python threads: flat when nothing grows.
 """
 
 from __future__ import annotations
@@ -60,6 +66,47 @@ def file_reader_epochs(root: Path, args, threads: int) -> Callable[[], int]:
         jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="files")
         recipe = Recipe(image_size=args.image_size)
         return augment(jpegs, train=True, recipe=recipe, gpu=gpu, num_threads=threads), labels
+
+    p = pipe()
+    p.build()
+    it = DALIGenericIterator(p, ["images", "labels"], reader_name="files", last_batch_policy=LastBatchPolicy.PARTIAL)
+
+    def epoch() -> int:
+        n = sum(int(b[0]["labels"].shape[0]) for b in it)
+        it.reset()
+        return n
+
+    return epoch
+
+
+def plain_epochs(root: Path, args, threads: int) -> Callable[[], int]:
+    """Row (p): the pipeline a DALI user would write, not this project's graph: ``fn.readers.file`` →
+    ``decoders.image_random_crop`` → ``resize`` → ``crop_mirror_normalize`` with DALI's defaults (the same
+    crop rule, bilinear, flip and ImageNet normalization), read through ``DALIGenericIterator``."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+    from nvidia.dali import pipeline_def
+    from nvidia.dali.plugin.base_iterator import LastBatchPolicy
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    gpu = torch.cuda.is_available()
+    size = args.image_size
+
+    @pipeline_def(batch_size=args.batch_size, num_threads=threads, device_id=0 if gpu else None, seed=0)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="files")
+        images = fn.decoders.image_random_crop(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_x=size, resize_y=size)
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            crop=(size, size),
+            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+            std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+            mirror=fn.random.coin_flip(probability=0.5),
+        )
+        return images, labels
 
     p = pipe()
     p.build()
@@ -134,6 +181,7 @@ def iterator_epochs(dataset, args, threads: int, cache_bytes: int = 0) -> tuple[
 
 
 ROWS = {
+    "p": "(p) plain DALI pipeline",
     "a": "(a) DALI fn.readers.file",
     "b": "(b) DALIIterator, ImageFolder",
     "c": "(c) DALIIterator, packed",
@@ -146,7 +194,9 @@ def run_row(args) -> None:
     """In a process of its own: one row's pipeline, a warm-up epoch, ``--epochs`` timed epochs, then
     ``--rss-epochs`` more; prints one JSON line."""
     threads = default_num_threads()
-    if args.row == "a":
+    if args.row == "p":
+        run = plain_epochs(args.data, args, threads)
+    elif args.row == "a":
         run = file_reader_epochs(args.data, args, threads)
     elif args.row == "e":
         run = bare_source_epochs(args.data, args, threads)
@@ -209,12 +259,16 @@ def main() -> None:
         help="a dali_fast package folder of another revision (git archive REV dali_fast | tar -x -C DIR; pass "
         "DIR/dali_fast): rows (b)-(d) also run through it, in the same rounds",
     )
+    ap.add_argument("--rows", default="".join(ROWS), help="the rows to run, by letter (default: all)")
     ap.add_argument("--row", choices=sorted(ROWS), help=argparse.SUPPRESS)  # one row, in a child process
     ap.add_argument("--packed", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.row:
         run_row(args)
         return
+    unknown = set(args.rows) - set(ROWS)
+    if unknown or "p" not in args.rows:
+        ap.error(f"--rows {args.rows}: letters of {''.join(ROWS)}, with p (the reference)")
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or make_photos(Path(tmp) / "photos", args.images, 10, (470, 370), 90, 0)
         packed = Path(tmp) / "packed"
@@ -226,10 +280,12 @@ def main() -> None:
             f"{default_num_threads()} threads, {'GPU' if torch.cuda.is_available() else 'CPU-only'} mode, "
             f"{os.cpu_count()} cpus"
         )
-        names = list(ROWS) + ([f"{row}*" for row in "bcd"] if args.compare_with else [])
+        rows = [row for row in ROWS if row in args.rows]
+        names = rows + ([f"{row}*" for row in "bcd" if row in rows] if args.compare_with else [])
         label = {**ROWS, **{f"{row}*": f"{ROWS[row]} [compared]" for row in "bcd"}}
         rate: dict[str, list[float]] = {row: [] for row in names}
         cost: dict[str, list[float]] = {row: [] for row in names}
+        busy: dict[str, list[float]] = {row: [] for row in names}
         for r in range(args.rounds):
             for row in names[r % len(names) :] + names[: r % len(names)]:
                 other = args.compare_with if row.endswith("*") else None
@@ -237,22 +293,27 @@ def main() -> None:
                 assert got["images"] == n * args.epochs, (row, got)
                 rate[row].append(got["images"] / got["seconds"])
                 cost[row].append(1000 * got["cpu"] / got["images"])
+                busy[row].append(got["cpu"] / got["seconds"])
         speed = {row: statistics.median(v) for row, v in rate.items()}
         ms = {row: statistics.median(v) for row, v in cost.items()}
+        cores = {row: statistics.median(v) for row, v in busy.items()}
         print(
             f"\nmedian of {args.rounds} rounds of {args.epochs} epochs; each row in a process of its own, rows alternating\n"
         )
-        print("| feed | img/s | x (a) | CPU ms/img | (a)'s CPU / this |\n|---|---:|---:|---:|---:|")
+        with_a = "a" in speed  # (a): the same reference reader, this project's graph
+        head = "| feed | img/s | x (p) |" + (" x (a) |" if with_a else "") + " CPU ms/img | (p)'s CPU / this | cores |"
+        print(head + "\n|---|" + "---:|" * (head.count("|") - 2))
         for row in names:
+            vs_a = f" {speed[row] / speed['a']:.2f} |" if with_a else ""
             print(
-                f"| {label[row]} | {speed[row]:.0f} | {speed[row] / speed['a']:.2f} | {ms[row]:.2f} | "
-                f"{ms['a'] / ms[row]:.2f} |"
+                f"| {label[row]} | {speed[row]:.0f} | {speed[row] / speed['p']:.2f} |{vs_a} {ms[row]:.2f} | "
+                f"{ms['p'] / ms[row]:.2f} | {cores[row]:.2f} |"
             )
         if args.rss_epochs:
             print(f"\nresident memory over {args.rss_epochs} more epochs, each row in a process of its own\n")
             print("| feed | RSS after its 1st | after its 10th | after its last | threads 1st / last |")
             print("|---|---:|---:|---:|---:|")
-            for row in ROWS:
+            for row in rows:
                 got = row_in_a_process(row, root, packed, args, args.rss_epochs)
                 rss, seen = got["rss"], got["threads"]
                 print(

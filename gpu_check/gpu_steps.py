@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FIGURES: dict[str, Any] = {}
+FAILED: list[str] = []  # why the step fails (its figures are all printed first); empty: it passed
+OOM_BATCH = 1024  # the out-of-memory check's batch: 1024 x 3 x 224 x 224 float32 is 588 MiB of output
 
 
 def figure(key: str, value: Any) -> None:
@@ -297,10 +299,13 @@ def step_decode(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- failure paths
 def step_failures(args: argparse.Namespace) -> None:
-    """float16 output with random erasing on the GPU, then a real DALI out-of-memory: the GPU filled by
-    torch up to a small margin, a DALIIterator must raise DALIMemoryError and tell its controller."""
+    """float16 output with random erasing on the GPU, then a real DALI out-of-memory, every time: DALI's pool
+    released, the GPU filled by torch up to a margin of at most 256 MiB, then a DALIIterator of `OOM_BATCH`
+    images (whose output alone is larger) must raise DALIMemoryError, from an error `is_memory_error`
+    recognises, and tell its controller. The step fails when any of that does not happen."""
     from dali_fast import BatchSizeController, DALIIterator, open_dataset
-    from dali_fast.loaders.dali_iterator import DALIMemoryError, parse_dali_error
+    from dali_fast.loaders.dali_iterator import DALIMemoryError, is_memory_error, parse_dali_error
+    from dali_fast.loaders.memory_probes import release_unused_memory
     from dali_fast.transforms.draws import sample_erasing_box
     from dali_fast.transforms.recipe import Recipe
 
@@ -340,35 +345,47 @@ def step_failures(args: argparse.Namespace) -> None:
             self.ooms.append(batch_size)
             super().report_oom(batch_size)
 
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
+    # DALI's pool keeps what the loader above used: back to the device first, or DALI serves the next pipeline
+    # from it and the hog below leaves it enough. Then torch takes all but a small margin, and the batch's
+    # output alone (OOM_BATCH x 3 x S x S float32) is several times that margin.
+    release_unused_memory()
     hog = None
-    for margin_mib in (256, 512, 1024):
+    for margin_mib in (64, 128, 256):
         try:
-            hog = torch.empty(free - margin_mib * 2**20, dtype=torch.uint8, device="cuda")
+            hog = torch.empty(torch.cuda.mem_get_info()[0] - margin_mib * 2**20, dtype=torch.uint8, device="cuda")
             break
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-    figure("failures.oom.free_left_mib", round(torch.cuda.mem_get_info()[0] / 2**20) if hog is not None else "n/a")
-    ctrl = Recording(64, 512, sync_ranks=False)
-    big = DALIIterator(reader, 256, device="cuda", controller=ctrl, image_size=S)
+    left = torch.cuda.mem_get_info()[0]
+    need = OOM_BATCH * 3 * S * S * 4
+    figure(
+        "failures.oom.free_left_mib", round(left / 2**20) if hog is not None else "n/a (the GPU could not be filled)"
+    )
+    figure("failures.oom.batch_output_mib", round(need / 2**20))
+    ctrl = Recording(64, OOM_BATCH, sync_ranks=False)
+    big = DALIIterator(reader, OOM_BATCH, device="cuda", controller=ctrl, image_size=S)
     try:
         big.set_epoch(0)
         for _ in big:
             pass
-        figure("failures.oom.recognised", "not provoked (the epoch ran in what was left)")
+        figure("failures.oom.recognised", f"NO: not provoked (the epoch ran in the {left / 2**20:.0f} MiB left)")
+        FAILED.append("no DALI out-of-memory was provoked")
     except DALIMemoryError as e:
         figure("failures.oom.recognised", "yes: DALIMemoryError")
         figure("failures.oom.message", str(e)[:400])
         figure("failures.oom.dali_says", parse_dali_error(e.__cause__).describe() if e.__cause__ else "n/a")
-        figure("failures.oom.controller_told", "yes" if ctrl.ooms == [256] else f"NO ({ctrl.ooms})")
+        told = ctrl.ooms == [OOM_BATCH]
+        figure("failures.oom.controller_told", "yes" if told else f"NO ({ctrl.ooms})")
+        if not told:
+            FAILED.append("the controller was not told of the out-of-memory")
+        if not is_memory_error(e.__cause__):
+            FAILED.append("DALI's error is not recognised as memory by is_memory_error")
     except Exception as e:  # noqa: BLE001 - anything else is the defect this step looks for
         figure("failures.oom.recognised", f"NO: {type(e).__name__}: {str(e)[:400]}")
+        FAILED.append(f"a DALI out-of-memory raised {type(e).__name__}, not DALIMemoryError")
     finally:
         big.close()
         del hog
-        from dali_fast.loaders.memory_probes import release_unused_memory
-
         release_unused_memory()
 
 
@@ -409,12 +426,21 @@ def run_epochs(loader: Any, first: int, epochs: int, gpu: bool) -> tuple[float, 
 
 def step_ceiling(args: argparse.Namespace) -> None:
     """DALIIterator img/s (no model) at each thread count, the share of the wall time spent in the
-    external-source callback, the JPEG engine's utilization; TorchIterator with ``--workers`` beside it."""
+    external-source callback, the JPEG engine's and the GPU's utilization, and how training decodes; beside
+    each, the plain-DALI reference rows on the same images (`gpu_plain_dali`: "whole", the whole-image decode
+    on the JPEG engine then `fn.random_resized_crop`; "roi", DALI's crop-window decoder), and TorchIterator
+    with ``--workers``. The step fails when the GPU has a JPEG engine and it stayed idle under DALIIterator."""
+    from gpu_plain_dali import plain_epochs
+
     from dali_fast import DALIIterator, TorchIterator, open_dataset
+    from dali_fast.transforms.decode_choice import jpeg_engine
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)
+    folder = args.images_dir or Path(args.data).parent / "images"
     nvml, handle = open_nvml(gpu)
+    engine = jpeg_engine(torch.cuda.current_device()) if gpu else None
+    figure("ceiling.jpeg_engine", {True: "yes", False: "no", None: "unknown"}[engine] if gpu else "n/a (no GPU)")
     # TorchIterator first: its worker processes fork before any DALI pipeline has run in this process.
     workers = args.workers
     loader = TorchIterator(
@@ -429,12 +455,14 @@ def step_ceiling(args: argparse.Namespace) -> None:
     torch_rate = images / seconds
     figure(f"ceiling.torch_{workers}_workers.img_per_s", torch_rate)
     stats = _timed_source()
-    rates = {}
-    for threads in (int(t) for t in args.threads.split(",")):
+    idle: list[str] = []
+    threads_list = [int(t) for t in args.threads.split(",")]
+    for threads in threads_list:
         key = f"ceiling.dali_{threads}_threads"
         loader = DALIIterator(
             reader, args.batch_size, device=device_name(gpu), num_threads=threads, image_size=args.image_size
         )
+        figure(f"{key}.train_decode", loader.train_decode)
         try:
             run_epochs(loader, 0, 1, gpu)  # warm-up: the pipeline's build and first fills are not timed
             stats["seconds"], stats["calls"] = 0.0, 0
@@ -442,21 +470,70 @@ def step_ceiling(args: argparse.Namespace) -> None:
                 seconds, images = run_epochs(loader, 1, args.epochs, gpu)
         finally:
             loader.close()
-        rates[threads] = images / seconds
-        figure(f"{key}.img_per_s", rates[threads])
+        rate = images / seconds
+        figure(f"{key}.img_per_s", rate)
         if stats["calls"]:
             figure(f"{key}.source_share", stats["seconds"] / seconds)
             figure(f"{key}.source_ms_per_batch", 1000 * stats["seconds"] / stats["calls"])
         else:
             figure(f"{key}.source_share", "n/a (the source is not called in this process)")
         sampler.report(key)
-        figure(f"{key}.vs_torch", rates[threads] / torch_rate)
+        if engine and sampler.jpeg and max(sampler.jpeg) == 0:
+            idle.append(f"DALIIterator with {threads} threads")
+        figure(f"{key}.vs_torch", rate / torch_rate)
+        kinds = ("whole", "roi") if threads == threads_list[-1] else ("whole",)
+        for kind in kinds:
+            ref = f"ceiling.plain_dali_{kind}_{threads}_threads"
+            epoch, close = plain_epochs(
+                folder,
+                kind,
+                batch_size=args.batch_size,
+                threads=threads,
+                size=args.image_size,
+                gpu=gpu,
+                device_id=torch.cuda.current_device() if gpu else None,
+            )
+            try:
+                epoch()  # warm-up
+                t0, images = time.perf_counter(), 0
+                with EngineSampler(nvml, handle) as sampler:
+                    for _ in range(args.epochs):
+                        images += epoch()
+                    sync(gpu)
+                plain = images / (time.perf_counter() - t0)
+            finally:
+                close()
+            figure(f"{ref}.img_per_s", plain)
+            sampler.report(ref)
+            if kind == "whole":
+                figure(f"{key}.vs_plain_dali_whole", rate / plain)
+                if engine and sampler.jpeg and max(sampler.jpeg) == 0:
+                    idle.append(f"plain DALI ({kind}) with {threads} threads")
+    verdict, failure = engine_verdict(gpu, engine, nvml is not None, idle)
+    figure("ceiling.jpeg_engine_busy", verdict)
+    if failure is not None:
+        FAILED.append(failure)
+
+
+def engine_verdict(gpu: bool, engine: bool | None, sampled: bool, idle: list[str]) -> tuple[str, str | None]:
+    """(the figure, why the step fails or None): it fails when the GPU has a JPEG engine, NVML was read,
+    and the engine stayed idle (0 % at every sample) under one of the rows named in ``idle``."""
+    if not gpu:
+        return "n/a (no GPU)", None
+    if engine is not True:
+        return ("n/a (no JPEG engine)" if engine is False else "n/a (NVML cannot tell)"), None
+    if not sampled:
+        return "n/a (no NVML reading)", None
+    if idle:
+        return f"NO: idle under {', '.join(idle)}", f"the JPEG engine stayed idle under {', '.join(idle)}"
+    return "yes", None
 
 
 # --------------------------------------------------------------------------- model throughput
 def step_models(args: argparse.Namespace) -> None:
     """Each model trained (bf16 autocast on a GPU, channels_last) from DALIIterator, against the same
-    model fed one batch already on the device (its ceiling); GPU utilization; memory as NVML sees this
+    model fed one batch already on the device (its ceiling: ``dali_vs_ceiling``, the goal 0.9 or more);
+    GPU and JPEG-engine utilization (the engine's over warm-up and timed epochs); memory as NVML sees this
     process against what torch's allocator reserved."""
     from dali_fast import DALIIterator, open_dataset
     from dali_fast.train.monitor import UtilizationMonitor
@@ -464,6 +541,7 @@ def step_models(args: argparse.Namespace) -> None:
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)
+    nvml, handle = open_nvml(gpu)
     classes = len(reader.classes)
     S, bs = args.image_size, args.batch_size
     for name in args.models.split(","):
@@ -487,8 +565,10 @@ def step_models(args: argparse.Namespace) -> None:
             torch.cuda.reset_peak_memory_stats()
         fmt = torch.channels_last if gpu else torch.contiguous_format
         loader = DALIIterator(reader, bs, device=device_name(gpu), image_size=S, memory_format=fmt, drop_last=True)
+        figure(f"{key}.train_decode", loader.train_decode)
         seconds = images = 0
-        with UtilizationMonitor(interval=0.1, device_index=torch.cuda.current_device() if gpu else 0) as mon:
+        engine = EngineSampler(nvml, handle)
+        with engine, UtilizationMonitor(interval=0.1, device_index=torch.cuda.current_device() if gpu else 0) as mon:
             try:
                 for epoch in range(args.epochs + 1):
                     loader.set_epoch(epoch)
@@ -509,6 +589,7 @@ def step_models(args: argparse.Namespace) -> None:
         figure(f"{key}.dali_img_per_s", rate)
         figure(f"{key}.dali_vs_ceiling", rate / ceiling)
         figure(f"{key}.{util['kind']}_util_mean", util["mean"])
+        figure(f"{key}.jpeg_util_mean", float(np.mean(engine.jpeg)) if engine.jpeg else "n/a (no NVML reading)")
         if gpu:
             figure(f"{key}.nvml_used_gib", gib(util["peak_mem"]))
             figure(f"{key}.torch_reserved_gib", gib(torch.cuda.max_memory_reserved()))
@@ -583,6 +664,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", type=Path, help="a packed data set (the data step prints where it made one)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--doctor-json", type=Path, help="decode: the report `dali-fast doctor --json` wrote")
+    ap.add_argument(
+        "--images-dir", type=Path, help="ceiling: the ImageFolder the plain-DALI rows read (default: DATA/../images)"
+    )
     ap.add_argument("--images", type=int, default=4096, help="data: images to make; decode: images to compare")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--size", default="500x375", help="data: WIDTHxHEIGHT of the photos")
@@ -607,11 +691,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     FIGURES.clear()
     t0 = time.perf_counter()
+    FAILED.clear()
     try:
         STEPS[args.step](args)
     finally:
         figure(f"{args.step}.step_seconds", time.perf_counter() - t0)
         (args.out / f"{args.step}.json").write_text(json.dumps(FIGURES, indent=1, default=str))
+    if FAILED:
+        print(f"{args.step} FAILED: {'; '.join(FAILED)}", flush=True)
+        return 1
     return 0
 
 

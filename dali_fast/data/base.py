@@ -3,6 +3,7 @@ have), the reads with their checks, the shared reader threads, subsets and finge
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -137,16 +138,32 @@ def read_batch_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
     """`read_checked` for a batch: through the reader's own ``read_batch_checked`` where it has one
     (a packed set checks in O(1) per record, folders and shards read in parallel), else record by record.
     Records whose targets were found bad at open (`TargetReader`) are bad too: a lookup per batch."""
+    return batch_reader(reader)(indices)
+
+
+def batch_reader(reader: Reader) -> Callable[[Sequence[int]], CheckedBatch]:
+    """`read_batch_checked` for ``reader``, with what it provides looked up once (a feed reads many batches)."""
     if provides(reader, BatchReader):
-        datas, labels, bad = reader.read_batch_checked(indices)  # type: ignore[attr-defined]
         targets = reader_targets(reader)
-        if targets is not None:
-            for pos, why in targets.check(indices).items():
-                bad.setdefault(pos, why)
-        return datas, labels, bad
-    datas = []
+        if targets is None:
+            return reader.read_batch_checked  # type: ignore[attr-defined]
+        return functools.partial(_with_target_checks, reader.read_batch_checked, targets)  # type: ignore[attr-defined]
+    return functools.partial(_read_records_checked, reader)  # read_checked checks the targets
+
+
+def _with_target_checks(
+    read: Callable[[Sequence[int]], CheckedBatch], targets: Any, indices: Sequence[int]
+) -> CheckedBatch:
+    datas, labels, bad = read(indices)
+    for pos, why in targets.check(indices).items():
+        bad.setdefault(pos, why)
+    return datas, labels, bad
+
+
+def _read_records_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
+    datas: list[np.ndarray | None] = []
     found: list[int] = []
-    bad = {}
+    bad: dict[int, str] = {}
     for pos, i in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
         data, label, reason = read_checked(reader, i)
         datas.append(data)

@@ -42,6 +42,8 @@ def open_dataset(
         **reader_kw: keywords of `WebDatasetReader`, `remote.RemoteShardsReader` or `parquet.ParquetReader`.
     """
     targets = {"target": target, "num_classes": num_classes}
+    if not str(path):  # Path("") is the current folder
+        raise ValueError("the data set is an empty path (''); name a folder, shards or a URL")
     if is_remote(path):
         if is_parquet(str(path).rstrip("/")):
             raise ValueError(

@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PackReport:
-    """What `pack` wrote and what it left out (with the reason for each)."""
+    """What `pack` wrote, the images it left out (``skipped``: (path, reason)), the damaged shards it read
+    (``damaged``: (shard, what)), and what it found that is not an image (``ignored``: (path, what it is):
+    other files, links that loop or lead nowhere...)."""
 
     dst: Path
     records: int
@@ -61,14 +63,18 @@ class PackReport:
     damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
     target: str = "class"  # what each record's target is (a target block per row unless "class")
     target_width: int = 0  # K classes (multihot) or D numbers (float)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
+        ignored = f"; ignored {plural(len(self.ignored), 'non-image')}"
         targets = "" if self.target == "class" else f" with {self.target} targets of width {self.target_width}"
         return (
             f"packed {self.records} records of {self.classes} classes{targets} ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-        ) + (lost if self.damaged else "")
+            + (lost if self.damaged else "")
+            + (ignored if self.ignored else "")
+        )
 
 
 PACK_CHUNK = 16  # images per task handed to a worker
@@ -83,7 +89,7 @@ def _prepared(
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
         for item in items:
-            yield item, load(item.source, verify, max_side)
+            yield item, load(item.source, item.shown, verify, max_side)
         return
     import multiprocessing
     from collections import deque
@@ -93,6 +99,8 @@ def _prepared(
     # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
     # every worker unless it guards itself with `if __name__ == "__main__"`.
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
+
     # workers die with this process, even when it is killed: no worker is left waiting for tasks forever
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
@@ -100,7 +108,8 @@ def _prepared(
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append((chunk, pool.submit(load_chunk, [item.source for item in chunk], verify, max_side)))
+                sources = [(item.source, item.shown) for item in chunk]
+                pending.append((chunk, pool.submit(load_chunk, sources, verify, max_side, Image.MAX_IMAGE_PIXELS)))
 
         for _ in range(workers * PACK_WINDOW):
             submit()
@@ -201,6 +210,9 @@ def pack(
     the classes, a number that is not finite) is left out and listed, as an undecodable image is.
     """
     t0 = time.perf_counter()
+    for name, given in (("src", src), ("dst", dst)):
+        if not isinstance(given, Reader) and not os.fspath(given):  # Path("") is the current folder
+            raise ValueError(f"{name} is an empty path (''); name a folder")
     check_target(target, num_classes)
     targets = {"target": target, "num_classes": num_classes}
     if isinstance(src, Reader) and (target is not None or num_classes is not None):
@@ -248,6 +260,8 @@ def pack(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
     report.records, report.data_bytes = len(rows), data_bytes
     report.seconds = time.perf_counter() - t0
+    for path, what in report.ignored:
+        log.warning("not an image, ignored: %s (%s)", path, what)
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
     for shard, what in report.damaged:
@@ -286,9 +300,11 @@ def _check_pack_arguments(
 
 
 def _report(found: PackSources, dst: Path) -> PackReport:
-    """The report so far: what is left out before any image is read, the damaged shards, the targets' kind."""
+    """The report so far: what is left out before any image is read, the damaged shards, the non-images,
+    the targets' kind."""
     report = PackReport(dst=dst, records=0, classes=len(found.classes), data_bytes=0, skipped=found.left_out)
     report.damaged += found.damaged
+    report.ignored += found.ignored
     if found.targets is not None:
         report.target, report.target_width = found.targets.kind, found.targets.width
     return report

@@ -19,6 +19,7 @@ import torch
 from ..data.base import Reader
 from ..machine import local_device_index
 from ..transforms.dali import default_num_threads
+from ..transforms.decode_choice import choose_train_decode, jpeg_engine, requested_train_decode
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
@@ -52,7 +53,8 @@ class DALIIterator(LoaderBase):
 
     backend = "dali"
 
-    def __init__(self, dataset: Reader, batch_size: int, **kwargs: Any) -> None:
+    def __init__(self, dataset: Reader, batch_size: int, *, train_decode: str | None = None, **kwargs: Any) -> None:
+        requested = requested_train_decode(train_decode)
         super().__init__(dataset, batch_size, **kwargs)
         try:
             import nvidia.dali  # noqa: F401
@@ -62,6 +64,8 @@ class DALIIterator(LoaderBase):
                 "or use dali_fast.TorchIterator / make_loader(backend='auto')"
             ) from e
         self.device_id = local_device_index() if self.gpu else None
+        engine = jpeg_engine(self.device_id) if self.gpu and requested == "auto" else None
+        self.train_decode = choose_train_decode(self.gpu, engine, requested)  # "whole" or "roi"
         self.pipelines_built = 0
         self.build_seconds = 0.0  # spent building pipelines (graph and operators), for reports apart from img/s
         self._kept: _Kept | None = None  # the pipeline of the last epoch that ended normally
@@ -220,6 +224,7 @@ class DALIIterator(LoaderBase):
             num_threads=self.num_threads or default_num_threads(self.gpu),
             prefetch=self.prefetch,
             layout="HWC" if self.memory_format == torch.channels_last else "CHW",
+            decode=self.train_decode,
         )
         self.pipelines_built += 1
         self.build_seconds += time.perf_counter() - started

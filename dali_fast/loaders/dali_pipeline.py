@@ -5,6 +5,10 @@ hands them out in order, raising StopIteration when the list is done. DALI calls
 consumption (prefetch) and past the end of the epoch; since the list, not an
 ``iteration * batch_size`` formula, decides what comes next, prefetch depth and batch-size
 changes cannot duplicate or lose samples.
+
+DALI takes the source's arrays without a copy (``no_copy``: a packed set's records are views of its
+memory map), and it does not keep them alive itself: the source holds each batch's arrays until that
+batch is delivered (`BatchSource.consume`), by when DALI has read them and copied its outputs out.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data.base import Reader, read_batch_checked, read_checked
+from ..data.base import Reader, batch_reader, read_checked
 from ..data.checks import pillow_reason
 from ..transforms.dali import augment
 from ..transforms.recipe import Recipe
@@ -27,12 +31,21 @@ from .bad_records import BadRecordError, SkipLog, bad_record_message
 log = logging.getLogger(__name__)
 
 
+# Records read at once from a reader whose reads are views of a map (``reads_views``: a packed set): the
+# plan's batches are read in runs of at least this many records, then handed out one batch per call. DALI
+# calls the source on the training thread, where a read's fixed cost (numpy calls on caches that DALI's
+# decoding threads keep cold) was 5x what it is outside DALI: a run pays it once for several small batches,
+# and views hold no memory. Other readers (files, a cache's copies) read one batch per call.
+READ_AHEAD_RECORDS = 512
+
+
 class BatchSource:
     """A batch-mode external-source callable over a planned list of index batches.
 
     Returns ``(encoded images, labels)`` per call. ``fed`` records, per batch handed to DALI,
     how many planned samples it accounts for (skipped ones included), in order, so the
-    consumer can advance its cursor exactly by what it received.
+    consumer can advance its cursor exactly by what it received. A packed set's batches are read in runs
+    of `READ_AHEAD_RECORDS` records; a bad record is named (or skipped) when its batch is handed out.
     """
 
     def __init__(
@@ -45,6 +58,8 @@ class BatchSource:
         boxes: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.reader = reader
+        self._read = batch_reader(reader)  # what the reader provides, looked up once
+        self._run_records = READ_AHEAD_RECORDS if getattr(reader, "reads_views", False) else 1
         self.boxes = boxes  # indices -> float32 (n, 4) rows (top, left, h, w) of their erasing boxes, a third output
         self.plan = list(plan)
         self.on_error = on_error
@@ -54,6 +69,7 @@ class BatchSource:
         self.stopped = False
         self.fed: deque[Fed] = deque()  # batches handed to DALI, not yet delivered
         self.tail_skipped: list[tuple[int, str]] = []
+        self._ahead: deque[tuple[np.ndarray, list, np.ndarray, dict[int, str]]] = deque()  # read, not handed out
 
     def stop(self) -> None:
         """Hand out nothing more (the consumer has left the epoch)."""
@@ -75,16 +91,18 @@ class BatchSource:
         self.stopped = False
         self.fed.clear()
         self.tail_skipped = []
+        self._ahead.clear()
 
     def __call__(self) -> tuple:
         consumed = batches = 0
         skipped: list[tuple[int, str]] = []
         while not self.stopped and self.next < len(self.plan):
-            indices = np.asarray(self.plan[self.next], dtype=np.int64)
+            if not self._ahead:
+                self._read_ahead()
+            indices, datas, labels, bad = self._ahead.popleft()
             self.next += 1
             batches += 1
             consumed += len(indices)
-            datas, labels, bad = read_batch_checked(self.reader, indices)
             if self.exclude:  # records known to break the decoder (after a pipeline failure in skip mode)
                 bad.update((pos, self.exclude[i]) for pos, i in enumerate(indices.tolist()) if i in self.exclude)
             kept = indices
@@ -96,13 +114,29 @@ class BatchSource:
                 keep = [pos for pos in range(len(indices)) if pos not in bad]
                 datas, labels, kept = [datas[pos] for pos in keep], labels[keep], indices[keep]
             if datas:
-                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped))
-                if self.boxes is not None:
-                    return datas, labels, self.boxes(kept)
-                return datas, labels
+                out = (datas, labels) if self.boxes is None else (datas, labels, self.boxes(kept))
+                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped, out))
+                return out
         self.tail_skipped += skipped  # the plan ended on records that were all skipped
         skipped = []
         raise StopIteration
+
+    def _read_ahead(self) -> None:
+        """Read the next plan batch, or for a packed set the next batches of `READ_AHEAD_RECORDS` records
+        (or the plan's rest), at once."""
+        at, records, stop = self.next + len(self._ahead), 0, len(self.plan)
+        end = at
+        while end < stop and (end == at or records < self._run_records):
+            records += len(self.plan[end])
+            end += 1
+        parts = [np.asarray(b, dtype=np.int64) for b in self.plan[at:end]]
+        datas, labels, bad = self._read(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        start = 0
+        for indices in parts:
+            n = len(indices)
+            own = {pos - start: why for pos, why in bad.items() if start <= pos < start + n} if bad else {}
+            self._ahead.append((indices, datas[start : start + n], labels[start : start + n], own))
+            start += n
 
     def finish(self) -> None:
         """The pipeline delivered everything: count the skipped records after its last batch."""
@@ -121,12 +155,14 @@ class BatchSource:
 
 @dataclass
 class Fed:
-    """One batch handed to DALI: planned samples and plan batches it accounts for, what it kept and skipped."""
+    """One batch handed to DALI: planned samples and plan batches it accounts for, what it kept and skipped,
+    and the arrays handed over (DALI reads them without a copy and without a reference of its own)."""
 
     consumed: int
     kept: list[int]
     batches: int
     skipped: list[tuple[int, str]]
+    arrays: tuple = ()
 
 
 def undecodable(reader: Reader, indices: Sequence[int]) -> dict[int, str]:
@@ -171,8 +207,10 @@ def build_pipeline(
     num_threads: int,
     prefetch: int,
     layout: str = "CHW",
+    decode: str | None = None,
 ):
-    """Build the decode → (random-resized-)crop → augment → normalize/flip → erase pipeline, fed by ``source``."""
+    """Build the decode → (random-resized-)crop → augment → normalize/flip → erase pipeline, fed by ``source``
+    (``decode``: how training decodes, "whole" or "roi", see `transforms.dali.augment`)."""
     from nvidia.dali import pipeline_def
 
     conditionals = {"enable_conditionals": True} if train and recipe.auto_augment is not None else {}
@@ -189,17 +227,29 @@ def build_pipeline(
         import nvidia.dali.fn as fn
         import nvidia.dali.types as types
 
+        # no_copy: DALI reads the source's arrays where they are (the source keeps them until delivered)
         if source.boxes is None:
             jpegs, labels = fn.external_source(
-                source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64]
+                source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64], no_copy=True
             )
             erase = None
         else:
             jpegs, labels, erase = fn.external_source(
-                source=source, num_outputs=3, batch=True, dtype=[types.UINT8, types.INT64, types.FLOAT]
+                source=source,
+                num_outputs=3,
+                batch=True,
+                dtype=[types.UINT8, types.INT64, types.FLOAT],
+                no_copy=True,
             )
         images = augment(
-            jpegs, train=train, recipe=recipe, gpu=gpu, layout=layout, num_threads=num_threads, erase=erase
+            jpegs,
+            train=train,
+            recipe=recipe,
+            gpu=gpu,
+            layout=layout,
+            num_threads=num_threads,
+            erase=erase,
+            decode=decode,
         )
         if gpu:
             labels = labels.gpu()

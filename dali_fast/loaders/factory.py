@@ -67,4 +67,5 @@ def make_loader(dataset: Reader, batch_size: int, *, backend: str = "auto", **kw
         _say_once(logging.INFO, "loader: TorchIterator (asked for backend='torch')")
     from .torch_iterator import TorchIterator
 
+    kw.pop("train_decode", None)  # how DALI decodes: TorchIterator decodes whole images with libjpeg-turbo
     return TorchIterator(dataset, batch_size, **kw)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..transforms.decode_choice import TRAIN_DECODE_ENV, TRAIN_DECODES, choose_train_decode
 from .doctor import TORCH_CUDA12_INDEX, Readings
+
+# How training decodes on a GPU, in words (`choose_train_decode`'s answers).
+TRAIN_DECODE_WORDS = {
+    "whole": "whole images, cropped on the GPU",
+    "roi": "the crop window only",
+}
 
 
 @dataclass
@@ -35,7 +42,12 @@ def _report(r: Readings) -> list[str]:
         lines.append(f"driver      {r.driver}{cuda}, {len(r.gpus)} GPU(s)")
         for g in r.gpus:
             engine = {True: "yes", False: "no", None: "unknown"}[g.get("jpeg_engine")]
-            lines.append(f"gpu {g['index']:<7} {g['name']}, {g['memory_gib']} GiB, hardware JPEG engine: {engine}")
+            how = ""
+            if r.train_decode in TRAIN_DECODES:
+                asked = "" if r.train_decode == "auto" else f" ({TRAIN_DECODE_ENV}={r.train_decode})"
+                choice = choose_train_decode(True, g.get("jpeg_engine"), r.train_decode)
+                how = f"; training decodes {TRAIN_DECODE_WORDS[choice]}{asked}"
+            lines.append(f"gpu {g['index']:<7} {g['name']}, {g['memory_gib']} GiB, hardware JPEG engine: {engine}{how}")
     if r.quick:
         return lines
     if r.dali is None:
@@ -71,6 +83,8 @@ def _report(r: Readings) -> list[str]:
 
 def _problem(r: Readings) -> str | None:
     gpu_seen = r.nvml_error is None and bool(r.gpus)
+    if r.train_decode not in TRAIN_DECODES:
+        return f"{TRAIN_DECODE_ENV}={r.train_decode!r}: use 'auto', 'whole' or 'roi' (or unset it)"
     if r.quick:
         return _visibility_problem(r) if not gpu_seen else None
     if r.torch is None:

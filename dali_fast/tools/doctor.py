@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import os
 import platform
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..machine import nvml_handle
+from ..transforms.decode_choice import TRAIN_DECODE_ENV, has_jpeg_engine
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Readings:
     hw_decoder: dict[str, Any] | None = None  # jpeg_engine, peak_util, used
     decoder_preallocation: dict[str, int] | None = None  # what one GPU pipeline's decoder preallocates
     quick: bool = False  # NVML only: no CUDA context, no DALI
+    train_decode: str = "auto"  # how training is asked to decode (DALI_FAST_TRAIN_DECODE), see decode_choice
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,18 +105,6 @@ def probe_torch(r: Readings) -> None:
             torch.cuda.init()  # raises with the driver's reason
     except Exception as e:  # noqa: BLE001 - the reason is the reading
         r.cuda_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def has_jpeg_engine(nvml: Any, handle: Any) -> bool:
-    """Whether the GPU has a hardware JPEG decoder: NVML answers "Not Supported" when it has none.
-    Any other NVML error is raised (the answer is then unknown)."""
-    try:
-        nvml.nvmlDeviceGetJpgUtilization(handle)
-    except Exception as e:
-        if "not supported" in str(e).lower():
-            return False
-        raise
-    return True
 
 
 def probe_nvml(r: Readings, nvml: Any = None) -> None:
@@ -289,6 +280,7 @@ def probe(quick: bool = False, nvml: Any = None) -> Readings:
     pipeline, so a health check during training takes no GPU memory and skews no memory reading.
     """
     r = Readings(python=f"{platform.python_version()} ({sys.platform} {platform.machine()})", quick=quick)
+    r.train_decode = os.environ.get(TRAIN_DECODE_ENV) or "auto"
     probe_nvml(r, nvml=nvml)
     if quick:
         return r

@@ -1,4 +1,4 @@
-"""What ``bench`` and ``bench --stages`` write and print: markdown tables, bar charts side by side, the
+"""What ``bench`` and ``stages`` write and print: markdown tables, bar charts side by side, the
 figures formatted one way, and the machine a result was measured on."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def bench_summary(result: dict[str, Any], out: Path) -> str:
 
 
 def stages_summary(result: dict[str, Any], out: Path) -> str:
-    """What ``dali-fast bench --stages`` prints: the data, the cache and the settings, the table, and where
+    """What ``dali-fast stages`` prints: the data, the cache and the settings, the table, and where
     the results went."""
     s = result["settings"]
     head = (

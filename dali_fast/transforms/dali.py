@@ -1,7 +1,7 @@
 """The DALI side of the recipe: the operators after the external source (`augment`: decode, crop, resize,
-automatic augmentation, flip, normalize, erase), and how a pipeline's decoding is sized (threads, and
-the `mixed` decoder's memory paddings within fixed budgets). DALI is imported inside the functions, so
-importing this module needs no DALI.
+automatic augmentation, flip, normalize, erase; training decodes as `decode_choice` says), and how a
+pipeline's decoding is sized (threads, and the `mixed` decoder's memory paddings within fixed budgets).
+DALI is imported inside the functions, so importing this module needs no DALI.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..machine import cpus_per_local_rank
+from .decode_choice import HW_DECODER_LOAD, choose_train_decode
 from .recipe import Recipe
 
 # nvJPEG preallocates, for the `mixed` decoder, one device buffer and two pinned host buffers per
@@ -50,12 +51,27 @@ def decoder_preallocation(num_threads: int, gpu: bool = True) -> dict[str, int]:
     }
 
 
-def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, num_threads: int, layout: str = "CHW", erase=None):
+def augment(
+    jpegs,
+    *,
+    train: bool,
+    recipe: Recipe,
+    gpu: bool,
+    num_threads: int,
+    layout: str = "CHW",
+    erase=None,
+    decode: str | None = None,
+):
     """The operators after the source, inside a pipeline definition, as ``recipe`` says.
 
-    Train: random-resized-crop (decoding only the crop window), resize to ``image_size``, automatic
-    augmentation, random horizontal flip, normalize, random erasing (``erase``: per-sample
-    (top, left, h, w) boxes from the source). Eval: resize the shorter side, centre crop, normalize.
+    Train: random-resized-crop, automatic augmentation, random horizontal flip, normalize, random erasing
+    (``erase``: per-sample (top, left, h, w) boxes from the source). The crop follows ``decode`` ("whole",
+    "roi"; None: `choose_train_decode` without NVML's answer, so "whole" on a GPU, "roi" on the CPU):
+    "whole" decodes the whole image (on a GPU with the JPEG engine taking `HW_DECODER_LOAD` of the work)
+    then `fn.random_resized_crop` crops and resizes it on the device; "roi" decodes only the crop window
+    (`fn.decoders.image_random_crop`) then resizes it. Both draw the window by one rule (DALI's
+    `RandomCropAttr`: area in ``recipe.scale``, aspect ratio in ``recipe.ratio``, 10 attempts, then the
+    whole image cut to the nearest allowed ratio). Eval: resize the shorter side, centre crop, normalize.
     ``num_threads`` is the pipeline's: the `mixed` decoder's memory paddings are sized per thread.
     """
     import nvidia.dali.fn as fn
@@ -63,23 +79,22 @@ def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, num_threads: int, 
 
     S = recipe.image_size
     decode_device = "mixed" if gpu else "cpu"
-    extra = gpu_decoder_arguments(num_threads) if gpu else {}
     interp = {"interp_type": getattr(types, DALI_INTERP[recipe.interpolation])}
     if train:
-        images = fn.decoders.image_random_crop(
-            jpegs,
-            device=decode_device,
-            output_type=types.RGB,
-            random_area=list(recipe.scale),
-            random_aspect_ratio=list(recipe.ratio),
-            num_attempts=10,
-            **extra,
-        )
-        images = fn.resize(images, resize_x=S, resize_y=S, **interp)
+        how = choose_train_decode(gpu, None, decode or "auto")
+        crop = {"random_area": list(recipe.scale), "random_aspect_ratio": list(recipe.ratio), "num_attempts": 10}
+        extra = gpu_decoder_arguments(num_threads, roi=how == "roi") if gpu else {}
+        if how == "whole":
+            images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
+            images = fn.random_resized_crop(images, size=[S, S], **crop, **interp)
+        else:
+            images = fn.decoders.image_random_crop(jpegs, device=decode_device, output_type=types.RGB, **crop, **extra)
+            images = fn.resize(images, resize_x=S, resize_y=S, **interp)
         if recipe.auto_augment is not None:
             images = auto_augment(images, recipe)
         mirror = fn.random.coin_flip(probability=recipe.hflip) if recipe.hflip > 0 else 0
     else:
+        extra = gpu_decoder_arguments(num_threads) if gpu else {}
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
         images = fn.resize(images, resize_shorter=recipe.resize_shorter, **interp)
         mirror = 0
@@ -103,16 +118,22 @@ def augment(jpegs, *, train: bool, recipe: Recipe, gpu: bool, num_threads: int, 
     return images
 
 
-def gpu_decoder_arguments(num_threads: int) -> dict[str, Any]:
-    """The `mixed` decoder's arguments: bounded memory paddings for ``num_threads`` threads, and chroma
-    upsampled the "fancy" way, as DALI's CPU decoder, Pillow and `TorchIterator` do (DALI's default for
-    `mixed` is another filter: the same JPEG would train on other pixels on a GPU)."""
+def gpu_decoder_arguments(num_threads: int, roi: bool = False) -> dict[str, Any]:
+    """The `mixed` decoder's arguments: bounded memory paddings for ``num_threads`` threads; for whole
+    images, chroma upsampled the "fancy" way, as DALI's CPU decoder, Pillow and `TorchIterator` do (DALI's
+    default for `mixed` is another filter: the same JPEG would train on other pixels on a GPU), with
+    `HW_DECODER_LOAD` of the work on the hardware JPEG engine. A crop window (``roi``) keeps the GPU
+    decoder's own upsampling: nvImageCodec does not decode a window with fancy upsampling on the GPU's
+    decoders (its nvJPEG extension refuses it: "may produce wrong results on image edge") and falls back
+    to a path whose Huffman stage runs on the CPU threads."""
     pre = decoder_preallocation(num_threads, gpu=True)
-    return {
+    out: dict[str, Any] = {
         "device_memory_padding": pre["device_padding"],
         "host_memory_padding": pre["host_padding"],
-        "jpeg_fancy_upsampling": True,
     }
+    if not roi:
+        out.update(jpeg_fancy_upsampling=True, hw_decoder_load=HW_DECODER_LOAD)
+    return out
 
 
 DALI_INTERP = {

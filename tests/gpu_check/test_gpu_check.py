@@ -23,10 +23,10 @@ DEFAULT_STEPS = [
     ("data", 40),
     ("doctor and decode", 45),
     ("failure paths", 40),
-    ("loader ceiling", 100),
-    ("models", 135),
-    ("controller", 40),
-    ("gpu tests", 80),
+    ("loader ceiling", 110),
+    ("models", 125),
+    ("controller", 30),
+    ("gpu tests", 90),
 ]
 FULL_STEPS = [
     "whole suite",
@@ -206,6 +206,14 @@ def test_the_measuring_steps_run_small_on_a_cpu(tmp_path):
         assert figures[f"ceiling.dali_{threads}_threads.img_per_s"] > 0
         assert 0 < figures[f"ceiling.dali_{threads}_threads.source_share"] < 1
         assert figures[f"ceiling.dali_{threads}_threads.vs_torch"] > 0
+        assert figures[f"ceiling.dali_{threads}_threads.train_decode"] == "roi"  # the CPU-only mode's choice
+        assert figures[f"ceiling.plain_dali_whole_{threads}_threads.img_per_s"] > 0
+        assert figures[f"ceiling.dali_{threads}_threads.vs_plain_dali_whole"] > 0
+    assert (
+        figures["ceiling.plain_dali_roi_2_threads.img_per_s"] > 0
+        and "ceiling.plain_dali_roi_1_threads.img_per_s" not in figures
+    )
+    assert figures["ceiling.jpeg_engine"] == figures["ceiling.jpeg_engine_busy"] == "n/a (no GPU)"
     assert figures["ceiling.torch_0_workers.img_per_s"] > 0
     assert figures["models.resnet_tiny.ceiling_img_per_s"] > 0 and figures["models.resnet_tiny.dali_img_per_s"] > 0
     assert (

@@ -1,4 +1,4 @@
-"""The tables and charts `bench` and `bench --stages` write, and the figures formatted one way."""
+"""The tables and charts `bench` and `stages` write, and the figures formatted one way."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ def test_decoder_preallocation_stays_within_its_budget(threads):
 
 
 def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monkeypatch):
-    """The recipe's operators in GPU mode, without a GPU: automatic augmentation takes the `mixed` decoder's
-    output, the erasing boxes stay CPU argument inputs (DALI refuses GPU ones), and the flip probability,
-    crop scale/ratio, interpolation, eval resize and normalization are the recipe's."""
+    """The recipe's operators in GPU mode, without a GPU: automatic augmentation takes the GPU's crop of the
+    `mixed` decoder's output, the erasing boxes stay CPU argument inputs (DALI refuses GPU ones), and the
+    flip probability, crop scale/ratio, interpolation, eval resize and normalization are the recipe's."""
     pytest.importorskip("nvidia.dali")
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
@@ -45,10 +45,10 @@ def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monk
         def gpu(self):
             raise AssertionError("erasing boxes moved to the GPU")
 
-    for name in ("resize", "crop_mirror_normalize", "erase"):
+    for name in ("resize", "crop_mirror_normalize", "erase", "random_resized_crop"):
         monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode_eval"))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
+    monkeypatch.setattr(fn.decoders, "image", record("decode"))
     monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
     monkeypatch.setattr(graph, "auto_augment", lambda images, recipe: ("augmented", images, recipe.auto_augment))
     recipe = Recipe(
@@ -63,16 +63,25 @@ def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monk
         std=(0.25, 0.25, 0.25),
     )
     out = graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=Boxes())
-    assert out == "erase"
+    assert out == "erase" and "decode_roi" not in seen and "resize" not in seen
     assert seen["decode"][1]["device"] == "mixed"
-    assert seen["decode"][1]["random_area"] == [0.35, 1.0] and seen["decode"][1]["random_aspect_ratio"] == [0.5, 2.0]
-    assert seen["resize"][1]["interp_type"] == types.INTERP_CUBIC and seen["resize"][1]["resize_x"] == 160
+    crop_args, crop = seen["random_resized_crop"]
+    assert crop_args == ("decode",) and crop["size"] == [160, 160]
+    assert crop["random_area"] == [0.35, 1.0] and crop["random_aspect_ratio"] == [0.5, 2.0]
+    assert crop["interp_type"] == types.INTERP_CUBIC
     assert seen["flip"][1] == {"probability": 0.25}
     cmn_args, cmn = seen["crop_mirror_normalize"]
-    assert cmn_args[0] == ("augmented", "resize", "trivialaugment")  # augmentation on the GPU-decoded crop
+    assert cmn_args[0] == ("augmented", "random_resized_crop", "trivialaugment")  # augmentation on the GPU's crop
     assert cmn["mean"] == [127.5] * 3 and cmn["std"] == [63.75] * 3 and cmn["mirror"] == "flip"
     assert seen["erase"][0] == ("crop_mirror_normalize",)
     assert seen["erase"][1]["anchor"] == ("boxes", 0, 2) and seen["erase"][1]["shape"] == ("boxes", 2, 4)
+    seen.clear()
+    graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=Boxes(), decode="roi")
+    assert seen["decode_roi"][1]["device"] == "mixed" and "random_resized_crop" not in seen
+    roi = seen["decode_roi"][1]
+    assert roi["random_area"] == [0.35, 1.0] and roi["random_aspect_ratio"] == [0.5, 2.0]
+    assert seen["resize"][1]["interp_type"] == types.INTERP_CUBIC and seen["resize"][1]["resize_x"] == 160
+    assert seen["crop_mirror_normalize"][0][0] == ("augmented", "resize", "trivialaugment")
     seen.clear()
     plain = Recipe(image_size=160, eval_resize_size=192, mean=None, std=None, hflip=0.0)
     graph.augment("jpegs", train=False, recipe=plain, gpu=True, num_threads=4)
@@ -95,14 +104,17 @@ def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
 
         return op
 
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
+    monkeypatch.setattr(fn.decoders, "image", record("decode"))
+    monkeypatch.setattr(fn, "random_resized_crop", record("crop"))
     monkeypatch.setattr(fn, "resize", record("resize"))
     monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
     monkeypatch.setattr(fn, "crop_mirror_normalize", record("normalize"))
-    graph.augment(object(), train=True, recipe=Recipe(), gpu=True, num_threads=224)
-    assert seen["decode"]["device"] == "mixed"
-    assert seen["decode"]["device_memory_padding"] * 224 <= graph.DECODER_DEVICE_BUDGET
-    assert seen["decode"]["host_memory_padding"] * 2 * 224 <= graph.DECODER_PINNED_BUDGET
+    for decode, op in (("whole", "decode"), ("roi", "decode_roi")):
+        graph.augment(object(), train=True, recipe=Recipe(), gpu=True, num_threads=224, decode=decode)
+        assert seen[op]["device"] == "mixed"
+        assert seen[op]["device_memory_padding"] * 224 <= graph.DECODER_DEVICE_BUDGET
+        assert seen[op]["host_memory_padding"] * 2 * 224 <= graph.DECODER_PINNED_BUDGET
     monkeypatch.setattr(graph, "cpus_per_local_rank", lambda: 224)
     assert graph.default_num_threads(gpu=True) == graph.MIXED_MAX_THREADS
     assert graph.default_num_threads(gpu=False) == 224
@@ -123,10 +135,10 @@ def _record_ops(monkeypatch):
 
         return op
 
-    for name in ("resize", "crop_mirror_normalize", "erase", "cast"):
+    for name in ("resize", "crop_mirror_normalize", "erase", "cast", "random_resized_crop"):
         monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode_eval"))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
+    monkeypatch.setattr(fn.decoders, "image", record("decode"))
     monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
     return graph, seen
 
@@ -138,14 +150,15 @@ class _Boxes:
 
 def test_gpu_decoders_upsample_chroma_like_the_cpu_decoder(monkeypatch):
     """The `mixed` decoder's default chroma upsampling is not libjpeg-turbo's "fancy" one, which DALI's CPU
-    decoder, Pillow and TorchIterator use: training on a GPU would see other pixels than on a CPU."""
+    decoder, Pillow and TorchIterator use: training on a GPU would see other pixels than on a CPU. Whole
+    images (training's default on a GPU, and evaluation) decode with fancy upsampling."""
     pytest.importorskip("nvidia.dali")
     graph, seen = _record_ops(monkeypatch)
     for train in (True, False):
         seen.clear()
         graph.augment("jpegs", train=train, recipe=Recipe(), gpu=True, num_threads=4)
         decode = seen[0]
-        assert decode[0] == ("decode" if train else "decode_eval") and decode[2]["device"] == "mixed"
+        assert decode[0] == "decode" and decode[2]["device"] == "mixed"
         assert decode[2]["jpeg_fancy_upsampling"] is True
         seen.clear()
         graph.augment("jpegs", train=train, recipe=Recipe(), gpu=False, num_threads=4)
