@@ -202,6 +202,7 @@ class RemoteIndex:
         self.store, self.infos = store, store.infos
         self.image_column, self.label_column = image_column, label_column
         self._tails: dict[int, bytes] = {}
+        self._ranges: dict[int, dict[int, Any]] = {}  # what each file's index reads: fetched once
         named = [(info.url, file_identity(info)) for info in self.infos]
         self.index, self.path = load_or_build(
             named, self._open, image_column=image_column, label_column=label_column, cache=index_dir
@@ -243,18 +244,22 @@ class RemoteIndex:
 
         info, tail = self.infos[k], self._tail(k)
         md = parse_footer(tail)
-        ranges: dict[int, Any] = {info.size - len(tail): tail}
-        try:
-            columns = find_columns(md.schema.to_arrow_schema(), self.image_column, self.label_column, info.url)
-        except ValueError:
-            columns = None  # the index names the problem (or the file's difference from the first one)
-        if columns is not None:
-            ranges.update(self._label_chunks(k, md, columns))
+        ranges = self._ranges.get(k)
+        if ranges is None:
+            ranges = {info.size - len(tail): tail}
+            try:
+                columns = find_columns(md.schema.to_arrow_schema(), self.image_column, self.label_column, info.url)
+            except ValueError:
+                columns = None  # the index names the problem (or the file's difference from the first one)
+            if columns is not None:
+                ranges.update(self._label_chunks(k, md, columns))
+            self._ranges[k] = ranges
 
         def fetch(start: int, end: int) -> bytes:
             return _get(self.store, info, start, end)
 
-        return pyarrow_parquet().ParquetFile(pa.PythonFile(RangeFile(info.size, ranges, fetch), mode="r"), metadata=md)
+        source = pa.PythonFile(RangeFile(info.size, ranges, fetch), mode="r")
+        return pyarrow_parquet().ParquetFile(source, metadata=md, pre_buffer=False)  # one read per chunk
 
     def _label_chunks(self, k: int, md: Any, columns: Columns) -> dict[int, bytes]:
         leaves = [
