@@ -36,7 +36,7 @@ from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .cache import LRUCache
 from .checks import check_encoded, check_index, check_label
-from .parquet_index import expand_parquet, load_or_build, local_identity, pyarrow_parquet
+from .parquet_index import ParquetIndex, expand_parquet, load_or_build, local_identity, pyarrow_parquet
 from .shards import shard_classes
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,12 @@ class ParquetReader:
         index, self.index_file = load_or_build(
             named, self._open, image_column=image_column, label_column=label_column, cache=cache
         )
+        self._use_index(index, streaming, shuffle_window, row_group_cache)
+
+    def _use_index(
+        self, index: ParquetIndex, streaming: bool | None, shuffle_window: int | None, row_group_cache: int
+    ) -> None:
+        """The reader's arrays from ``index`` (``self.files`` set), its classes, order and row-group LRU."""
         self.columns = index.columns
         self._labels, self._null_label = index.labels, index.null_label
         self.group_rows, self.group_file, self.group_bytes = index.group_rows, index.group_file, index.group_bytes
