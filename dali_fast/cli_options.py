@@ -224,7 +224,7 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
 DATASETS = (
     "a packed set, an ImageFolder root, WebDataset shards (a .tar, a folder of .tar files, or a brace pattern such "
     "as 'train-{000000..000146}.tar', quoted), Parquet files (a .parquet, a folder or Hugging Face snapshot, or a "
-    "pattern such as 'data/train-*.parquet', quoted) or a URL of shards (s3://, gs://, https://, any fsspec URL)"
+    "pattern such as 'data/train-*.parquet', quoted) or a URL of shards or of Parquet files (s3://, gs://, https://, any fsspec URL)"
 )
 
 
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     s = _command(sub, "pack", "write a data set as one memory-mappable packed set, or as WebDataset shards")
-    s.add_argument("src", help=DATASETS.replace("or a URL of shards", "or a URL of shards to convert"))
+    s.add_argument("src", help=DATASETS.replace("or of Parquet files", "or of Parquet files to convert"))
     s.add_argument("dst", help="destination folder (must not exist), or with --format webdataset a URL")
     s.add_argument(
         "--format",

@@ -102,7 +102,7 @@ def test_help_shows_every_default(cmd, capsys):
 def test_pack_and_inspect_help_name_every_input_they_take(capsys):
     for cmd, inputs in (
         ("pack", ["ImageFolder", "WebDataset shards", ".tar", "folder of .tar files", "brace pattern"]),
-        ("inspect", ["packed set", "ImageFolder", "WebDataset shards", "brace pattern", "URL of shards", "s3://"]),
+        ("inspect", ["packed set", "ImageFolder", "WebDataset shards", "brace pattern", "of Parquet files", "s3://"]),
         ("train", ["packed set", "ImageFolder", "WebDataset shards", "URL of shards"]),
         ("bench", ["packed set", "ImageFolder", "WebDataset shards", "URL of shards"]),
     ):

@@ -6,8 +6,8 @@ How blocks run (docs/tests.md says the same to readers):
 - ```python: exec'd in a fresh namespace in a working folder per page, where `data/train` (48 synthetic
   images, 4 classes), `data/val` (16), `shards/train-{000000..000003}.tar` and `my-dataset/` (the same
   images as a Hugging Face snapshot: `data/train-0000{0,1}-of-00002.parquet`, `data/test-00000-of-00001.parquet`) exist, and
-  `s3://bucket/train-{000000..000003}.tar` is served by a local S3 server that AWS_ENDPOINT_URL names
-  (for shell blocks too).
+  `s3://bucket/train-{000000..000003}.tar` and `s3://bucket/my-dataset/` (the same snapshot) are served by
+  a local S3 server that AWS_ENDPOINT_URL names (for shell blocks too).
   Only `model` and `optimizer` (the reader's own objects) are given. Sizes: `epochs = N` and
   `max_epochs=N` become 1, and `batch_size=`, `min_batch=`, `max_batch=` are divided by 32.
 - ```bash: each command run in the page's folder, `dali-fast` through its entry point `dali_fast.cli:main`; `--epochs` 1, `--images` 48,
@@ -220,7 +220,7 @@ def docs_env(tmp_path_factory):
 
 
 def _s3(env: dict) -> str:
-    """The local S3 server's endpoint, with the template's shards in `s3://bucket/`."""
+    """The local S3 server's endpoint, with the template's shards and snapshot in `s3://bucket/`."""
     if env["s3"] is None:
         from object_store import S3Server
 
@@ -228,6 +228,8 @@ def _s3(env: dict) -> str:
         server.client.create_bucket(Bucket="bucket")
         for shard in sorted((env["template"] / "shards").iterdir()):
             server.client.put_object(Bucket="bucket", Key=shard.name, Body=shard.read_bytes())
+        for part in sorted((env["template"] / "my-dataset" / "data").iterdir()):
+            server.client.put_object(Bucket="bucket", Key=f"my-dataset/data/{part.name}", Body=part.read_bytes())
         env["s3"] = server
     return env["s3"].endpoint
 

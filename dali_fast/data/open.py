@@ -27,7 +27,9 @@ def open_dataset(
     a folder of them or a Hugging Face snapshot, ``data/train-*.parquet``; ``reader_kw`` such as
     ``image_column=`` and ``label_column=`` go to `parquet.ParquetReader`, which needs pyarrow) or an
     ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
-    shards, streamed through a node-local cache (`remote.RemoteShardsReader`, which takes the keywords).
+    shards or Parquet files (a name or pattern ending in ``.parquet``, or a folder holding them), streamed
+    through a node-local cache (`remote.RemoteShardsReader`, `remote.parquet.RemoteParquetReader`, which
+    take the keywords).
 
     Args:
         path: the data set.
@@ -45,11 +47,15 @@ def open_dataset(
     if not str(path):  # Path("") is the current folder
         raise ValueError("the data set is an empty path (''); name a folder, shards or a URL")
     if is_remote(path):
-        if is_parquet(str(path).rstrip("/")):
-            raise ValueError(
-                f"{path}: Parquet in object storage is not read yet; copy the files to a local folder "
-                "(e.g. `aws s3 sync`, `huggingface-cli download`) and open that"
-            )
+        if _remote_parquet(str(path), reader_kw):
+            if target not in (None, "class") or num_classes is not None:
+                raise ValueError(
+                    f"{path}: multi-hot and float targets of Parquet at a URL are not read yet; copy the files to "
+                    "a local folder and open that, or pack them (dali-fast pack --target) and open the pack"
+                )
+            from .remote.parquet import RemoteParquetReader  # pyarrow, fsspec and its backends load with it
+
+            return RemoteParquetReader(str(path), **reader_kw)  # type: ignore[arg-type]
         from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
 
         return RemoteShardsReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
@@ -72,3 +78,16 @@ def open_dataset(
         f"{p}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
         "WebDataset shards (.tar), Parquet files (.parquet) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"
     )
+
+
+def _remote_parquet(url: str, reader_kw: dict[str, object]) -> bool:
+    """Whether ``url`` names Parquet files: by its name, or for a folder (no .tar, no .parquet at its
+    end) by one listing of it."""
+    text = url.rstrip("/")
+    if text.endswith(".parquet"):
+        return True
+    if text.endswith(".tar") or "{" in text:
+        return False
+    from .remote.parquet_index import holds_parquet
+
+    return holds_parquet(url, reader_kw.get("storage_options"))  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .cache import LRUCache
 from .checks import check_encoded, check_index, check_label
-from .parquet_index import expand_parquet, load_or_build, local_identity, pyarrow_parquet
+from .parquet_index import ParquetIndex, expand_parquet, load_or_build, local_identity, pyarrow_parquet
 from .shards import shard_classes
 from .targets import attach_targets, check_target
 
@@ -145,8 +145,15 @@ class ParquetReader:
         index, self.index_file = load_or_build(
             named, self._open, image_column=image_column, label_column=label_column, cache=cache, lists=lists
         )
-        self.target_lists = (index.target_values, index.target_ends)
+        self._use_index(index, streaming, shuffle_window, row_group_cache)
+        attach_targets(self, target, num_classes)
+
+    def _use_index(
+        self, index: ParquetIndex, streaming: bool | None, shuffle_window: int | None, row_group_cache: int
+    ) -> None:
+        """The reader's arrays from ``index`` (``self.files`` set), its classes, order and row-group LRU."""
         self.columns = index.columns
+        self.target_lists = (index.target_values, index.target_ends)  # a list column's (`targets.attach_targets`)
         self._labels, self._null_label = index.labels, index.null_label
         self.group_rows, self.group_file, self.group_bytes = index.group_rows, index.group_file, index.group_bytes
         self.shard_bounds = np.concatenate([[0], np.cumsum(self.group_rows)]).astype(np.int64)  # per row group
@@ -166,7 +173,6 @@ class ParquetReader:
         self.shuffle_window = int(min(shuffle_window, len(self.group_rows)))
         self._reset_process_state()
         _READERS.add(self)
-        attach_targets(self, target, num_classes)
 
     # ------------------------------------------------------------------ open
     def _classes(self, names: list[str] | None) -> list[str]:

@@ -285,16 +285,6 @@ except ImportError as e:
     assert out.stdout == "reading Parquet needs pyarrow: pip install 'dali-fast[parquet]'\n"
 
 
-def test_parquet_in_object_storage_is_refused_in_one_line_with_what_to_do():
-    for url in ("s3://bucket/data/train-{00000..00003}.parquet", "gs://bucket/data/train-*.parquet"):
-        with pytest.raises(ValueError) as e:
-            open_dataset(url)
-        assert one_line(e) == (
-            f"{url}: Parquet in object storage is not read yet; copy the files to a local folder "
-            "(e.g. `aws s3 sync`, `huggingface-cli download`) and open that"
-        )
-
-
 def test_the_fingerprint_follows_the_contents_not_where_the_files_are(tmp_path, cache):
     """A copy that keeps names and mtimes (another node's mount, `cp -p`) resumes; other labels do not."""
     import shutil

@@ -311,7 +311,7 @@ def test_read_rows_without_a_reader_says_so():
         read_rows([0])
 
 
-def test_open_dataset_refuses_column_names_for_other_formats_and_remote_parquet(tmp_path):
+def test_open_dataset_refuses_column_names_for_other_formats(tmp_path):
     from builders import jpeg_bytes, one_line
 
     (tmp_path / "folder" / "a").mkdir(parents=True)
@@ -320,5 +320,3 @@ def test_open_dataset_refuses_column_names_for_other_formats_and_remote_parquet(
         with pytest.raises(ValueError) as e:
             open_dataset(tmp_path / "folder", **kw)
         assert one_line(e).endswith("name the columns of Parquet files; this is not one")
-    with pytest.raises(ValueError, match="^s3://bucket/one.parquet/: Parquet in object storage is not read yet"):
-        open_dataset("s3://bucket/one.parquet/")

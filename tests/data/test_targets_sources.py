@@ -113,3 +113,12 @@ def test_the_command_writes_shards_with_the_lists(tmp_path, cache):
     assert main([*argv, "--num-classes", str(K)]) == 0
     back = open_dataset(tmp_path / "out", target="multihot", num_classes=K)
     np.testing.assert_array_equal(back.targets.rows(np.arange(N)), np.stack([row(i, "multihot") for i in range(N)]))
+
+
+def test_targets_of_parquet_at_a_url_are_refused_before_any_download():
+    with pytest.raises(ValueError) as e:
+        open_dataset("s3://bucket/train-*.parquet", target="multihot", num_classes=K)
+    assert one_line(e) == (
+        "s3://bucket/train-*.parquet: multi-hot and float targets of Parquet at a URL are not read yet; copy the "
+        "files to a local folder and open that, or pack them (dali-fast pack --target) and open the pack"
+    )

@@ -84,16 +84,28 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """A remote shard as listed: its URL, the filesystem path, its size and content identity."""
+    """A remote shard as listed: its URL, the filesystem path, its size and content identity. A part of an
+    object (a Parquet row group's image column) is ``size`` bytes from ``start`` of an object of
+    ``object_size`` bytes (-1: the whole object, ``size`` bytes)."""
 
     url: str
     path: str
     size: int
     identity: str
+    start: int = 0
+    object_size: int = -1
+
+    @property
+    def whole_size(self) -> int:
+        """The object's size on the server (what a change of the object is told by)."""
+        return self.object_size if self.object_size >= 0 else self.size
 
     def key(self, salt: str = "") -> str:
         """A file-name-safe key naming this content of this URL."""
-        h = hashlib.sha1(f"v{INDEX_VERSION}|{self.url}|{self.size}|{self.identity}|{salt}".encode()).hexdigest()[:24]
+        part = f"|{self.start}|{self.object_size}" if self.object_size >= 0 else ""
+        h = hashlib.sha1(f"v{INDEX_VERSION}|{self.url}|{self.size}|{self.identity}|{salt}{part}".encode()).hexdigest()[
+            :24
+        ]
         base = re.sub(r"[^A-Za-z0-9._-]", "_", self.url.rstrip("/").rsplit("/", 1)[-1].removesuffix(".tar"))[-60:]
         return f"{h}-{base}"
 
@@ -108,15 +120,26 @@ def identity(info: dict[str, Any]) -> str:
     return ""
 
 
-def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, list[ShardInfo]]:
+def list_shards(
+    spec: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    suffix: str = ".tar",
+    folder: Callable[[str, list[str]], list[str]] | None = None,
+) -> tuple[Any, list[ShardInfo]]:
     """The shards ``spec`` names (a brace pattern, one ``.tar`` URL, or a prefix holding ``.tar`` files),
     with sizes and identities fetched fresh from the server. What goes wrong is a `RemoteDataError` naming
-    its cause (credentials, access, endpoint, TLS, bucket, shard, a wildcard in the URL)."""
+    its cause (credentials, access, endpoint, TLS, bucket, shard, a wildcard in the URL).
+
+    Other objects (``suffix=".parquet"``): a ``folder`` rule picks, from the objects of that suffix under a
+    prefix (its path, every path found), the ones it names; and a URL may then hold ``*`` wildcards
+    (expanded by the store's listing; not over HTTP, which has none)."""
     refused = wildcard(spec)
-    if refused is not None:
+    globs = folder is not None and not spec.lower().startswith(("http://", "https://"))
+    if refused is not None and not (globs and not any(c in spec.split("://", 1)[-1] for c in "?[]")):
         raise refused
     try:
-        return _list_shards(spec, storage_options)
+        return _list_shards(spec, storage_options, suffix, folder)
     except RemoteDataError:
         raise
     except Exception as e:
@@ -135,20 +158,30 @@ def list_shards(spec: str, storage_options: dict[str, Any] | None = None) -> tup
         raise
 
 
-def _list_shards(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any, list[ShardInfo]]:
+def _list_shards(
+    spec: str,
+    storage_options: dict[str, Any] | None,
+    suffix: str = ".tar",
+    folder: Callable[[str, list[str]], list[str]] | None = None,
+) -> tuple[Any, list[ShardInfo]]:
     urls = expand_braces(spec)
     fs, _ = url_to_fs(urls[0], storage_options)
     fs.invalidate_cache()
-    if len(urls) == 1 and not urls[0].endswith(".tar"):
+    if folder is not None and any("*" in u for u in urls):  # http:// was refused by the caller
+        urls = _globbed(fs, urls, spec, storage_options)
+    if len(urls) == 1 and not urls[0].endswith(suffix):
         root = fs._strip_protocol(urls[0])  # noqa: SLF001 - fsspec's own URL-to-path rule
         try:
-            found = sorted(p for p in fs.find(root) if p.endswith(".tar"))
+            found = sorted(p for p in fs.find(root) if p.endswith(suffix))
         except FileNotFoundError as e:
             _raise_cause(e, spec, storage_options)
             found = []
+        if folder is not None:
+            found = folder(root.rstrip("/"), found)
         if not found:
+            what = "shards" if suffix == ".tar" else "files"
             raise NoSuchShardError(
-                f"{spec}: no .tar shards there; name them, e.g. {spec.rstrip('/')}/train-{{000000..000099}}.tar"
+                f"{spec}: no {suffix} {what} there; name them, e.g. {spec.rstrip('/')}/train-{{000000..000099}}{suffix}"
             )
         urls = [fs.unstrip_protocol(p) for p in found]
     paths = [fs._strip_protocol(u) for u in urls]  # noqa: SLF001
@@ -179,6 +212,25 @@ def _list_shards(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any
         raise NoSuchShardError(f"{missing[0]}{more}: {NO_SHARD}")
     shards = [ShardInfo(u, p, int(i["size"]), identity(i)) for u, p, i in zip(urls, paths, infos, strict=True)]
     return fs, shards
+
+
+def _globbed(fs: Any, urls: list[str], spec: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """``urls`` with each ``*`` pattern replaced by the objects it matches (sorted); one that matches none
+    is a `NoSuchShardError`."""
+    out: list[str] = []
+    for url in urls:
+        if "*" not in url:
+            out.append(url)
+            continue
+        try:
+            found = sorted(fs.glob(fs._strip_protocol(url)))  # noqa: SLF001
+        except FileNotFoundError as e:
+            _raise_cause(e, spec, storage_options)
+            found = []
+        if not found:
+            raise NoSuchShardError(f"{url}: the pattern matches no object on the server; check the URL")
+        out += [fs.unstrip_protocol(p) for p in found]
+    return out
 
 
 def _raise_cause(error: BaseException, url: str, storage_options: dict[str, Any] | None) -> None:
@@ -252,10 +304,10 @@ class ShardDownloader:
             return "no longer on the server (deleted?)"
         except Exception:  # noqa: BLE001 - the server is unreachable: nothing known, the caller retries
             return None
-        size, ident = int(now.get("size", -1)), identity(now)
-        if size != info.size:
-            what = "truncated" if 0 <= size < info.size else "changed"
-            return f"{what} on the server: {size} bytes now, {info.size} when indexed"
+        size, ident, then = int(now.get("size", -1)), identity(now), info.whole_size
+        if size != then:
+            what = "truncated" if 0 <= size < then else "changed"
+            return f"{what} on the server: {size} bytes now, {then} when indexed"
         if ident != info.identity:
             return f"changed on the server since it was indexed ({info.identity or 'no identity'} then, {ident} now)"
         return None
@@ -272,7 +324,7 @@ class ShardDownloader:
                     raise DownloadCancelled
                 end = min(offset + self.chunk_bytes, info.size)
                 try:
-                    data = self.get_range(info.path, offset, end)
+                    data = self.get_range(info.path, info.start + offset, info.start + end)
                     if len(data) != end - offset:
                         raise OSError(f"got {len(data)} bytes of {end - offset} asked for at offset {offset}")
                 except FileNotFoundError as e:
