@@ -23,8 +23,9 @@ class UserError(Exception):
 def _cmd_make_synthetic(args: argparse.Namespace) -> int:
     from .data.synthetic import make_synthetic
 
-    make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed)
-    print(f"wrote {args.images} images in {args.classes} classes to {args.out}")
+    make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed, multi_label=args.multi_label)
+    where = f"{args.out} (targets in {Path(args.out) / 'labels.csv'})" if args.multi_label else args.out
+    print(f"wrote {args.images} images in {args.classes} classes to {where}")
     return 0
 
 
@@ -53,11 +54,12 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from .data.remote.store import is_remote
 
     src: Any = args.src
+    targets = _targets(args)
     options = _open_options(args, args.src if is_remote(args.src) else args.dst)  # for whichever is a URL
     if options and is_remote(args.src):  # opened here with its cache and storage options, read by its reader
         from .data.open import open_dataset
 
-        src = open_dataset(args.src, **options)
+        src, targets = open_dataset(args.src, **options, **targets), {}  # the reader carries its targets
     if args.format == "webdataset":
         from .data.shard_pack import pack_shards
 
@@ -68,7 +70,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             kw["storage_options"] = options["storage_options"]
         if args.shard_size is not None:
             kw["shard_size"] = args.shard_size
-        report = pack_shards(src, args.dst, verify=not args.no_verify, shuffle=not args.no_shuffle, **kw)
+        report = pack_shards(src, args.dst, verify=not args.no_verify, shuffle=not args.no_shuffle, **kw, **targets)
         print(report.summary())
         return 0
     from .data.writer import pack
@@ -77,7 +79,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if unused:
         raise UserError(f"{unused[0]} is for WebDataset shards; add --format webdataset")
     kw = {"max_side": args.max_side, "workers": args.workers, "shard_size": args.shard_size or None}
-    report = pack(src, args.dst, verify=not args.no_verify, **kw)
+    report = pack(src, args.dst, verify=not args.no_verify, **kw, **targets)
     print(report.summary())  # what was left out, and why, is logged above, once per file
     return 0
 
@@ -85,7 +87,29 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect_dataset
 
-    return inspect_dataset(args.dataset, verify=args.verify, emit=print, open_options=_open_options(args, args.dataset))
+    return inspect_dataset(
+        args.dataset, verify=args.verify, emit=print, open_options=_open_options(args, args.dataset), **_targets(args)
+    )
+
+
+def _targets(args: argparse.Namespace) -> dict[str, Any]:
+    """``open_dataset``'s ``target`` and ``num_classes`` from --target and --num-classes."""
+    return {"target": args.target, "num_classes": args.num_classes}
+
+
+def _dataset_with_targets(args: argparse.Namespace, options: dict[str, Any]) -> Any:
+    """``args.dataset`` opened with --target/--num-classes (and ``options``) when either is given (else as it
+    is: bench and train open it themselves); the synthetic default set has class targets only."""
+    if args.target is None and args.num_classes is None:
+        return args.dataset
+    if args.dataset is None:
+        raise UserError(
+            f"--target {args.target or 'class'} needs a DATASET with targets (the default synthetic set has one "
+            "class per image); make one with `dali-fast make-synthetic OUT --multi-label`"
+        )
+    from .data.open import open_dataset
+
+    return open_dataset(args.dataset, **_targets(args), **options)
 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
@@ -162,8 +186,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     augments = _augments(args.augment)
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}
+    options = _open_options(args, args.dataset)
     result = run_bench(
-        args.dataset,
+        _dataset_with_targets(args, options),
         images=args.images,
         loaders=loaders,
         epochs=args.epochs,
@@ -180,7 +205,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         limit=not args.no_limit,
         alternate=args.alternate,
         emit=log.info,
-        open_options=_open_options(args, args.dataset),
+        open_options=options,
     )
     print(bench_summary(result, Path(args.out)))
     return 0 if all("error" not in r for r in result["rows"]) else 1
@@ -200,7 +225,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
     options = _open_options(args, args.dataset)
-    run_train(open_dataset(args.dataset or default_dataset(args.images)[1], **options), config, emit=print)
+    if args.target is None and args.num_classes is None:
+        reader = open_dataset(args.dataset or default_dataset(args.images)[1], **options)
+    else:
+        reader = _dataset_with_targets(args, options)
+    run_train(reader, config, emit=print)
     return 0
 
 

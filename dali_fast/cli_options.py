@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .data.base import ON_ERROR
+from .data.targets import TARGET_KINDS
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -170,6 +171,21 @@ def _add_data_args(s: argparse.ArgumentParser, on_error: bool = True) -> None:
     )
 
 
+def _add_target_args(s: argparse.ArgumentParser) -> None:
+    """``--target`` and ``--num-classes``: what a sample's target is (`open_dataset`'s ``target``)."""
+    s.add_argument(
+        "--target",
+        choices=TARGET_KINDS,
+        default=None,
+        help="what a sample's target is: class (one class index), multihot (a list of class indices, as rows "
+        "of K 0/1) or float (a list of D numbers), the lists from each sample's .json (WebDataset) or "
+        "labels.csv beside the class folders (default: the data set's own: class, or what it was packed with)",
+    )
+    s.add_argument(
+        "--num-classes", type=_count(1), default=None, metavar="K", help="K, the classes of --target multihot"
+    )
+
+
 AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 
 
@@ -227,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--images", type=_count(1), default=1000, help="images to write")
     s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
     s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
+    s.add_argument(
+        "--multi-label",
+        action="store_true",
+        help="several classes per image (a coloured patch each) under OUT/images, listed in OUT/labels.csv",
+    )
 
     s = _command(sub, "pack", "write a data set as one memory-mappable packed set, or as WebDataset shards")
     s.add_argument("src", help=DATASETS.replace("or of Parquet files", "or of Parquet files to convert"))
@@ -264,12 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="webdataset: keep the source's order (default: a fixed shuffle, so each shard mixes the classes)",
     )
+    _add_target_args(s)
     _add_remote_args(s)
 
     s = _command(sub, "inspect", "describe a data set: records, classes, bytes")
     s.add_argument("dataset", help=DATASETS)
     _add_remote_args(s)
     s.add_argument("--verify", action="store_true", help="check every record's crc32 (packed sets)")
+    _add_target_args(s)
 
     s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
@@ -284,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the limit row (the machine's decode-only img/s on the same data and processes)",
     )
+    _add_target_args(s)
     s.add_argument(
         "--alternate",
         action="store_true",
@@ -348,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="append each batch's sample indices as JSON lines (per rank: FILE.rank<N> or a {rank} placeholder)",
     )
     s.add_argument("--out", default=None, help="folder for train.json (rank 0 writes it)")
+    _add_target_args(s)
     _add_recipe_args(s, several=False)
 
     s = _command(sub, "doctor", "check the GPU path: torch/CUDA, driver and GPUs, DALI, a GPU JPEG decode")

@@ -31,6 +31,7 @@ from .data.open import open_dataset
 from .data.parquet_index import expand_parquet, is_parquet
 from .data.remote.store import is_remote
 from .data.shards import expand_shards, is_webdataset
+from .data.targets import check_target
 from .loaders.base import LoaderBase
 from .loaders.controller import BatchSizeController
 from .loaders.factory import make_loader
@@ -65,6 +66,8 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
     resolution schedule (``Recipe(resolution=Progressive(...))``) sizes the training loader epoch by epoch
     through Lightning's own ``set_epoch`` calls, and the other loaders keep its ``image_size``. Loaders are made in the
     ``*_dataloader`` hooks, after Lightning has started the process group, so each rank gets its shard.
+    ``target`` and ``num_classes`` open every path as `open_dataset` does: with ``target="multihot"`` or
+    ``"float"`` the batches' second tensor is float32 target rows (a Reader given is used as it was opened).
     """
 
     def __init__(
@@ -79,9 +82,12 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         image_size: int | None = None,
         controller: BatchSizeController | None = None,
         eval_batch_size: int | None = None,
+        target: str | None = None,
+        num_classes: int | None = None,
         **loader_kw: Any,
     ) -> None:
         super().__init__()
+        check_target(target, num_classes)
         if train is None and val is None and test is None and predict is None:
             raise ValueError("DaliFastDataModule needs at least one data set: train=, val=, test= or predict=")
         if backend not in ("auto", "dali", "torch"):
@@ -97,6 +103,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         self.image_size = image_size
         self.controller = controller
         self.loader_kw = loader_kw
+        self.open_kw = {"target": target, "num_classes": num_classes}  # how paths are opened
         self._readers: dict[str, Reader] = {}
         self._made: list[LoaderBase] = []  # closed at teardown: worker pools and pipelines end with the stage
 
@@ -105,7 +112,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         if source is None:
             raise ValueError(f"DaliFastDataModule has no {split} data set; pass {split}=PATH")
         if split not in self._readers:
-            self._readers[split] = source if isinstance(source, Reader) else open_dataset(source)
+            self._readers[split] = source if isinstance(source, Reader) else open_dataset(source, **self.open_kw)
         return self._readers[split]
 
     def _loader(self, split: str) -> LoaderBase:

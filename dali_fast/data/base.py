@@ -9,11 +9,12 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from .checks import check_encoded, check_label
+from .targets import SubsetTargets, reader_targets
 
 T, R = TypeVar("T"), TypeVar("R")
 
@@ -60,6 +61,25 @@ class LabelledReader(Protocol):
     labels: np.ndarray
 
 
+class TargetReader(Protocol):
+    """Optional: targets beyond one class index. ``target_kind`` is "class", "multihot" or "float"; for the
+    last two, ``targets`` has ``kind``, ``width``, ``rows(indices)`` (float32 ``(len(indices), width)``) and
+    ``check(indices)`` (``{position: why that record's target is bad}``, checked once at open). The loaders
+    then yield those rows instead of the labels, and treat a record with a bad target as a bad record."""
+
+    target_kind: str
+    targets: Any
+
+
+class TargetListsReader(Protocol):
+    """Optional: the per-record number lists targets are made from (a WebDataset ``.json`` list, a CSV row,
+    a Parquet list column), as ``(values, ends)``: every list end to end (float64) and where each record's
+    ends (int64; Arrow's offsets without the leading 0). Such a reader takes ``target=`` and ``num_classes=``
+    and calls `targets.attach_targets` at the end of its ``__init__``, which makes it a `TargetReader`."""
+
+    target_lists: tuple[np.ndarray, np.ndarray]
+
+
 class FingerprintedReader(Protocol):
     """Optional: what identifies the contents (a resume on other data is refused by it)."""
 
@@ -103,37 +123,54 @@ def read_record(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | N
 
 
 def read_checked(reader: Reader, i: int) -> tuple[np.ndarray | None, int, str | None]:
-    """``reader[i]`` with the cheap checks: (bytes, label, None), or (bytes or None, label, why it is bad)."""
+    """``reader[i]`` with the cheap checks: (bytes, label, None), or (bytes or None, label, why it is bad).
+    A record whose target (`TargetReader`) was found bad at open is bad too."""
     data, label, reason = read_record(reader, i)
     if reason is None:
         reason = check_label(label, len(reader.classes)) or check_encoded(data)
+    targets = reader_targets(reader)
+    if reason is None and targets is not None:
+        reason = targets.check([i]).get(0)
     return data, label, reason
 
 
 def read_batch_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
     """`read_checked` for a batch: through the reader's own ``read_batch_checked`` where it has one
-    (a packed set checks in O(1) per record, folders and shards read in parallel), else record by record."""
+    (a packed set checks in O(1) per record, folders and shards read in parallel), else record by record.
+    Records whose targets were found bad at open (`TargetReader`) are bad too: a lookup per batch."""
     return batch_reader(reader)(indices)
 
 
 def batch_reader(reader: Reader) -> Callable[[Sequence[int]], CheckedBatch]:
     """`read_batch_checked` for ``reader``, with what it provides looked up once (a feed reads many batches)."""
     if provides(reader, BatchReader):
-        return reader.read_batch_checked  # type: ignore[attr-defined]
-    return functools.partial(_read_records_checked, reader)
+        targets = reader_targets(reader)
+        if targets is None:
+            return reader.read_batch_checked  # type: ignore[attr-defined]
+        return functools.partial(_with_target_checks, reader.read_batch_checked, targets)  # type: ignore[attr-defined]
+    return functools.partial(_read_records_checked, reader)  # read_checked checks the targets
+
+
+def _with_target_checks(
+    read: Callable[[Sequence[int]], CheckedBatch], targets: Any, indices: Sequence[int]
+) -> CheckedBatch:
+    datas, labels, bad = read(indices)
+    for pos, why in targets.check(indices).items():
+        bad.setdefault(pos, why)
+    return datas, labels, bad
 
 
 def _read_records_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
     datas: list[np.ndarray | None] = []
-    labels: list[int] = []
+    found: list[int] = []
     bad: dict[int, str] = {}
     for pos, i in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
         data, label, reason = read_checked(reader, i)
         datas.append(data)
-        labels.append(label)
+        found.append(label)
         if reason is not None:
             bad[pos] = reason
-    return datas, np.asarray(labels, dtype=np.int64), bad
+    return datas, np.asarray(found, dtype=np.int64), bad
 
 
 READ_THREADS = 8  # files read at once per process: what hides a network file system's latency
@@ -195,6 +232,16 @@ class SubsetReader:
     @property
     def labels(self) -> np.ndarray:
         return np.asarray(self.reader.labels)[self.indices]  # type: ignore[attr-defined]
+
+    @property
+    def target_kind(self) -> str:
+        return getattr(self.reader, "target_kind", "class")
+
+    @property
+    def targets(self) -> SubsetTargets | None:
+        """The subset's targets (the records' rows of the whole set's), or None for class targets."""
+        targets = reader_targets(self.reader)
+        return None if targets is None else SubsetTargets(targets, self.indices)
 
 
 def split(reader: Reader, holdout: float, seed: int = 0) -> tuple[SubsetReader, SubsetReader]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +137,15 @@ class CachedReader:
     @property
     def labels(self) -> np.ndarray:
         return self.reader.labels  # type: ignore[attr-defined]
+
+    @property
+    def target_kind(self) -> str:
+        return getattr(self.reader, "target_kind", "class")
+
+    @property
+    def targets(self) -> Any:
+        """The reader's targets (`base.TargetReader`): rows are made from indices, never cached."""
+        return getattr(self.reader, "targets", None)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         i = int(i)

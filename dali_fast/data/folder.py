@@ -1,14 +1,16 @@
 """`ImageFolderReader`: an ImageFolder root (``root/<class>/<image>``, torchvision's layout) read on demand,
-a batch's files in the shared reader threads."""
+a batch's files in the shared reader threads; with ``target="multihot"`` or ``"float"``, each image's
+targets from ``root/labels.csv`` (`read_labels_csv`)."""
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import stat
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -16,6 +18,9 @@ from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .checks import check_encoded, check_index
 from .format import IMAGE_EXTENSIONS
+from .targets import attach_targets, check_target
+
+LABELS_CSV = "labels.csv"  # an ImageFolder's per-image targets, beside its class folders
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,64 @@ def scan_image_folder(
     return classes, items, other, unlisted
 
 
+def read_labels_csv(root: Path, files: Sequence[Path]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Match ``root/labels.csv`` to ``files`` (images under ``root``): (the positions of the files that have
+    a row, their rows' numbers end to end as float64, where each row's numbers end).
+
+    The dialect: UTF-8 (a byte-order mark is allowed), comma-separated, quoted as spreadsheets write CSV
+    (Python's ``csv`` "excel" dialect). A row is an image's path relative to ``root`` with ``/`` between
+    folders (``cat/001.jpg``; a leading ``./`` is allowed), then its numbers: class indices for multihot, D
+    numbers for float, one per cell or several in a cell separated by spaces (``cat/001.jpg,"3 7"``); a
+    multihot row with no index is an image with no class. Blank rows are ignored; a first row whose first
+    cell is ``path`` is a header. A row that names no image, names one twice or holds a word that is not a
+    number is a one-line ValueError with its line number; an image without a row is left out by the caller.
+    """
+    path = root / LABELS_CSV
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: missing; targets other than the class folders come from {LABELS_CSV} beside them "
+            "(a row per image: its path relative to the root, then its class indices or numbers)"
+        )
+    rows: dict[str, tuple[int, list[float]]] = {}
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        for cells in reader:
+            if not any(c.strip() for c in cells):
+                continue
+            line, name = reader.line_num, cells[0].strip()
+            if not rows and name.lower() == "path":  # the header
+                continue
+            numbers: list[float] = []
+            for word in (w for cell in cells[1:] for w in cell.split()):
+                try:
+                    numbers.append(float(word))
+                except ValueError:
+                    header = "; a header row starts with 'path'" if not rows else ""
+                    raise ValueError(
+                        f"{path} line {line}: {word!r} is not a number; a row is an image's path, then its class "
+                        f"indices (multihot) or numbers (float){header}"
+                    ) from None
+            key = PurePosixPath(name).as_posix()
+            if key in rows:
+                raise ValueError(
+                    f"{path} line {line}: {name} has a row already (line {rows[key][0]}); give each image one row"
+                )
+            rows[key] = (line, numbers)
+    position = {file.relative_to(root).as_posix(): k for k, file in enumerate(files)}
+    unknown = [(line, key) for key, (line, _) in rows.items() if key not in position]
+    if unknown:
+        line, key = unknown[0]
+        raise ValueError(
+            f"{path} line {line}: no image {key} under {root} ({plural(len(unknown), 'row')} name no image); paths "
+            "are relative to the root (class folder, then file); a header row, if any, starts with 'path'"
+        )
+    keep = sorted(position[key] for key in rows)
+    by_position = {position[key]: numbers for key, (_, numbers) in rows.items()}
+    lists = [by_position[k] for k in keep]
+    values = np.array([x for numbers in lists for x in numbers], dtype=np.float64)
+    return keep, values, np.cumsum([len(numbers) for numbers in lists], dtype=np.int64)
+
+
 def _not_an_image(entry: os.DirEntry, broken_links_are_records: bool) -> str | None:
     """What a folder entry (not a folder itself) is when it is not an image, "" for a hidden file of
     another name (passed over in silence), None for an image file. Only links cost a system call."""
@@ -110,13 +173,26 @@ def _read_file_checked(path: str) -> tuple[np.ndarray | None, str | None]:
 
 
 class ImageFolderReader:
-    """The reader interface over an ImageFolder root (``root/<class>/<image>``), read on demand."""
+    """The reader interface over an ImageFolder root (``root/<class>/<image>``), read on demand.
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    ``target="multihot"`` (with ``num_classes``) or ``"float"`` reads each image's targets from
+    ``root/labels.csv`` (`read_labels_csv`); an image without a row there is left out and listed in
+    ``skipped``. The class folders still give ``labels`` and ``classes``.
+    """
+
+    def __init__(self, root: str | os.PathLike, target: str | None = None, num_classes: int | None = None) -> None:
+        check_target(target, num_classes)
         self.path = Path(root)
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: no such folder")
         self.classes, items, other, self.skipped = scan_image_folder(self.path)
+        lists = target not in (None, "class")
+        if lists and items:
+            keep, values, ends = read_labels_csv(self.path, [p for p, _ in items])
+            kept = set(keep)
+            self.skipped += [(str(p), f"no row in {LABELS_CSV}") for k, (p, _) in enumerate(items) if k not in kept]
+            items = [items[k] for k in keep]
+            self.target_lists = (values, ends)
         for folder, reason in self.skipped:
             log.warning("left out %s: %s", folder, reason)
         for path, what in other:  # named like an image but not one: a user would expect it read
@@ -124,10 +200,13 @@ class ImageFolderReader:
                 log.warning("not an image, ignored: %s (%s)", path, what)
         if not items:
             raise ValueError(
-                f"{self.path}: no .jpg/.jpeg/.png files under class sub-folders; expected ROOT/<class>/<image>"
+                f"{self.path}: no .jpg/.jpeg/.png files under class sub-folders"
+                + (f" with a row in {LABELS_CSV}" if lists else "")
+                + "; expected ROOT/<class>/<image>"
             )
         self._files = [str(p) for p, _ in items]
         self._labels = np.array([lab for _, lab in items], dtype=np.int64)
+        attach_targets(self, target, num_classes)
 
     def __len__(self) -> int:
         return len(self._files)
@@ -143,6 +222,9 @@ class ImageFolderReader:
             except OSError:
                 line = f"{path}\t{label}\tunreadable\n"
             h = zlib.crc32(line.encode("utf-8", "surrogateescape"), h)
+        if self.target_kind != "class":  # the targets are part of the contents
+            st = os.stat(self.path / LABELS_CSV)
+            h = zlib.crc32(f"{self.target_kind}\t{st.st_size}\t{st.st_mtime_ns}\n".encode(), h)
         return f"folder:{len(self._files)}:{h:08x}"
 
     @property

@@ -26,9 +26,10 @@ class MemberIndexReader:
     """The reader members of a member index: ``len``, ``labels``, ``total_bytes``, ``member(i)`` and
     ``source(i)``. A subclass sets ``shards`` (each file, as messages name it) and the per-record arrays
     ``_shard_of``, ``_offset``, ``_size``, ``_labels`` (int64) and ``_names``/``_name_ends`` (`names_blob`),
-    ``skipped`` ((shard:key, why) of the samples indexing left out) and ``damaged`` ((shard, what) of the
-    shards that could be read only in part or not at all: how many samples that cost is not known); then
-    calls `_index_done`."""
+    ``_target_values``/``_target_ends`` (the samples' target lists, `base.TargetListsReader`; empty unless
+    indexed for them), ``skipped`` ((shard:key, why) of the samples indexing left out) and ``damaged``
+    ((shard, what) of the shards that could be read only in part or not at all: how many samples that cost
+    is not known); then calls `_index_done`."""
 
     shards: Sequence[object]
     skipped: list[tuple[str, str]]
@@ -40,6 +41,8 @@ class MemberIndexReader:
     _labels: np.ndarray
     _names: np.ndarray
     _name_ends: np.ndarray
+    _target_values: np.ndarray
+    _target_ends: np.ndarray
 
     def _index_done(self, kind: str = "shard") -> None:
         """Say once what indexing left out (samples, and damaged shards apart: the samples a damaged shard
@@ -73,6 +76,11 @@ class MemberIndexReader:
     def labels(self) -> np.ndarray:
         """Every record's label (int64), from the index: no member is read."""
         return self._labels
+
+    @property
+    def target_lists(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample's target list end to end, and where each ends (`base.TargetListsReader`)."""
+        return self._target_values, self._target_ends
 
     @property
     def total_bytes(self) -> int:

@@ -15,7 +15,13 @@ from .shards import is_webdataset
 from .webdataset import WebDatasetReader
 
 
-def open_dataset(path: str | os.PathLike, **reader_kw: object) -> Reader:
+def open_dataset(
+    path: str | os.PathLike,
+    *,
+    target: str | None = None,
+    num_classes: int | None = None,
+    **reader_kw: object,
+) -> Reader:
     """Open a packed data set (folder with ``index.bin``), WebDataset shards (``a.tar``, a folder of .tar
     files, or ``train-{000000..000146}.tar``; ``reader_kw`` go to `WebDatasetReader`), Parquet files (``a.parquet``,
     a folder of them or a Hugging Face snapshot, ``data/train-*.parquet``; ``reader_kw`` such as
@@ -23,32 +29,51 @@ def open_dataset(path: str | os.PathLike, **reader_kw: object) -> Reader:
     ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
     shards or Parquet files (a name or pattern ending in ``.parquet``, or a folder holding them), streamed
     through a node-local cache (`remote.RemoteShardsReader`, `remote.parquet.RemoteParquetReader`, which
-    take the keywords)."""
+    take the keywords).
+
+    Args:
+        path: the data set.
+        target: what a sample's target is, and so what the loaders yield beside the images: ``"class"``
+            (one class index, int64 ``(N,)``), ``"multihot"`` (float32 ``(N, num_classes)`` from a list of
+            class indices) or ``"float"`` (float32 ``(N, D)`` from a list of D numbers, D the same for every
+            sample). The lists come from each sample's ``.json`` (WebDataset: the list, or an object's
+            ``"labels"``), from ``labels.csv`` beside an ImageFolder's class folders, from a Parquet list
+            column (``label_column=``: a list of ints for multihot, a list of numbers for float), or from a
+            pack made from any of them. None: the data set's own kind ("class", or what a pack was made with).
+        num_classes: K, the number of classes of ``target="multihot"`` (a pack knows its own).
+        **reader_kw: keywords of `WebDatasetReader`, `remote.RemoteShardsReader` or `parquet.ParquetReader`.
+    """
+    targets = {"target": target, "num_classes": num_classes}
     if not str(path):  # Path("") is the current folder
         raise ValueError("the data set is an empty path (''); name a folder, shards or a URL")
     if is_remote(path):
         if _remote_parquet(str(path), reader_kw):
+            if target not in (None, "class") or num_classes is not None:
+                raise ValueError(
+                    f"{path}: multi-hot and float targets of Parquet at a URL are not read yet; copy the files to "
+                    "a local folder and open that, or pack them (dali-fast pack --target) and open the pack"
+                )
             from .remote.parquet import RemoteParquetReader  # pyarrow, fsspec and its backends load with it
 
             return RemoteParquetReader(str(path), **reader_kw)  # type: ignore[arg-type]
         from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
 
-        return RemoteShardsReader(str(path), **reader_kw)  # type: ignore[arg-type]
+        return RemoteShardsReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     p = Path(path)
     if is_parquet(path):
         from .parquet import ParquetReader  # pyarrow loads with it (a one-line error without it)
 
-        return ParquetReader(str(path), **reader_kw)  # type: ignore[arg-type]
+        return ParquetReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     if reader_kw.get("image_column") is not None or reader_kw.get("label_column") is not None:
         raise ValueError(f"{p}: image_column= and label_column= name the columns of Parquet files; this is not one")
     if is_webdataset(path):
-        return WebDatasetReader(str(path), **reader_kw)  # type: ignore[arg-type]
+        return WebDatasetReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such data set; make one with `dali-fast make-synthetic {p}`")
     if p.is_dir() and (p / INDEX_FILE).exists():
-        return MemmapReader(p)
+        return MemmapReader(p, **targets)
     if p.is_dir() and any(d.is_dir() for d in p.iterdir()):
-        return ImageFolderReader(p)
+        return ImageFolderReader(p, **targets)
     raise ValueError(
         f"{p}: not a data set; expected a packed folder (index.bin + data.bin, from `dali-fast pack`), "
         "WebDataset shards (.tar), Parquet files (.parquet) or an ImageFolder root (ROOT/<class>/<image>.jpg|png)"

@@ -1,19 +1,26 @@
 """What `pack` reads: the images of an ImageFolder, of WebDataset shards or of any reader `open_dataset` opens
-(Parquet files, another packed set), each read and prepared (verified, re-encoded) in this process or in
-`pack`'s worker processes. A reader reaches forked workers as this module's reader (`use_reader`)."""
+(Parquet files, another packed set), in the source order, each with its label, its name and its target,
+what is left out before any image is read (`pack_sources`, `reader_sources`), and each image read and
+prepared (verified, re-encoded) in this process or in `pack`'s worker processes. A reader reaches forked
+workers as this module's reader (`use_reader`)."""
 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..transforms.decode import verdict
 from .base import LabelledReader, Reader, provides, read_batch_checked
 from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded, pillow_reason
+from .folder import LABELS_CSV, read_labels_csv, scan_image_folder
+from .targets import ListTargets, reader_targets
+from .webdataset import WebDatasetReader
 
 _READER: Reader | None = None
 
@@ -68,12 +75,75 @@ Source = str | tuple[str, int, int] | int  # a file, (file, offset, size) of a m
 
 @dataclass(frozen=True)
 class Item:
-    """One image to pack: where its bytes are, its label, its name in reports and in paths.bin."""
+    """One image to pack: where its bytes are, its label, its name in reports and in paths.bin, and its
+    record in the source (its row in the source's targets, where it has targets)."""
 
     source: Source
     label: int
     shown: str
     stored: bytes
+    index: int
+
+
+@dataclass
+class PackSources:
+    """The classes, the images to pack, what is left out ((where, why), before any image is read), the
+    damaged shards ((shard, what): the samples they lost are not counted) and the items' targets (None for
+    class targets: an object with ``kind``, ``width``, ``rows`` and ``check``, `base.TargetReader`'s)."""
+
+    classes: list[str]
+    items: list[Item]
+    left_out: list[tuple[str, str]]
+    targets: Any = None
+    damaged: list[tuple[str, str]] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (path, what it is): not an image
+
+
+def pack_sources(src: Path, shards: bool, target: str | None, num_classes: int | None) -> PackSources:
+    """The `PackSources` of an ImageFolder root or of WebDataset shards (``shards``). With a ``target``
+    other than "class", each item's target list is read (`open_dataset`'s rules: each sample's ``.json``,
+    or ``labels.csv``) and an item whose target is bad is left out, named with the reason."""
+    targets: Any = None
+    damaged: list[tuple[str, str]] = []
+    if shards:  # WebDataset shards: converted to a packed set
+        wds = WebDatasetReader(str(src), target=target, num_classes=num_classes)
+        classes, other, left_out, damaged = wds.classes, [], list(wds.skipped), list(wds.damaged)
+        labels = wds.labels
+        targets = reader_targets(wds)
+        items = []
+        for i in range(len(wds)):
+            name = wds.source(i)
+            items.append(Item(wds.member(i), int(labels[i]), name, os.fsencode(name), i))
+    else:
+        classes, found, other, left_out = scan_image_folder(src, broken_links_are_records=False)
+        if target not in (None, "class") and found:
+            keep, values, ends = read_labels_csv(src, [p for p, _ in found])
+            kept = set(keep)
+            left_out += [(str(p), f"no row in {LABELS_CSV}") for k, (p, _) in enumerate(found) if k not in kept]
+            found = [found[k] for k in keep]
+            targets = ListTargets(str(target), values, ends, num_classes, lambda i: str(found[i][0]))
+        items = [Item(str(p), label, str(p), os.fsencode(p.relative_to(src)), k) for k, (p, label) in enumerate(found)]
+    if not items:
+        raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
+    items, bad = _without_bad_targets(items, targets)
+    return PackSources(classes, items, left_out + bad, targets, damaged, list(other))
+
+
+def reader_sources(reader: Reader) -> PackSources:
+    """The `PackSources` of a reader: each record by its index, with the reader's own targets (a record
+    whose target is bad is left out, named with the reason)."""
+    targets = reader_targets(reader)
+    items = [Item(i, label, name, os.fsencode(name), i) for i, label, name in reader_records(reader)]
+    items, bad = _without_bad_targets(items, targets)
+    return PackSources(list(reader.classes), items, bad, targets)
+
+
+def _without_bad_targets(items: list[Item], targets: Any) -> tuple[list[Item], list[tuple[str, str]]]:
+    """(the items whose targets are good, (name, why) of the others)."""
+    if targets is None:
+        return items, []
+    bad = targets.check([item.index for item in items])
+    return [item for k, item in enumerate(items) if k not in bad], [(items[k].shown, why) for k, why in bad.items()]
 
 
 def _load_one(source: Source, name: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:

@@ -35,9 +35,13 @@ from .format import (
     MAGIC,
     META_FILE,
     PATHS_FILE,
-    RECORD_DTYPE,
+    READ_VERSIONS,
     SHARD_FILE,
+    TARGET_CODES,
+    decode_targets,
+    record_dtype,
 )
+from .targets import check_target
 
 
 def _read_classes(meta_path: Path) -> list[str]:
@@ -55,16 +59,40 @@ def _read_classes(meta_path: Path) -> list[str]:
 HEAD = 24  # bytes of each record's start the quick check reads: a PNG's signature and its IHDR's size
 
 
+class PackedTargets:
+    """The target blocks at the end of a packed set's index rows, as rows (`base.TargetReader`'s
+    ``targets``). `pack` left out every record with a bad target, and the crc covers the blocks: no record
+    here is bad (`check` finds none)."""
+
+    def __init__(self, rows: np.ndarray, kind: str, width: int) -> None:
+        self.kind, self.width = kind, width
+        self._blocks = rows["target"]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """float32 ``(len(indices), width)``: 0/1 per class (multihot) or the record's numbers (float)."""
+        return decode_targets(self._blocks[np.asarray(indices, dtype=np.int64)], self.kind, self.width)
+
+    def check(self, indices: Sequence[int] | np.ndarray) -> dict[int, str]:
+        return {}
+
+
 class MemmapReader:
     """Read-only, memory-mapped reader of a packed data set.
 
-    ``reader[i]`` returns a zero-copy ``uint8`` view of record ``i`` and its label.
+    ``reader[i]`` returns a zero-copy ``uint8`` view of record ``i`` and its label. A set packed with
+    targets (format version 3) yields them (``target_kind``, ``targets``): ``target=None`` takes the
+    set's own kind, ``"class"`` its labels instead; ``num_classes``, when given, must be the set's.
     """
 
     reads_views = True  # batch reads are views of the map: reading ahead holds no memory and does no I/O
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, target: str | None = None, num_classes: int | None = None) -> None:
+        check_target(target, num_classes)
         self.path = Path(path)
+        self._target, self._num_classes = target, num_classes
         self._open()
 
     def _open(self) -> None:
@@ -86,17 +114,25 @@ class MemmapReader:
         if version == 1:
             raise ValueError(
                 f"{index_path}: format version 1 (an older dali_fast, whose labels were not checksummed), "
-                f"this dali_fast reads version {FORMAT_VERSION}; pack the data set again with `dali-fast pack`"
+                f"this dali_fast reads versions {READ_VERSIONS[0]} to {FORMAT_VERSION}; pack the data set again "
+                "with `dali-fast pack`"
             )
-        if version != FORMAT_VERSION:
+        if version > FORMAT_VERSION:
             raise ValueError(
-                f"{index_path}: format version {version}, this dali_fast reads version {FORMAT_VERSION}; "
-                "pack the data set again with this version"
+                f"{index_path}: format version {version}, written by a newer dali_fast; this one reads versions "
+                f"{READ_VERSIONS[0]} to {FORMAT_VERSION}: upgrade dali_fast (pip install -U dali-fast) to read it"
             )
-        if int(header["record_size"]) != RECORD_DTYPE.itemsize:
-            raise ValueError(f"{index_path}: record size {int(header['record_size'])} != {RECORD_DTYPE.itemsize}")
+        if version not in READ_VERSIONS:
+            raise ValueError(
+                f"{index_path}: format version {version}, this dali_fast reads versions {READ_VERSIONS[0]} to "
+                f"{FORMAT_VERSION}; pack the data set again with `dali-fast pack`"
+            )
+        stored, width = self._stored_targets(header, index_path)
+        row = record_dtype(stored, width)
+        if int(header["record_size"]) != row.itemsize:
+            raise ValueError(f"{index_path}: record size {int(header['record_size'])} != {row.itemsize}")
         count = int(header["count"])
-        expected = HEADER_DTYPE.itemsize + count * RECORD_DTYPE.itemsize
+        expected = HEADER_DTYPE.itemsize + count * row.itemsize
         if index_size != expected:
             raise ValueError(
                 f"{index_path}: {index_size} bytes, expected {expected} for {count} records (truncated?); "
@@ -123,10 +159,11 @@ class MemmapReader:
         self.index_crc32 = int(header["index_crc32"])
         self.count = count
         self.data_size = data_size
+        self.version = version
         self.records = (
-            np.memmap(index_path, dtype=RECORD_DTYPE, mode="r", offset=HEADER_DTYPE.itemsize, shape=(count,))
+            np.memmap(index_path, dtype=row, mode="r", offset=HEADER_DTYPE.itemsize, shape=(count,))
             if count
-            else np.zeros(0, RECORD_DTYPE)
+            else np.zeros(0, row)
         )
         self.shards = [
             np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8) for p in data_paths
@@ -137,6 +174,35 @@ class MemmapReader:
         self._rows = np.asarray(self.records)
         self._flat = [np.asarray(m) for m in self.shards]
         self._paths = np.memmap(root / PATHS_FILE, dtype=np.uint8, mode="r") if paths_size else np.zeros(0, np.uint8)
+        self.stored_target = stored
+        self.target_kind = stored if self._target is None else self._target
+        self.targets = PackedTargets(self._rows, stored, width) if self.target_kind != "class" else None
+
+    def _stored_targets(self, header: np.void, index_path: Path) -> tuple[str, int]:
+        """(kind, width) of the targets the set was packed with, checked against what was asked for."""
+        if int(header["version"]) < 3:  # version 2: class targets, and 8 reserved bytes where the kind is now
+            stored, width = "class", 0
+        else:
+            code, width = int(header["target_kind"]), int(header["target_width"])
+            kinds = {v: k for k, v in TARGET_CODES.items()}
+            if code not in kinds:
+                raise ValueError(
+                    f"{index_path}: target kind code {code} is not one of {sorted(kinds)}; pack the data set again"
+                )
+            stored = kinds[code]
+        wanted = self._target
+        if wanted not in (None, "class", stored):
+            ways = f"target='{stored}'" + (" or 'class'" if stored != "class" else "")
+            raise ValueError(
+                f"{self.path}: packed with {stored} targets, target={wanted!r} was asked for; open it with "
+                f"{ways}, or pack it again from a source with {wanted} targets"
+            )
+        if self._num_classes is not None and self._num_classes != width:
+            raise ValueError(
+                f"{self.path}: packed with multihot targets of {width} classes, num_classes={self._num_classes} "
+                f"was asked for; pass num_classes={width} or leave it out"
+            )
+        return stored, width
 
     def _data_files(self, root: Path) -> list[Path]:
         """data.bin, or the shards data-00000.bin ... in order (each must exist)."""
@@ -165,10 +231,11 @@ class MemmapReader:
 
     # Memmaps would pickle their whole contents: reopen by path instead (DataLoader workers).
     def __getstate__(self) -> dict:
-        return {"path": self.path}
+        return {"path": self.path, "target": self._target, "num_classes": self._num_classes}
 
     def __setstate__(self, state: dict) -> None:
         self.path = state["path"]
+        self._target, self._num_classes = state["target"], state["num_classes"]
         self._open()
 
     def __len__(self) -> int:
@@ -192,7 +259,7 @@ class MemmapReader:
         return f"packed:{self.count}:{self.data_size}:{self.index_crc32:08x}"
 
     def index_intact(self) -> bool:
-        """True when the index rows (offsets, lengths, labels, checksums) are as `pack` wrote them."""
+        """True when the index rows (offsets, lengths, labels, checksums, targets) are as `pack` wrote them."""
         rows = self.records.tobytes() if self.count else b""
         return zlib.crc32(rows) == self.index_crc32
 
@@ -272,16 +339,29 @@ class MemmapReader:
         off, n = int(rec["path_offset"]), int(rec["path_length"])
         return bytes(self._paths[off : off + n]).decode("utf-8", errors="surrogateescape")
 
+    def crc_of(self, i: int, data: np.ndarray | bytes) -> int:
+        """The crc32 `pack` writes in record ``i``'s row for the bytes ``data``: of them, then of its target block."""
+        crc = zlib.crc32(data)
+        if "target" in self.records.dtype.names:
+            crc = zlib.crc32(self.records[i]["target"].tobytes(), crc)
+        return crc
+
     def verify(self, progress: bool = False) -> list[int]:
-        """Check every record's crc32; returns the indices whose bytes do not match (see also `index_intact`)."""
+        """Check every record's crc32 (its bytes, then its target block); returns the indices that do not
+        match (see also `index_intact`)."""
         bad: list[int] = []
+        blocks = self.records["target"] if "target" in self.records.dtype.names else None
         with progress_bar(self.count, "verify", "record", enabled=progress) as bar:  # pragma: no mutate (display)
             for i in range(self.count):
                 view, _ = self[i]
-                if zlib.crc32(view) != int(self.records[i]["crc32"]):
+                crc = zlib.crc32(view)
+                if blocks is not None:
+                    crc = zlib.crc32(blocks[i].tobytes(), crc)
+                if crc != int(self.records[i]["crc32"]):
                     bad.append(i)
                 bar.update(1)
         return bad
 
     def __repr__(self) -> str:
-        return f"MemmapReader({str(self.path)!r}, records={self.count}, classes={len(self.classes)})"
+        kind = "" if self.target_kind == "class" else f", target={self.target_kind!r}"
+        return f"MemmapReader({str(self.path)!r}, records={self.count}, classes={len(self.classes)}{kind})"

@@ -38,6 +38,7 @@ from .cache import LRUCache
 from .checks import check_encoded, check_index, check_label
 from .parquet_index import ParquetIndex, expand_parquet, load_or_build, local_identity, pyarrow_parquet
 from .shards import shard_classes
+from .targets import attach_targets, check_target
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,16 @@ class ParquetReader:
             brace pattern or a glob (``snapshot/data/train-*.parquet``: how a split is chosen).
         image_column: the column of encoded images (binary, or ``struct<bytes, path>``); found by type
             when None.
-        label_column: the column of class labels (integers, or class names); found when None.
+        label_column: the column of class labels (integers, or class names); found when None. With
+            ``target="multihot"`` or ``"float"``, the list column of each row's target list (`parquet_index`).
         streaming: the streaming order over row groups (True), random access (False), or None: streaming
             when the images do not fit in ``row_group_cache``.
         shuffle_window: row groups whose samples are shuffled together in the streaming order (None:
             as many as half of ``row_group_cache`` holds, at most `MAX_WINDOW`).
         row_group_cache: bytes of row groups each process keeps (raised to two of the largest group).
         cache_dir: where the index is saved (default ``$DALI_FAST_CACHE/parquet-index``).
+        target: as for `open_dataset`: "multihot" (with ``num_classes``) or "float" read a list column.
+        num_classes: K, the width of multi-hot rows.
     """
 
     def __init__(
@@ -120,8 +124,12 @@ class ParquetReader:
         shuffle_window: int | None = None,
         row_group_cache: int = ROW_GROUP_CACHE,
         cache_dir: str | os.PathLike | None = None,
+        target: str | None = None,
+        num_classes: int | None = None,
     ) -> None:
         self._pq = pyarrow_parquet()  # one line saying how to install pyarrow, before any work
+        check_target(target, num_classes)
+        lists = target in ("multihot", "float")
         if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
             raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive number of row groups")
         if row_group_cache < 0:
@@ -135,15 +143,17 @@ class ParquetReader:
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "parquet-index"
         named = [(f, local_identity(f)) for f in self.files]
         index, self.index_file = load_or_build(
-            named, self._open, image_column=image_column, label_column=label_column, cache=cache
+            named, self._open, image_column=image_column, label_column=label_column, cache=cache, lists=lists
         )
         self._use_index(index, streaming, shuffle_window, row_group_cache)
+        attach_targets(self, target, num_classes)
 
     def _use_index(
         self, index: ParquetIndex, streaming: bool | None, shuffle_window: int | None, row_group_cache: int
     ) -> None:
         """The reader's arrays from ``index`` (``self.files`` set), its classes, order and row-group LRU."""
         self.columns = index.columns
+        self.target_lists = (index.target_values, index.target_ends)  # a list column's (`targets.attach_targets`)
         self._labels, self._null_label = index.labels, index.null_label
         self.group_rows, self.group_file, self.group_bytes = index.group_rows, index.group_file, index.group_bytes
         self.shard_bounds = np.concatenate([[0], np.cumsum(self.group_rows)]).astype(np.int64)  # per row group
@@ -310,7 +320,7 @@ class ParquetReader:
 
     def _label_reason(self, i: int) -> str | None:
         if self._null_label[i]:
-            return NULL_LABEL
+            return "null target list" if self.columns.label_kind == "list" else NULL_LABEL
         return check_label(int(self._labels[i]), len(self.classes))
 
     @property

@@ -12,7 +12,9 @@ binary column or ``struct<bytes: binary, ...>`` column, else the binary column n
 ... (`IMAGE_NAMES`); the label is the column of a ``ClassLabel`` feature, else an integer or string
 column named ``label``, ``cls``, ... (`LABEL_NAMES`). Class names come from the ``ClassLabel`` feature
 (the schema metadata under ``huggingface``), from a string label column (sorted), or else are the labels
-seen ("0" .. the largest).
+seen ("0" .. the largest). Multi-hot and float targets (``lists``) come from a list column (``list<int>``
+or ``list<float>``: the one named, else the list column named ``labels``, ``label``, ..., or the only one);
+each row's class label is then 0.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from .shards import expand_braces
 log = logging.getLogger(__name__)
 
 PARQUET_INSTALL = "pip install 'dali-fast[parquet]'"
-INDEX_VERSION = 2  # 2: no null counts per row group
+INDEX_VERSION = 3  # 2: no null counts per row group; 3: target lists
 IMAGE_NAMES = ("image", "img", "jpg", "jpeg", "png", "webp")  # binary columns taken as the image, by name
 LABEL_NAMES = ("label", "labels", "cls", "class", "target", "category")  # columns taken as the label, by name
 HF_SHARD = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}")  # `datasets`' file names: train-00000-of-00004[-hash]
@@ -129,8 +131,8 @@ def local_identity(path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class Columns:
     """Where the images and labels are: the image column (``image_field`` "bytes" for a Hugging Face
-    ``struct<bytes, path>``, None for a binary column), the label column and its kind ("int" or "str"),
-    and the ``ClassLabel`` names (None without that feature)."""
+    ``struct<bytes, path>``, None for a binary column), the label column and its kind ("int", "str", or
+    "list": a list column of target lists), and the ``ClassLabel`` names (None without that feature)."""
 
     image: str
     image_field: str | None
@@ -172,6 +174,9 @@ def _label_kind(dtype: Any) -> str | None:
 
     if pa.types.is_dictionary(dtype):
         dtype = dtype.value_type
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
+        value = dtype.value_type
+        return "list" if pa.types.is_integer(value) or pa.types.is_floating(value) else None
     if pa.types.is_integer(dtype):
         return "int"
     if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
@@ -188,9 +193,11 @@ def _pick(found: list[str], preferred: list[str], names: Sequence[str]) -> str |
     return by_name[0] if by_name else None
 
 
-def find_columns(schema: Any, image_column: str | None, label_column: str | None, where: str) -> Columns:
+def find_columns(
+    schema: Any, image_column: str | None, label_column: str | None, where: str, lists: bool = False
+) -> Columns:
     """The image and label columns of ``schema`` (see the module docstring), or one line naming the
-    columns there are and the keyword that picks one."""
+    columns there are and the keyword that picks one. ``lists``: the label column is a list column."""
     features = hf_features(schema)
     described = ", ".join(f"{f.name}: {f.type}" for f in schema)
     for arg, name in (("image_column", image_column), ("label_column", label_column)):
@@ -212,8 +219,16 @@ def find_columns(schema: Any, image_column: str | None, label_column: str | None
             f"{where}: image_column={image_column!r} is {schema.field(image_column).type}; an image column is "
             "binary, or a struct with a binary 'bytes' field (the Hugging Face Image feature)"
         )
+    if label_column is None and lists:
+        found = [f.name for f in schema if f.name != image_column and _label_kind(f.type) == "list"]
+        label_column = _pick(found, [], ("labels", *LABEL_NAMES))
+        if label_column is None:
+            raise ValueError(
+                f"{where}: no target list column (list<int> or list<float>) named labels/{'/'.join(LABEL_NAMES)} "
+                f"among {described}; name it with label_column="
+            )
     if label_column is None:
-        found = [f.name for f in schema if f.name != image_column and _label_kind(f.type)]
+        found = [f.name for f in schema if f.name != image_column and _label_kind(f.type) in ("int", "str")]
         hf = [n for n in found if features.get(n, {}).get("_type") == "ClassLabel"]
         label_column = hf[0] if len(hf) == 1 else next((n for n in LABEL_NAMES if n in found), None)
         if label_column is None:
@@ -222,11 +237,15 @@ def find_columns(schema: Any, image_column: str | None, label_column: str | None
                 f"{'/'.join(LABEL_NAMES)}) among {described}; name it with label_column="
             )
     kind = _label_kind(schema.field(label_column).type)
-    if kind is None:
-        raise ValueError(
-            f"{where}: label_column={label_column!r} is {schema.field(label_column).type}; a label column holds "
-            "one class per row, as an integer or a class name"
+    dtype = schema.field(label_column).type
+    if kind is None or (kind == "list") != lists:
+        holds = (
+            "a target list column holds a list of class indices or numbers per row (list<int> or list<float>)"
+            if lists
+            else "a label column holds one class per row, as an integer or a class name"
         )
+        hint = " (a list column is read with target='multihot' or 'float')" if kind == "list" else ""
+        raise ValueError(f"{where}: label_column={label_column!r} is {dtype}; {holds}{hint}")
     feature = features.get(label_column, {})
     names = None
     if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and kind == "int":
@@ -251,6 +270,8 @@ class ParquetIndex:
     labels: np.ndarray
     null_label: np.ndarray
     names: list[str] | None = None
+    target_values: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))  # a list column's lists
+    target_ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # each row's end in them
 
     def save(self, path: Path) -> None:
         arrays = {k: getattr(self, k) for k in _ARRAYS}
@@ -274,12 +295,15 @@ class ParquetIndex:
         return cls(meta["files"], meta["identities"], columns, **arrays, names=meta["names"])
 
 
-_ARRAYS = ("group_rows", "group_file", "group_bytes", "labels", "null_label")
+_ARRAYS = ("group_rows", "group_file", "group_bytes", "labels", "null_label", "target_values", "target_ends")
 
 
-def index_key(files: Sequence[tuple[str, str]], image_column: str | None, label_column: str | None) -> str:
-    """The cache key of an index: the columns asked for and each file's name and identity."""
-    h = hashlib.sha1(f"v{INDEX_VERSION}|{image_column}|{label_column}".encode())
+def index_key(
+    files: Sequence[tuple[str, str]], image_column: str | None, label_column: str | None, lists: bool = False
+) -> str:
+    """The cache key of an index: the columns asked for (and whether the labels are lists) and each file's
+    name and identity."""
+    h = hashlib.sha1(f"v{INDEX_VERSION}|{image_column}|{label_column}|{lists}".encode())
     for name, identity in files:
         h.update(f"{name}|{identity}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
@@ -292,13 +316,14 @@ def load_or_build(
     image_column: str | None,
     label_column: str | None,
     cache: Path,
+    lists: bool = False,
 ) -> tuple[ParquetIndex, Path]:
     """The index of ``files`` ((name, identity) pairs; ``open_file(k)`` opens file ``k`` as a
     ``pyarrow.parquet.ParquetFile``), from ``cache`` or built and saved there; and its path."""
-    path = cache / f"{index_key(files, image_column, label_column)}.npz"
+    path = cache / f"{index_key(files, image_column, label_column, lists)}.npz"
     index = ParquetIndex.load(path)
     if index is None:
-        index = build_index(files, open_file, image_column=image_column, label_column=label_column)
+        index = build_index(files, open_file, image_column=image_column, label_column=label_column, lists=lists)
         index.save(path)
     return index, path
 
@@ -309,25 +334,26 @@ def build_index(
     *,
     image_column: str | None,
     label_column: str | None,
+    lists: bool = False,
 ) -> ParquetIndex:
     """The index of ``files`` from their footers and label columns (no image is read), the files read
     in parallel; files whose columns differ from the first file's are refused in one line."""
     log.info("indexing %s (footers and label column)", plural(len(files), "Parquet file"))  # pragma: no mutate
-    columns = find_columns(open_file(0).schema_arrow, image_column, label_column, files[0][0])
+    columns = find_columns(open_file(0).schema_arrow, image_column, label_column, files[0][0], lists)
     parts = read_parallel(lambda k: _index_file(open_file(k), columns, files[k][0]), range(len(files)))
     group_rows = np.concatenate([p[0] for p in parts])
     group_file = np.concatenate([np.full(len(p[0]), k, np.int32) for k, p in enumerate(parts)])
     group_bytes = np.concatenate([p[1] for p in parts])
-    labels, null_label, names = _labels([p[2] for p in parts], columns)
+    labels, null_label, names, lists_read = _labels([p[2] for p in parts], columns)
     return ParquetIndex(
         [name for name, _ in files], [identity for _, identity in files], columns,
-        group_rows, group_file, group_bytes, labels, null_label, names,
+        group_rows, group_file, group_bytes, labels, null_label, names, *lists_read,
     )  # fmt: skip
 
 
 def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.ndarray, Any]:
     """One file's rows and image bytes per row group, and its label column (an Arrow array)."""
-    mine = find_columns(pf.schema_arrow, columns.image, columns.label, where)
+    mine = find_columns(pf.schema_arrow, columns.image, columns.label, where, columns.label_kind == "list")
     if mine != columns:
         raise ValueError(
             f"{where}: its columns differ from the first file's ({mine} against {columns}); "
@@ -342,9 +368,11 @@ def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.n
     return rows, nbytes, labels
 
 
-def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
-    """(int64 labels, null mask, class names from a string column or None) of every row, in order; a
-    null label is -1 in the labels and True in the mask."""
+def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.ndarray, list[str] | None, tuple]:
+    """(int64 labels, null mask, class names from a string column or None, and for a list column its
+    (values, ends): `targets.ListTargets`'s) of every row, in order; a null label is -1 in the labels and
+    True in the mask. A list column's rows have the label 0 (-1 where the list is null); a null inside a
+    list is NaN, which makes that row's target bad."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -352,8 +380,13 @@ def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.n
     whole = pa.chunked_array([chunk for a in arrays for chunk in a.chunks], type=arrays[0].type)
     null = whole.is_null().to_numpy(zero_copy_only=False).astype(bool)
     names = None
+    if columns.label_kind == "list":
+        ends = np.cumsum(pc.fill_null(pc.list_value_length(whole), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        flat = pc.list_flatten(whole).cast(pa.float64())
+        values = flat.to_numpy(zero_copy_only=False).astype(np.float64) if len(flat) else np.empty(0, np.float64)
+        return np.where(null, -1, 0).astype(np.int64), null, None, (values, ends)
     if columns.label_kind == "str":
         names = sorted(str(s) for s in pc.unique(whole).to_pylist() if s is not None)
         whole = pc.index_in(whole, value_set=pa.array(names, whole.type))
     labels = pc.fill_null(whole.cast(pa.int64()), -1).to_numpy().astype(np.int64)
-    return labels, null, names
+    return labels, null, names, ()

@@ -28,6 +28,7 @@ from .open import open_dataset
 from .pack_sources import _prepare
 from .remote.store import is_remote, url_to_fs
 from .shard_writer import DEFAULT_SHARD_SIZE, ShardReport, check_shard_arguments, stale_shards, write_shards
+from .targets import check_target, reader_targets
 from .writer import PACK_CHUNK, PACK_SMALL, PACK_WINDOW
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,19 @@ def _prepare_chunk(
 # pragma: no mutate end
 
 
-def _read(reader: Reader, chunk: np.ndarray) -> tuple[list[bytes | None], np.ndarray, dict[int, str]]:
-    """A chunk's records as bytes (None where bad), their targets, and why each bad one is bad."""
-    datas, targets, bad = read_batch_checked(reader, chunk)
+def _read(reader: Reader, chunk: np.ndarray) -> tuple[list[bytes | None], list[Any], dict[int, str]]:
+    """A chunk's records as bytes (None where bad), their targets, and why each bad one is bad. A target
+    is the class index, or (multi-hot and float targets, `targets.reader_targets`) the list a ``.json``
+    holds: the row's class indices, or its numbers."""
+    datas, labels, bad = read_batch_checked(reader, chunk)
     raws = [None if pos in bad or d is None else bytes(memoryview(d)) for pos, d in enumerate(datas)]
+    targets: list[Any] = list(labels)
+    lists = reader_targets(reader)
+    good = [pos for pos in range(len(chunk)) if pos not in bad]
+    if lists is not None and good:
+        rows = lists.rows(chunk[good])
+        for pos, row in zip(good, rows, strict=True):
+            targets[pos] = np.flatnonzero(row).tolist() if lists.kind == "multihot" else row.tolist()
     return raws, targets, bad
 
 
@@ -132,6 +142,8 @@ def pack_shards(
     workers: int | None = None,
     progress: bool = True,  # pragma: no mutate (display only)
     storage_options: dict[str, Any] | None = None,
+    target: str | None = None,
+    num_classes: int | None = None,
 ) -> ShardReport:
     """Write the data set at ``src`` (anything `open_dataset` opens, or a reader) as WebDataset shards in a new folder
     ``dst`` (whole or not at all), or at a URL where no shard of ``prefix`` is yet (each shard whole).
@@ -141,9 +153,15 @@ def pack_shards(
     report. ``shuffle`` writes the records in a fixed shuffled order (seed 0), so that every shard holds
     a mix of classes (a loader streaming shards shuffles within a few shards at a time); without it the
     source's order is kept. ``workers`` processes decode; the output is byte-identical for any number.
+    ``target`` and ``num_classes`` open ``src`` as `open_dataset` does (a reader writes its own): multi-hot
+    and float targets are written as each sample's ``.json`` list (its class indices, or its numbers), which
+    ``open_dataset(dst, target=...)`` reads back; class targets as ``.cls``.
     """
     t0 = time.perf_counter()
     check_shard_arguments(prefix, shard_size, "raise")
+    check_target(target, num_classes)
+    if isinstance(src, Reader) and (target is not None or num_classes is not None):
+        raise ValueError("target= and num_classes= are for a path; a reader packs its own targets (open it with them)")
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
     if workers is not None and workers < 1:
@@ -155,7 +173,7 @@ def pack_shards(
         raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
     elif not isinstance(src, Reader) and Path(src).is_dir() and Path(dst).resolve().is_relative_to(Path(src).resolve()):
         raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
-    reader = src if isinstance(src, Reader) else open_dataset(src)
+    reader = src if isinstance(src, Reader) else open_dataset(src, target=target, num_classes=num_classes)
     name = Path(str(getattr(reader, "path", src) if isinstance(src, Reader) else src)).name
     order = np.random.default_rng(0).permutation(len(reader)) if shuffle else np.arange(len(reader))
     if workers is None:

@@ -94,8 +94,8 @@ def _image_extension(data: memoryview) -> str:
 
 def encode_target(target: object) -> tuple[str, bytes]:
     """(extension, bytes) of a target's member: an int class index as ``.cls`` text; a list or 1-D array
-    of class indices or numbers (or one float) as ``.json`` ``{"labels": [...]}``. Anything else is a
-    ValueError saying what a target may be."""
+    of class indices or numbers (or one float) as ``.json`` ``{"labels": [...]}`` (an empty list: a
+    multi-hot sample of no class). Anything else is a ValueError saying what a target may be."""
     if isinstance(target, np.ndarray) and target.ndim == 0:
         target = target.item()
     if isinstance(target, int | np.integer) and not isinstance(target, bool | np.bool_):
@@ -107,8 +107,8 @@ def encode_target(target: object) -> tuple[str, bytes]:
     if isinstance(target, list | tuple | np.ndarray):
         values = np.asarray(target).tolist() if isinstance(target, np.ndarray) else list(target)
         ok = all(isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool) for v in values)
-        if not values or not ok or not np.isfinite(np.asarray(values, dtype=np.float64)).all():
-            raise ValueError(f"target {reprlib.repr(target)}: a list target holds one or more finite numbers")
+        if not ok or not np.isfinite(np.asarray(values, dtype=np.float64)).all():
+            raise ValueError(f"target {reprlib.repr(target)}: a list target holds finite numbers only")
         plain = [int(v) if isinstance(v, int | np.integer) else float(v) for v in values]
         return "json", json.dumps({"labels": plain}, separators=(",", ":")).encode()
     raise ValueError(

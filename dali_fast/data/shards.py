@@ -3,7 +3,9 @@ rules for what a sample is, applied to one shard at a time (`index_shard`). Loca
 and remote ones (`remote`) are both indexed here.
 
 A shard ``train-000000.tar`` holds samples as members sharing a key: ``key.jpg`` (or ``.jpeg``, ``.png``)
-with ``key.cls`` (the label as text) or ``key.json`` (the label under ``label_key``).
+with ``key.cls`` (the label as text) or ``key.json`` (the label under ``label_key``). Indexed with
+``lists=True`` (for multihot or float targets), the ``.json`` holds the sample's target list instead: the
+JSON is the list, or an object with the list under ``"labels"`` (a ``.cls``, if any, still gives the label).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..text import plural
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 LABEL_EXTENSIONS = ("cls", "json")
 MAX_LABEL = 2**31 - 1  # what the packed format's label field holds
+TARGET_KEY = "labels"  # where an object-shaped .json holds a sample's target list
 SPARSE_LABELS = 100  # classes without a sample, beyond which a label range with more empty than used is named
 
 log = logging.getLogger(__name__)
@@ -165,16 +168,21 @@ class ShardIndex:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     ignored: Counter[str] = field(default_factory=Counter)
     damaged: list[tuple[str, str]] = field(default_factory=list)
+    target_values: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))  # with lists=True
+    target_ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # each sample's end in them
 
 
-def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip") -> ShardIndex:
+def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip", lists: bool = False) -> ShardIndex:
     """Index one uncompressed shard by WebDataset's rules (the one place they live: local and remote
     shards are indexed by it). A sample is the members sharing a key; its image is ``.jpg``, ``.jpeg`` or
-    ``.png``, its label a ``.cls`` (text) or the ``label_key`` field of a ``.json``. A sample without an
-    image or a label is left out and listed (``skipped``), a damaged shard listed with what is known of it
-    (``damaged``: where it ends; the samples after that are lost), with ``on_error="skip"``; ``"raise"``
-    refuses either in one line naming the shard (and key)."""
+    ``.png``, its label a ``.cls`` (text) or the ``label_key`` field of a ``.json``. With ``lists``, its
+    ``.json`` holds its target list (see the module docstring) and its label is its ``.cls`` or 0. A sample
+    without an image or a label (or target list) is left out and listed (``skipped``), a damaged shard
+    listed with what is known of it (``damaged``: where it ends; the samples after that are lost), with
+    ``on_error="skip"``; ``"raise"`` refuses either in one line naming the shard (and key)."""
     out = ShardIndex(np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.int64), [])
+    values: list[float] = []
+    ends: list[int] = []
 
     def bad(where: str, reason: str, into: list[tuple[str, str]] = out.skipped) -> None:
         if on_error == "raise":
@@ -213,9 +221,15 @@ def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip")
             if image is None:
                 fail(where, "no .jpg/.jpeg/.png member")
                 continue
-            label = _label(f, parts, label_key, where, fail)
+            target = _target_list(f, parts, where, fail) if lists else None
+            if lists and target is None:
+                continue
+            label = _label(f, parts, label_key, where, fail) if not lists or "cls" in parts else 0
             if label is None:
                 continue
+            if target is not None:
+                values += target
+                ends.append(len(values))
             offset, size = parts[image]
             offsets.append(offset)
             sizes.append(size)
@@ -224,7 +238,34 @@ def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip")
     out.offsets = np.asarray(offsets, dtype=np.uint64)
     out.sizes = np.asarray(sizes, dtype=np.uint64)
     out.labels = np.asarray(labels, dtype=np.int64)
+    out.target_values = np.asarray(values, dtype=np.float64)
+    out.target_ends = np.asarray(ends, dtype=np.int64)
     return out
+
+
+def _target_list(
+    f: io.BufferedReader, parts: dict[str, tuple[int, int]], where: str, bad: Callable[[str, str], None]
+) -> list[float] | None:
+    """The sample's target list from its ``.json`` (the list itself, or an object's ``"labels"``), or None
+    (then ``bad`` was told why)."""
+    if "json" not in parts:
+        bad(where, f"no .json member with its target list (a list, or an object with a {TARGET_KEY!r} list)")
+        return None
+    try:
+        f.seek(parts["json"][0])
+        doc = json.loads(f.read(parts["json"][1]))
+    except (ValueError, UnicodeDecodeError) as e:
+        bad(where, f"unreadable .json ({e})")
+        return None
+    found = doc.get(TARGET_KEY) if isinstance(doc, dict) else doc
+    if not isinstance(found, list):
+        bad(where, f"its .json is neither a list nor an object with a {TARGET_KEY!r} list")
+        return None
+    other = next((x for x in found if isinstance(x, bool) or not isinstance(x, int | float)), _MISSING)
+    if other is not _MISSING:
+        bad(where, f"its .json target list holds {other!r}, not a number")
+        return None
+    return [float(x) for x in found]
 
 
 def _label(

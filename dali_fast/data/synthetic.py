@@ -4,6 +4,8 @@
 Each image is a smooth random field (upsampled low-resolution noise) with fine noise on top,
 so it compresses like a photo. Each class has its own tint and stripe orientation, so a
 small network can learn the classes: a falling loss proves images and labels arrive intact.
+A multi-label set (``multi_label=True``) gives each image a random subset of the classes instead, each
+present class a patch of its colour, listed in ``labels.csv`` (multi-hot targets a network can learn).
 """
 
 from __future__ import annotations
@@ -61,8 +63,32 @@ def make_image(rng: np.random.Generator, label: int, classes: int) -> tuple[byte
     return out.getvalue(), (w, h)
 
 
+def make_multilabel_image(rng: np.random.Generator, present: list[int], classes: int) -> bytes:
+    """One JPEG of about 160 x 120 px: a smooth random field, and a patch of its class's colour (a quarter to
+    a third of each side, anywhere) for each class in ``present``."""
+    from PIL import Image
+
+    w, h = int(rng.integers(140, 200)), int(rng.integers(105, 150))
+    low = rng.uniform(0, 1, size=(4, 4, 3)).astype(np.float32)
+    img = np.asarray(Image.fromarray((low * 160).astype(np.uint8)).resize((w, h), Image.BICUBIC), np.float32)
+    img += rng.standard_normal(size=(h, w, 3), dtype=np.float32) * 6.0
+    for k in present:
+        tint, _ = class_style(k, classes)
+        pw, ph = int(w * rng.uniform(0.25, 0.35)), int(h * rng.uniform(0.25, 0.35))
+        x, y = int(rng.integers(0, w - pw)), int(rng.integers(0, h - ph))
+        img[y : y + ph, x : x + pw] = tint * 255
+    out = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
 def make_synthetic(
-    out: str | os.PathLike, images: int = 1000, classes: int = 10, seed: int = 0, progress: bool = True
+    out: str | os.PathLike,
+    images: int = 1000,
+    classes: int = 10,
+    seed: int = 0,
+    progress: bool = True,
+    multi_label: bool = False,
 ) -> Path:
     """Write an ImageFolder of ``images`` JPEGs in ``classes`` classes at ``out``; returns ``out``.
 
@@ -70,6 +96,11 @@ def make_synthetic(
     The same (images, classes, seed) always gives the same bytes. ``out`` must not exist (or be an
     empty folder): the set is written into a temporary folder beside it and renamed into place when
     complete, so two runs never mix and an interrupted run leaves nothing at ``out``.
+
+    ``multi_label``: each image holds each class with probability 0.4 (a patch of its colour,
+    `make_multilabel_image`); the images are ``out/images/img_0000000.jpg`` ... and ``out/labels.csv``
+    lists each one's classes (``images/img_0000000.jpg,0 3``): open it with
+    ``open_dataset(out, target="multihot", num_classes=classes)``.
     """
     if images < 1 or classes < 1:
         raise ValueError(f"images={images}, classes={classes}: both must be >= 1")
@@ -83,6 +114,8 @@ def make_synthetic(
         raise FileExistsError(f"{out}: is a file; make-synthetic writes a new folder, choose another path")
     if out.is_dir() and any(out.iterdir()):
         raise FileExistsError(f"{out}: already exists and is not empty; choose a new folder or remove it")
+    if multi_label:
+        return _make_multilabel(out, images, classes, seed, progress)
     width = len(str(classes - 1))
     names = [f"class_{c:0{width}d}" for c in range(classes)]
     with atomic_dir(out, what="make-synthetic run") as tmp:
@@ -95,6 +128,23 @@ def make_synthetic(
                 (tmp / names[label] / f"img_{i:07d}.jpg").write_bytes(data)
                 bar.update(1)
     log.info("synthetic set: %d images, %d classes in %s", images, classes, out)
+    return out
+
+
+def _make_multilabel(out: Path, images: int, classes: int, seed: int, progress: bool) -> Path:
+    lines = ["path,labels"]
+    with atomic_dir(out, what="make-synthetic run") as tmp:
+        (tmp / "images").mkdir()
+        with progress_bar(images, "make-synthetic", "img", enabled=progress) as bar:
+            for i in range(images):
+                rng = np.random.default_rng([seed, i, 1])
+                present = [k for k in range(classes) if rng.random() < 0.4]
+                name = f"images/img_{i:07d}.jpg"
+                (tmp / name).write_bytes(make_multilabel_image(rng, present, classes))
+                lines.append(f"{name},{' '.join(map(str, present))}")
+                bar.update(1)
+        (tmp / "labels.csv").write_text("\n".join(lines) + "\n")
+    log.info("synthetic multi-label set: %d images, %d classes in %s", images, classes, out)
     return out
 
 

@@ -29,11 +29,13 @@ from .base import CheckedBatch, check_on_error, read_parallel
 from .checks import check_encoded, check_index
 from .member_index import MemberIndexReader, names_blob
 from .shards import expand_shards, index_shard, refuse_compressed
+from .targets import attach_targets, check_target
 
 log = logging.getLogger(__name__)
 
-# 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards
-INDEX_VERSION = 4
+# 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards;
+# 5: target lists
+INDEX_VERSION = 5
 
 
 class WebDatasetReader(MemberIndexReader):
@@ -42,7 +44,9 @@ class WebDatasetReader(MemberIndexReader):
     ``label_key`` names the label in ``.json`` members (used when a sample has no ``.cls``).
     ``on_error="skip"`` leaves out, counts and names samples without an image or a label (``skipped``) and
     lists damaged shards with what is known of them (``damaged``: a truncated shard, where it ends);
-    ``"raise"`` refuses either in one line naming the shard and member.
+    ``"raise"`` refuses either in one line naming the shard and member. ``target="multihot"`` (with
+    ``num_classes``) or ``"float"`` reads each sample's target list from its ``.json`` (the list, or an
+    object's ``"labels"``; `shards.index_shard`).
     """
 
     def __init__(
@@ -52,7 +56,11 @@ class WebDatasetReader(MemberIndexReader):
         label_key: str = "label",
         on_error: str = "skip",
         cache_dir: str | os.PathLike | None = None,
+        target: str | None = None,
+        num_classes: int | None = None,
     ) -> None:
+        check_target(target, num_classes)
+        self.lists = target not in (None, "class")
         paths = expand_shards(shards) if isinstance(shards, str | os.PathLike) else [Path(p) for p in shards]
         if not paths:
             raise ValueError("no shards given")
@@ -72,10 +80,11 @@ class WebDatasetReader(MemberIndexReader):
             self._save_index()
         self._maps: list[np.memmap | None] = [None] * len(self.shards)
         self._index_done()
+        attach_targets(self, target, num_classes)
 
     # ------------------------------------------------------------------ index
     def _cache_key(self) -> str:
-        h = hashlib.sha1(f"v{INDEX_VERSION}|{self.label_key}|{self.on_error}".encode())
+        h = hashlib.sha1(f"v{INDEX_VERSION}|{self.label_key}|{self.on_error}|{self.lists}".encode())
         for p in self.shards:
             st = p.stat()
             # What a replacement changes: a shard restored with its old size and mtime (cp -p, rsync -t, a
@@ -85,9 +94,11 @@ class WebDatasetReader(MemberIndexReader):
         return h.hexdigest()
 
     def _build_index(self) -> None:
-        shard_ids, offsets, sizes, labels, names = [], [], [], [], []
+        shard_ids, offsets, sizes, labels, names, values, ends = [], [], [], [], [], [], []
         for s, path in enumerate(self.shards):
-            found = index_shard(path, label_key=self.label_key, on_error=self.on_error)
+            found = index_shard(path, label_key=self.label_key, on_error=self.on_error, lists=self.lists)
+            ends.append(found.target_ends + sum(len(v) for v in values))
+            values.append(found.target_values)
             self.skipped += found.skipped
             self.damaged += found.damaged
             self.ignored.update(found.ignored)
@@ -101,6 +112,8 @@ class WebDatasetReader(MemberIndexReader):
         self._size = np.concatenate(sizes).astype(np.int64)
         self._labels = np.concatenate(labels).astype(np.int64)
         self._names, self._name_ends = names_blob(names)
+        self._target_values = np.concatenate(values).astype(np.float64)
+        self._target_ends = np.concatenate(ends).astype(np.int64)
 
     def _save_index(self) -> None:
         arrays = {
@@ -110,6 +123,8 @@ class WebDatasetReader(MemberIndexReader):
             "labels": self._labels,
             "names": self._names,
             "name_ends": self._name_ends,
+            "target_values": self._target_values,
+            "target_ends": self._target_ends,
             "skipped": np.asarray(json.dumps([list(x) for x in self.skipped]).encode(), dtype=bytes),
             "damaged": np.asarray(json.dumps([list(x) for x in self.damaged]).encode(), dtype=bytes),
             "ignored": np.asarray(json.dumps(dict(self.ignored)).encode(), dtype=bytes),
@@ -126,6 +141,7 @@ class WebDatasetReader(MemberIndexReader):
             with np.load(self.index_file) as z:
                 self._shard_of, self._offset, self._size = z["shard_of"], z["offset"], z["size"]
                 self._labels, self._names, self._name_ends = z["labels"], z["names"], z["name_ends"]
+                self._target_values, self._target_ends = z["target_values"], z["target_ends"]
                 self.skipped = [tuple(x) for x in json.loads(bytes(z["skipped"]))]
                 self.damaged = [tuple(x) for x in json.loads(bytes(z["damaged"]))]
                 self.ignored = Counter(json.loads(bytes(z["ignored"])))

@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,6 @@ from ..files import atomic_dir
 from ..machine import available_cpus, die_with_parent
 from ..text import plural, progress_bar
 from .base import Reader
-from .folder import scan_image_folder
 from .format import (
     DATA_FILE,
     FORMAT_VERSION,
@@ -32,15 +32,17 @@ from .format import (
     MAGIC,
     META_FILE,
     PATHS_FILE,
-    RECORD_DTYPE,
     SHARD_FILE,
+    TARGET_CODES,
+    encode_targets,
+    record_dtype,
 )
 from .open import open_dataset
-from .pack_sources import Item, load, load_chunk, reader_records, use_reader
+from .pack_sources import Item, PackSources, load, load_chunk, pack_sources, reader_sources, use_reader
 from .parquet_index import is_parquet
 from .remote.store import is_remote
 from .shards import is_webdataset
-from .webdataset import WebDatasetReader
+from .targets import check_target
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +61,16 @@ class PackReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
+    target: str = "class"  # what each record's target is (a target block per row unless "class")
+    target_width: int = 0  # K classes (multihot) or D numbers (float)
     ignored: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
         ignored = f"; ignored {plural(len(self.ignored), 'non-image')}"
+        targets = "" if self.target == "class" else f" with {self.target} targets of width {self.target_width}"
         return (
-            f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
+            f"packed {self.records} records of {self.classes} classes{targets} ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
             + (lost if self.damaged else "")
             + (ignored if self.ignored else "")
@@ -178,6 +183,8 @@ def pack(
     progress: bool = True,  # pragma: no mutate (display only)
     workers: int | None = None,
     shard_size: int | None = None,
+    target: str | None = None,
+    num_classes: int | None = None,
 ) -> PackReport:
     """Pack an ImageFolder root into a packed data set at ``dst``, atomically.
 
@@ -195,23 +202,34 @@ def pack(
     ``shard_size`` (bytes) writes the images into ``data-00000.bin``, ``data-00001.bin``, ... of at most
     that size each (no record spans two), under one index: files stay under file-system and object-store
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
+
+    ``target="multihot"`` (with ``num_classes``) or ``"float"`` packs each record's target too, as a
+    fixed-width block at the end of its index row (see `format`), read from the source's target lists
+    (`open_dataset`'s ``target``: each sample's ``.json``, ``labels.csv`` beside the class folders, a
+    Parquet list column); a reader packs its own targets. A record whose target is bad (an index outside
+    the classes, a number that is not finite) is left out and listed, as an undecodable image is.
     """
     t0 = time.perf_counter()
     for name, given in (("src", src), ("dst", dst)):
         if not isinstance(given, Reader) and not os.fspath(given):  # Path("") is the current folder
             raise ValueError(f"{name} is an empty path (''); name a folder")
+    check_target(target, num_classes)
+    targets = {"target": target, "num_classes": num_classes}
+    if isinstance(src, Reader) and (target is not None or num_classes is not None):
+        raise ValueError("target= and num_classes= are for a path; a reader packs its own targets (open it with them)")
     if is_remote(src):  # data at a URL is read through its reader (a Path would make "s3:/..." of it)
-        src = open_dataset(str(src))
+        src = open_dataset(str(src), **targets)  # type: ignore[arg-type]
     reader = src if isinstance(src, Reader) else None
     if reader is not None:  # a reader: named by its folder where it has one (meta.json's source_root)
         src = getattr(reader, "path", type(reader).__name__)
     src, dst = Path(src), Path(dst)  # type: ignore[arg-type]
     kind = _check_pack_arguments(src, dst, max_side, workers, shard_size, reader is not None)
     if kind == "reader":
-        reader = reader if reader is not None else open_dataset(src)
-        classes, items, report = _reader_sources(reader, dst)
+        reader = reader if reader is not None else open_dataset(src, **targets)  # type: ignore[arg-type]
+        found = reader_sources(reader)
     else:
-        classes, items, report = _sources(src, dst, kind == "webdataset")
+        found = pack_sources(src, kind == "webdataset", target, num_classes)
+    classes, items, report = found.classes, found.items, _report(found, dst)
     if workers is None:  # every CPU, where starting the worker processes pays off
         workers = available_cpus() if len(items) >= PACK_SMALL else 1
     workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
@@ -222,11 +240,13 @@ def pack(
         bar = _PackProgress(len(items), f"pack {src.name}", progress)
         try:  # the bar is closed before any error is written under it
             prepared = _prepared(items, verify, max_side, workers)
-            rows, data_bytes, paths_bytes = _write_records(tmp, prepared, len(items), shard_size, report, bar)
+            rows, data_bytes, paths_bytes = _write_records(
+                tmp, prepared, len(items), shard_size, report, bar, found.targets
+            )
         finally:
             bar.close()
         use_reader(None)
-        _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size)
+        _write_index(tmp, rows, data_bytes, paths_bytes, len(classes), shard_size, report)
         meta = {
             "format_version": FORMAT_VERSION,
             "classes": classes,
@@ -235,6 +255,8 @@ def pack(
             "skipped": len(report.skipped),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if report.target != "class":
+            meta.update(target=report.target, target_width=report.target_width)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
     report.records, report.data_bytes = len(rows), data_bytes
     report.seconds = time.perf_counter() - t0
@@ -277,33 +299,15 @@ def _check_pack_arguments(
     return "webdataset" if shards else "reader" if other else "folder"
 
 
-def _reader_sources(reader: Reader, dst: Path) -> tuple[list[str], list[Item], PackReport]:
-    """(classes, the records to pack, the report so far) of a reader: each record by its index."""
-    items = [Item(i, label, name, os.fsencode(name)) for i, label, name in reader_records(reader)]
-    return list(reader.classes), items, PackReport(dst=dst, records=0, classes=len(reader.classes), data_bytes=0)
-
-
-def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[Item], PackReport]:
-    """(classes, the images to pack, the report so far: what is left out before reading any image)."""
-    if shards:  # WebDataset shards: converted to a packed set
-        wds = WebDatasetReader(str(src))
-        classes, other, unlisted, damaged = wds.classes, [], list(wds.skipped), list(wds.damaged)
-        labels = wds.labels
-        items = []
-        for i in range(len(wds)):
-            name = wds.source(i)
-            items.append(Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
-    else:
-        classes, found, other, unlisted = scan_image_folder(src, broken_links_are_records=False)
-        damaged = []
-        items = [Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
-    if not items:
-        raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
-    report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
-    report.skipped += unlisted
-    report.damaged += damaged
-    report.ignored += other
-    return classes, items, report
+def _report(found: PackSources, dst: Path) -> PackReport:
+    """The report so far: what is left out before any image is read, the damaged shards, the non-images,
+    the targets' kind."""
+    report = PackReport(dst=dst, records=0, classes=len(found.classes), data_bytes=0, skipped=found.left_out)
+    report.damaged += found.damaged
+    report.ignored += found.ignored
+    if found.targets is not None:
+        report.target, report.target_width = found.targets.kind, found.targets.width
+    return report
 
 
 def _write_records(
@@ -313,9 +317,11 @@ def _write_records(
     shard_size: int | None,
     report: PackReport,
     bar: _PackProgress,
+    targets: Any = None,
 ) -> tuple[np.ndarray, int, int]:
-    """Write the prepared images and their paths in order: (the index rows, data bytes, path bytes)."""
-    rows = np.zeros(count, dtype=RECORD_DTYPE)
+    """Write the prepared images and their paths in order: (the index rows, data bytes, path bytes). A
+    row's crc32 covers the record's bytes, then its target block."""
+    rows = np.zeros(count, dtype=record_dtype(report.target, report.target_width))
     n = offset = path_offset = 0
     data_out = _DataWriter(tmp, shard_size)
     with open(tmp / PATHS_FILE, "wb") as paths_f:
@@ -332,7 +338,13 @@ def _write_records(
                     "use a larger --shard-size"
                 )
             at = data_out.write(payload)
-            rows[n] = (at, len(payload), item.label, zlib.crc32(payload), len(pbytes), path_offset)
+            crc = zlib.crc32(payload)
+            if targets is None:
+                rows[n] = (at, len(payload), item.label, crc, len(pbytes), path_offset)
+            else:
+                block = encode_targets(targets.rows([item.index]), targets.kind, targets.width)[0]
+                crc = zlib.crc32(block.tobytes(), crc)
+                rows[n] = (at, len(payload), item.label, crc, len(pbytes), path_offset, block)
             paths_f.write(pbytes)
             offset += len(payload)
             path_offset += len(pbytes)
@@ -344,21 +356,28 @@ def _write_records(
 
 
 def _write_index(
-    tmp: Path, rows: np.ndarray, data_bytes: int, paths_bytes: int, classes: int, shard_size: int | None
+    tmp: Path,
+    rows: np.ndarray,
+    data_bytes: int,
+    paths_bytes: int,
+    classes: int,
+    shard_size: int | None,
+    report: PackReport,
 ) -> None:
-    """index.bin: the header (with the crc32 of the rows) and the rows."""
+    """index.bin: the header (with the crc32 of the rows, and what the rows' target blocks hold) and the rows."""
     header = np.zeros(1, dtype=HEADER_DTYPE)
     header[0] = (
         MAGIC,
         FORMAT_VERSION,
-        RECORD_DTYPE.itemsize,
+        rows.dtype.itemsize,
         len(rows),
         data_bytes,
         paths_bytes,
         zlib.crc32(rows.tobytes()),
         classes,
         shard_size or 0,
-        0,
+        TARGET_CODES[report.target],
+        report.target_width,
     )
     with open(tmp / INDEX_FILE, "wb") as f:
         f.write(header.tobytes())

@@ -16,6 +16,7 @@ import torch
 
 from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provides
 from ..data.cache import CachedReader, LRUCache
+from ..data.targets import reader_targets
 from ..machine import cuda_usable
 from ..transforms.recipe import Recipe, describe_resolution, describe_schedule, resolve_recipe
 from .bad_records import SkipLog
@@ -133,6 +134,7 @@ class LoaderBase:
         self.prefetch = int(prefetch)
         self.memory_format = self.recipe.memory_format
         self._data = dataset
+        self._targets = reader_targets(dataset)  # rows by index (`batch_targets`); None: the labels are targets
         # A reader that streams shards (remote data) is told each pass's order, to download ahead.
         self._streaming: Any = dataset if provides(dataset, StreamingReader) and dataset.streaming else None  # type: ignore[attr-defined]
         self.order: EpochSampler | StreamingOrder = self._new_order(self.rank, self.world_size)

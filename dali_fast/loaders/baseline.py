@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from ..data.base import Reader, check_on_error, read_checked
 from ..data.checks import pillow_reason
+from ..data.targets import reader_targets
 from ..machine import cpus_per_local_rank
 from ..transforms.decode import open_image, to_rgb
 from ..transforms.pillow import PillowTransform
@@ -49,12 +50,14 @@ class BaselineDataset(Dataset):
         self._transform = PillowTransform(self.recipe.at_epoch(0, train), train)  # a schedule's first size
         self._sized: dict[int, PillowTransform] = {}  # per training size of a resolution schedule
         self._rng: np.random.Generator | None = None
+        self._targets = reader_targets(reader)  # the target rows, where the target is not the class index
 
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, i: int | tuple[int, int]) -> tuple[torch.Tensor, int] | None:
-        """The sample, or (``on_error='skip'``) None for a bad record, which `skip_bad` drops from the batch."""
+    def __getitem__(self, i: int | tuple[int, int]) -> tuple[torch.Tensor, int | torch.Tensor] | None:
+        """The sample (with its label, or its float32 target row for other targets: `data.targets`), or
+        (``on_error='skip'``) None for a bad record, which `skip_bad` drops from the batch."""
         transform = self._transform
         if isinstance(i, tuple):
             i, size = i
@@ -76,6 +79,8 @@ class BaselineDataset(Dataset):
                 log.warning("skipping record %d (%s): %s", i, self.reader.source(i), reason)
                 return None
             raise BadRecordError(bad_record_message(self.reader, i, reason or "unreadable"))
+        if self._targets is not None:
+            return transform(im, self._rng), torch.from_numpy(self._targets.rows([i])[0])
         return transform(im, self._rng), int(label)
 
 

@@ -23,6 +23,7 @@ from ..transforms.decode_choice import choose_train_decode, jpeg_engine, request
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
+from .batch_targets import batch_targets
 from .dali_pipeline import BatchSource, build_pipeline, derive_seed, shutdown_pipeline, undecodable
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ class DALIIterator(LoaderBase):
 
     ``images`` is NCHW (on the GPU in GPU mode, on the CPU in DALI's CPU-only mode), cropped,
     augmented, normalized and typed as ``recipe`` says (default: `Recipe()`, float32),
-    ``labels`` int64 of shape (N,) on the same device. Each epoch yields each of this rank's
+    ``labels`` int64 of shape (N,) on the same device (or the float32 target rows of a data set opened
+    with ``target="multihot"`` or ``"float"``, made from the records the batch holds). Each epoch yields each of this rank's
     samples exactly once, whatever the prefetch depth, batch-size changes between epochs or
     an early ``break``. The pipeline of an epoch that ended normally serves the next epoch of the same
     batch size (its source re-armed); a new batch size, a ``break`` or an error shuts it down and the
@@ -172,7 +174,12 @@ class DALIIterator(LoaderBase):
                 images = out["images"]
                 if self.memory_format == torch.channels_last:
                     images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
-                yield images, out["labels"].reshape(-1), fed.consumed, fed.batches
+                yield (
+                    images,
+                    batch_targets(self._targets, fed.kept, out["labels"].reshape(-1)),
+                    fed.consumed,
+                    fed.batches,
+                )
         finally:
             if ended:
                 self._kept = kept

@@ -22,6 +22,7 @@ from ..machine import local_device_index
 from ..transforms.batch import finish_batch, one_intra_op_thread
 from .bad_records import BadRecordError, bad_record_message
 from .base import LoaderBase
+from .batch_targets import batch_targets
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
 from .torch_slots import IDLE, OutputPool, SlotRing, Task, batch_parts, image_shape, slot_layout
 from .torch_worker import BatchMaker, collate_as_is, worker_init
@@ -210,7 +211,7 @@ class TorchIterator(LoaderBase):
         nothing outside holds it, else new), labels, and on a GPU the event that marks the end of the copy
         out of the slot."""
         recipe = self.recipe
-        labels = torch.from_numpy(b["labels"])
+        labels = batch_targets(self._targets, b["indices"], torch.from_numpy(b["labels"]))
         boxes = None if b["boxes"] is None else torch.from_numpy(b["boxes"])
         if self._layout == "HWC":
             pixels = pixels.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory
@@ -267,6 +268,7 @@ def _whole_batches(parts: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 "n": sum(p["n"] for p in done),
                 "ranges": [(p["offset"], p["n"]) for p in done],
                 "labels": np.concatenate([p["labels"] for p in done]),
+                "indices": np.concatenate([p["indices"] for p in done]),
                 "boxes": np.concatenate(boxes) if boxes else None,
                 "consumed": sum(p["consumed"] for p in done),
                 "bad": [bad for p in done for bad in p["bad"]],

@@ -1,7 +1,8 @@
 """`TorchIterator`'s worker side: what runs in each decode process. A worker takes a `Task` (a part of a
 batch and the shared-memory slot to write it into), and decodes, crops, resizes, augments and mirrors each
 image straight into that slot (`BatchMaker`); it sends back only labels, erasing boxes and the bad records
-it met: no per-sample tensors, no pickled pixels, no collate copy.
+it met (and the indices of the good records, from which the main process makes target rows): no
+per-sample tensors, no pickled pixels, no collate copy.
 
 Per sample, the crop, flip, policy and erasing box are drawn from (seed, epoch, index), as in every
 loader here, so the pixels do not depend on the number of workers, the batch size or a resume. The main
@@ -117,6 +118,7 @@ class BatchMaker(Dataset):
         draws = self._draws(keys)
         at = task.offset
         labels: list[int] = []
+        good: list[int] = []
         boxes: list[tuple[int, int, int, int]] = []
         bad: list[tuple[int, str]] = []
         for pos, key in enumerate(keys):
@@ -129,6 +131,7 @@ class BatchMaker(Dataset):
                 continue
             at += 1
             labels.append(int(found[pos]))
+            good.append(index)
             if box is not None:
                 boxes.append(box)
         return {
@@ -139,6 +142,7 @@ class BatchMaker(Dataset):
             "parts": task.parts,
             "n": len(labels),
             "labels": np.asarray(labels, dtype=np.int64),
+            "indices": np.asarray(good, dtype=np.int64),
             "boxes": np.asarray(boxes, dtype=np.int64).reshape(-1, 4) if boxes else None,
             "consumed": len(keys),
             "bad": bad,

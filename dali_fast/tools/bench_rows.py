@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.base import Reader, read_checked
+from ..data.targets import target_spec
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
 from ..loaders.torch_worker import collate_as_is, worker_init
@@ -185,8 +186,9 @@ def loader_row(
         recipe=recipe,
         **iterator_only,
     )
-    mixer = MixupCutmix(**mix, num_classes=len(reader.classes)) if mix else None
-    trainer = Trainer(model, len(reader.classes), mix=mixer) if model != "none" else None
+    target, width = target_spec(reader)  # class labels, or the multi-hot / float rows the reader was opened with
+    mixer = MixupCutmix(**mix, num_classes=width, target=target) if mix else None
+    trainer = Trainer(model, width, mix=mixer, target=target) if model != "none" else None
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.reset_peak_memory_stats()

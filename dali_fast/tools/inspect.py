@@ -1,12 +1,12 @@
-"""`dali-fast inspect`: what a data set holds (kind, records, classes, bytes, the classes' sizes), and with
-``verify`` whether every record decodes by the one rule (JPEGs strictly), and a packed set's index and
-records still match their checksums."""
+"""`dali-fast inspect`: what a data set holds (kind, records, classes, bytes, the classes' sizes; for
+multi-hot targets the label count of each class, for float targets their range), and with ``verify``
+whether every record decodes by the one rule (JPEGs strictly), and a packed set's index and records still
+match their checksums."""
 
 from __future__ import annotations
 
 import os
 import sys
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,12 +18,15 @@ from ..data.base import Reader, read_record
 from ..data.checks import check_label
 from ..data.open import open_dataset
 from ..data.packed import MemmapReader
+from ..data.targets import reader_targets
 from ..machine import available_cpus, die_with_parent
 from ..text import plural, progress_bar
 from ..transforms.decode import verdict
 
 VERIFY_CHUNK = 64  # records per task handed to a verify worker
 VERIFY_SMALL = 256  # below this many records, verify in this process (starting workers costs more)
+
+SHOWN_CLASSES = 32  # multi-hot classes whose label counts are listed one by one (the rest: min and max)
 
 
 def inspect_dataset(
@@ -33,12 +36,16 @@ def inspect_dataset(
     emit: Callable[[str], None],
     workers: int | None = None,
     open_options: dict[str, Any] | None = None,
+    target: str | None = None,
+    num_classes: int | None = None,
 ) -> int:
     """Describe the data set at ``path`` (opened with ``open_options``) in lines given to ``emit``; returns
     0, or 1 when ``verify`` found a bad record. ``verify`` reads and decodes every record by the one rule (`verdict`: the structural
     checks, the pixel limit, a JPEG's strict decode, Pillow for the rest; on a packed set also the index's
-    and each record's crc32), in ``workers`` processes (default: every CPU), and names each bad record."""
-    reader = open_dataset(path, **(open_options or {}))
+    and each record's crc32, which covers its target block), in ``workers`` processes (default: every CPU),
+    and names each bad record. ``target`` and ``num_classes`` open it as `open_dataset` does (a pack with
+    targets shows them anyway)."""
+    reader = open_dataset(path, target=target, num_classes=num_classes, **(open_options or {}))
     n = len(reader)
     emit(f"data set: {path} ({type(reader).__name__})")
     emit(f"records:  {n}")
@@ -64,6 +71,7 @@ def inspect_dataset(
     counts = np.bincount(labels[(labels >= 0) & (labels < len(reader.classes))], minlength=len(reader.classes))
     emit(f"bytes:    {total} ({total / 2**20:.1f} MiB), mean {total / max(n, 1) / 1024:.1f} KiB per record")
     emit(f"per class: min {int(counts.min()) if n else 0}, max {int(counts.max()) if n else 0}")
+    _targets(reader, emit)
     if not verify:
         return 0
     bad: list[tuple[int, str]] = []
@@ -94,12 +102,48 @@ def _parquet_lines(reader: Any, emit: Callable[[str], None]) -> None:
         emit(f"bad labels: {len(problems)} (first: {reader.source(first)}: {problems[first]})")
 
 
+def _targets(reader: object, emit: Callable[[str], None], chunk: int = 65536) -> None:
+    """What the targets hold, read in chunks of rows: for multi-hot, the labels per record and per class;
+    for float, the range of the numbers. Records whose target is bad are counted, not read."""
+    targets = reader_targets(reader)
+    if targets is None:
+        return
+    n, width = len(reader), int(targets.width)  # type: ignore[arg-type]
+    sums, per_record = np.zeros(width), np.zeros(0)
+    low, high, bad = np.inf, -np.inf, 0
+    for start in range(0, n, chunk):
+        idx = np.arange(start, min(start + chunk, n))
+        wrong = targets.check(idx)
+        bad += len(wrong)
+        rows = targets.rows(np.delete(idx, list(wrong))).astype(np.float64)
+        sums += rows.sum(axis=0)
+        per_record = np.concatenate([per_record, rows.sum(axis=1)])
+        if rows.size:
+            low, high = min(low, float(rows.min())), max(high, float(rows.max()))
+    bad_s = f", {bad} with a bad target (skipped or refused by the loaders)" if bad else ""
+    if targets.kind == "float":
+        emit(f"targets:  float, {width} numbers per record, from {low:g} to {high:g}{bad_s}")
+        return
+    counts = sums.astype(np.int64)
+    mean = float(per_record.mean()) if len(per_record) else 0.0
+    empty = int((per_record == 0).sum())
+    emit(f"targets:  multihot, {width} classes, {mean:.2f} labels per record, {empty} records with none{bad_s}")
+    shown = ", ".join(f"{k}: {int(c)}" for k, c in enumerate(counts[:SHOWN_CLASSES]))
+    emit(f"labels per class: {shown}" + (", ..." if width > SHOWN_CLASSES else ""))
+    lo, hi = int(np.argmin(counts)), int(np.argmax(counts))
+    emit(f"labels per class: min {int(counts[lo])} (class {lo}), max {int(counts[hi])} (class {hi})")
+
+
 def check_record(reader: Reader, i: int) -> str | None:
     """Why record ``i`` is bad by the one rule, reading and decoding all of it, or None."""
     data, label, reason = read_record(reader, i)
     if reason is None:
         reason = check_label(label, len(reader.classes))
-    if reason is None and isinstance(reader, MemmapReader) and zlib.crc32(data) != int(reader.records[i]["crc32"]):
+    if (
+        reason is None
+        and isinstance(reader, MemmapReader)
+        and reader.crc_of(i, data) != int(reader.records[i]["crc32"])
+    ):
         reason = "its bytes do not match their crc32 (changed after packing)"
     return reason if reason is not None else verdict(data)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..data.base import Reader, SubsetReader, check_labels, fingerprint, split
+from ..data.targets import target_spec
 from ..files import atomic_write
 from ..loaders.base import LoaderBase
 from ..loaders.controller import BatchSizeController
@@ -128,19 +129,21 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
             f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {config.holdout:.0%}): every batch would "
             f"be dropped; use --batch-size {max(1, per_rank)} or less, or more images"
         )
-    if config.on_error == "raise":  # once, on the CPU, before any step; "skip" skips such records as bad ones
-        check_labels(reader, len(reader.classes))
+    kind, width = target_spec(reader)  # class labels, or multi-hot / float rows (checked at open)
+    if kind == "class" and config.on_error == "raise":  # once, on the CPU, before any step; "skip" skips them
+        check_labels(reader, width)  # as bad records
     mix = None
     if config.mixup > 0 or config.cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
-        mix = MixupCutmix(**config.mix, num_classes=len(reader.classes), seed=config.seed * 1000 + ctx.rank)
+        mix = MixupCutmix(**config.mix, num_classes=width, seed=config.seed * 1000 + ctx.rank, target=kind)
     trainer = Trainer(
         config.model,
-        len(reader.classes),
+        width,
         lr=config.lr,
         amp=config.amp,
         dist_ctx=ctx,
         mix=mix,
         label_smoothing=config.label_smoothing if mix is None else 0.0,
+        target=kind,
     )
     recipe = config.recipe
     assert recipe is not None  # resolved by TrainConfig.checked
@@ -193,6 +196,9 @@ def _settings(reader: Reader, run: _Run, *, mixing: bool) -> dict[str, Any]:
         "drop_last": config.drop_last,
         "fingerprint": fingerprint(reader),
     }
+    kind, width = target_spec(reader)
+    if kind != "class":  # kept out for class targets, so checkpoints written before target kinds still resume
+        settings["target"] = f"{kind}:{width}"
     # A resolution schedule is its own setting, so another one is named as such (None matches the
     # checkpoints of runs written before schedules existed).
     settings["resolution"] = describe_resolution(run.recipe.resolution)
@@ -287,8 +293,10 @@ def _intro(run: _Run) -> str:
         extras.append(f"random_erasing={run.recipe.random_erasing}")
     if run.recipe.resolution is not None:
         extras.append(f"progressive={run.recipe.resolution} (eval at {run.recipe.image_size} px)")
+    kind, width = target_spec(run.train_set)
+    targets = {"multihot": f", multi-hot targets of {width} classes", "float": f", float targets of {width} numbers"}
     return (
-        f"training {config.model} on {len(run.train_set)} images ({len(run.val_set)} held out), "
+        f"training {config.model} on {len(run.train_set)} images ({len(run.val_set)} held out){targets.get(kind, '')}, "
         f"loader={config.loader}, device={run.trainer.device}"
         + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
         + (f", {', '.join(extras)}" if extras else "")
@@ -327,7 +335,8 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
     n_all, loss_all = trainer.all_sum(n, float(loss_sum))
     done, done_loss = trainer.all_sum(run.partial["samples"], run.partial["loss_sum"])
     run.partial = {"samples": 0, "loss_sum": 0.0}
-    val_loss, val_acc = trainer.evaluate(run.val_loader)
+    val_loss, val_metric = trainer.evaluate(run.val_loader)
+    metric = {"class": {"val_acc": val_metric}, "multihot": {"val_map": val_metric}}.get(trainer.target, {})
     util = monitor.summary(f"epoch{epoch}")
     return {
         "epoch": epoch,
@@ -335,7 +344,7 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
         "image_size": size,
         "train_loss": (loss_all + done_loss) / max(n_all + done, 1),
         "val_loss": val_loss,
-        "val_acc": val_acc,
+        **metric,
         "img_per_s": n_all / dt,
         "ranks": run.ctx.world_size,
         "resumed": done > 0,
@@ -371,9 +380,11 @@ def _set_epoch(loader: Any, epoch: int) -> None:
 
 def _epoch_line(row: dict[str, Any]) -> str:
     util_s = f"{row['util_mean']:.0f}%" if isinstance(row["util_mean"], float) else "n/a"
+    metric = f" acc {row['val_acc']:.1%}" if "val_acc" in row else ""
+    metric += f" mAP {row['val_map']:.3f}" if "val_map" in row else ""
     line = (
-        f"epoch {row['epoch']}: loss {row['train_loss']:.3f}, held-out loss {row['val_loss']:.3f} "
-        f"acc {row['val_acc']:.1%}, {row['img_per_s']:.0f} img/s, {row['util_kind']} util {util_s}, "
+        f"epoch {row['epoch']}: loss {row['train_loss']:.3f}, held-out loss {row['val_loss']:.3f}"
+        f"{metric}, {row['img_per_s']:.0f} img/s, {row['util_kind']} util {util_s}, "
         f"batch {row['batch_size']}, {row['image_size']} px"
     )
     if row["ranks"] > 1:

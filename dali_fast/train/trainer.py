@@ -1,6 +1,7 @@
 """`Trainer`: the model, its optimizer and one training step (AMP on a GPU, channels_last, DDP under
-torchrun, mixup/cutmix soft targets), shared by ``train`` and ``bench``; and `oom_safe_step`, a step that
-survives a CUDA out-of-memory by running the batch as halves."""
+torchrun, mixup/cutmix soft targets; cross-entropy for class targets, BCE-with-logits for multi-hot, MSE
+for float), shared by ``train`` and ``bench``; and `oom_safe_step`, a step that survives a CUDA
+out-of-memory by running the batch as halves."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ from torch import nn
 
 from ..loaders.controller import BatchSizeController
 from ..machine import cuda_usable
-from ..transforms.mix import MixupCutmix, soft_target_cross_entropy
+from ..transforms.mix import MixupCutmix, smooth_multihot, soft_target_cross_entropy
 from .distributed import DistContext
+from .metrics import mean_average_precision
 from .models import build_model
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Model, optimizer and one step (AMP on GPU, channels_last, DDP under torchrun), shared by train and bench."""
+    """Model, optimizer and one step (AMP on GPU, channels_last, DDP under torchrun), shared by train and bench.
+
+    ``target`` is what the batches' second tensor is (`data.targets`): "class" (int64 labels; cross-entropy,
+    accuracy), "multihot" (float32 rows of ``num_classes``; BCE-with-logits, label smoothing per class,
+    mean average precision) or "float" (float32 rows of ``num_classes`` numbers; MSE).
+    """
 
     def __init__(
         self,
@@ -34,7 +41,13 @@ class Trainer:
         dist_ctx: DistContext | None = None,
         mix: MixupCutmix | None = None,
         label_smoothing: float = 0.0,
+        target: str = "class",
     ) -> None:
+        if target not in ("class", "multihot", "float"):
+            raise ValueError(f"target={target!r}: use 'class', 'multihot' or 'float'")
+        if target == "float" and label_smoothing:
+            raise ValueError(f"label_smoothing={label_smoothing}: float targets have no classes to smooth; use 0")
+        self.target = target
         self.ctx = dist_ctx or DistContext()
         self.mix = mix  # batch-level mixup/cutmix: the step trains on soft targets
         if cuda_usable():
@@ -44,6 +57,7 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
         self.module: nn.Module = build_model(model_name, num_classes).to(self.device)
+        self.module_outputs = num_classes
         if self.device.type == "cuda":
             self.module = self.module.to(memory_format=torch.channels_last)
             torch.backends.cudnn.benchmark = True  # fixed-size inputs: pick the fastest convolutions once
@@ -58,8 +72,25 @@ class Trainer:
         bf16 = self.amp and torch.cuda.is_bf16_supported()
         self.amp_dtype = torch.bfloat16 if bf16 else torch.float16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp and not bf16)
-        self.loss_fn = nn.CrossEntropyLoss()  # held-out loss: plain cross-entropy, comparable across recipes
-        self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing) if label_smoothing else self.loss_fn
+        self.label_smoothing = label_smoothing
+        # held-out loss: the plain loss of the target kind, comparable across recipes
+        self.loss_fn: nn.Module = {"class": nn.CrossEntropyLoss, "multihot": nn.BCEWithLogitsLoss}.get(
+            target, nn.MSELoss
+        )()
+        self.train_loss_fn = (
+            nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+            if label_smoothing and target == "class"
+            else self.loss_fn
+        )
+
+    def train_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch: soft-target cross-entropy for mixed class targets ((N, classes)
+        rows), else the target kind's loss (multi-hot rows smoothed per class first)."""
+        if self.target == "class":
+            return soft_target_cross_entropy(logits, y) if y.dim() == 2 else self.train_loss_fn(logits, y)
+        if self.target == "multihot":
+            y = smooth_multihot(y, self.label_smoothing)
+        return self.train_loss_fn(logits.float(), y.float())
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast("cuda", dtype=self.amp_dtype) if self.amp else contextlib.nullcontext()
@@ -87,7 +118,7 @@ class Trainer:
         def forward_backward(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
             with self._autocast():
                 logits = self.model(x)
-                loss = soft_target_cross_entropy(logits, y) if y.dim() == 2 else self.train_loss_fn(logits, y)
+                loss = self.train_loss(logits, y)
             self.scaler.scale(loss * weight).backward()
             return loss.detach().float()
 
@@ -113,13 +144,17 @@ class Trainer:
         return loss
 
     @torch.no_grad()
-    def evaluate(self, loader: Iterable) -> tuple[float, float]:
-        """(mean loss, accuracy) over a loader; under DDP over all ranks' shards together, with rank 0's
+    def evaluate(self, loader: Iterable) -> tuple[float, float | None]:
+        """(mean loss, metric) over a loader; under DDP over all ranks' shards together, with rank 0's
         weights and BatchNorm statistics on every rank (each rank's statistics drift apart in training: DDP
         hands out rank 0's only at the next step), so the numbers are those of the model a checkpoint
-        saves. An evaluation loader repeats no sample (``even=False``), so they equal one process's.
+        saves. An evaluation loader repeats no sample (``even=False``), so they equal one process's. The
+        metric is the accuracy for class targets, the mean average precision
+        (`metrics.mean_average_precision`, over the classes with a positive) for multi-hot targets, and
+        None for float targets.
 
-        The sums stay on the device and are read once at the end: no host sync per batch."""
+        The sums stay on the device and are read once at the end: no host sync per batch (multi-hot
+        targets keep each batch's logits and targets on the device for the mAP, read once at the end)."""
         self.module.eval()
         if self.ctx.distributed:
             import torch.distributed as dist
@@ -128,16 +163,40 @@ class Trainer:
                 dist.broadcast(buffer, src=0)
         total = 0
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, correct
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for images, labels in loader:
             images, labels = self.to_device(images, labels)
             with self._autocast():
                 logits = self.module(images)
             loss = self.loss_fn(logits.float(), labels) * len(labels)
-            sums += torch.stack([loss.double(), (logits.argmax(1) == labels).sum().double()])
+            correct = (
+                (logits.argmax(1) == labels).sum() if self.target == "class" else torch.zeros((), device=self.device)
+            )
+            sums += torch.stack([loss.double(), correct.double()])
             total += len(labels)
-        loss_sum, correct = sums.tolist()
-        loss_sum, correct, total = self.all_sum(loss_sum, correct, total)
-        return loss_sum / max(total, 1), correct / max(total, 1)
+            if self.target == "multihot":
+                kept.append((logits.float(), labels))
+        loss_sum, correct_sum = sums.tolist()
+        loss_sum, correct_sum, total = self.all_sum(loss_sum, correct_sum, total)
+        metric: float | None = None
+        if self.target == "class":
+            metric = correct_sum / max(total, 1)
+        elif self.target == "multihot":
+            metric = self._held_out_map(kept)
+        return loss_sum / max(total, 1), metric
+
+    def _held_out_map(self, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The mAP of every rank's (logits, targets) together."""
+        width = self.module_outputs
+        scores = torch.cat([k[0] for k in kept]).cpu() if kept else torch.empty(0, width)
+        targets = torch.cat([k[1] for k in kept]).float().cpu() if kept else torch.empty(0, width)
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            parts: list = [None] * self.ctx.world_size
+            dist.all_gather_object(parts, (scores, targets))
+            scores, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return mean_average_precision(scores, targets)
 
     def all_sum(self, *values: float) -> list[float]:
         """Sums of ``values`` over all ranks (the values themselves in a single process)."""

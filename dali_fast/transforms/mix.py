@@ -7,6 +7,10 @@ batch's own device, and is reproducible from a seed (one generator, on the CPU, 
     for images, labels in loader:
         images, targets = mix(images, labels)      # targets: (N, num_classes), rows sum to 1
         loss = soft_target_cross_entropy(model(images), targets)
+
+With multi-hot or float targets (``open_dataset(path, target=...)``: the loaders yield float32 rows),
+``target="multihot"`` or ``"float"`` mixes those rows with the images' weight, and label smoothing acts
+per class on multi-hot rows (`smooth_multihot`); train on them with BCE-with-logits or MSE.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ class MixupCutmix:
     Beta(alpha_cutmix, alpha_cutmix), clipped to the image, and then sets lam to the area actually kept.
     Targets are ``lam * onehot(y) + (1 - lam) * onehot(y_reversed)``, smoothed by ``label_smoothing``.
     ``last`` records the last batch's choice: ``{"mode": "mixup"|"cutmix"|"none", "lam": ..., "box": ...}``.
+
+    ``target`` says what the batches' second tensor is: ``"class"`` (int64 labels, made one-hot),
+    ``"multihot"`` or ``"float"`` (float rows ``(N, num_classes)``, as the loaders yield them for such data
+    sets). Rows are mixed as they are, with the images' ``lam``; label smoothing applies per class to
+    multi-hot rows (`smooth_multihot`) and is refused for float rows (no class to smooth towards).
     """
 
     def __init__(
@@ -37,6 +46,7 @@ class MixupCutmix:
         label_smoothing: float = 0.1,
         num_classes: int = 1000,
         seed: int = 0,
+        target: str = "class",
     ) -> None:
         for name, value in (("alpha_mixup", alpha_mixup), ("alpha_cutmix", alpha_cutmix)):
             if not (math.isfinite(value) and value >= 0):
@@ -46,6 +56,13 @@ class MixupCutmix:
                 raise ValueError(f"{name}={value}: must be in [0, 1]")
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes={num_classes!r}: must be a positive integer")
+        if target not in ("class", "multihot", "float"):
+            raise ValueError(f"target={target!r}: use 'class', 'multihot' or 'float'")
+        if target == "float" and label_smoothing:
+            raise ValueError(
+                f"label_smoothing={label_smoothing}: float targets have no classes to smooth towards; use 0"
+            )
+        self.target = target
         self.alpha_mixup, self.alpha_cutmix = float(alpha_mixup), float(alpha_cutmix)
         self.prob, self.switch_prob = float(prob), float(switch_prob)
         self.label_smoothing, self.num_classes = float(label_smoothing), num_classes
@@ -54,6 +71,11 @@ class MixupCutmix:
 
     def targets(self, labels: torch.Tensor, lam: float) -> torch.Tensor:
         """Soft targets for a batch mixed with its reversal at weight ``lam``, smoothed."""
+        if self.target != "class":
+            rows = labels.float()
+            if self.target == "multihot":
+                rows = smooth_multihot(rows, self.label_smoothing)
+            return lam * rows + (1.0 - lam) * rows.flip(0)
         off = self.label_smoothing / self.num_classes
         on = 1.0 - self.label_smoothing + off
         onehot = torch.full((len(labels), self.num_classes), off, device=labels.device)
@@ -64,7 +86,13 @@ class MixupCutmix:
         """Mix a batch; returns (images, soft targets). Labels on the CPU are checked against
         ``num_classes`` here; labels on a GPU are not (reading them would stop the GPU every step):
         check them once where they come from (``dali-fast train`` checks the data set's labels)."""
-        if labels.device.type == "cpu" and len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+        if self.target != "class":
+            if labels.dim() != 2 or labels.shape[1] != self.num_classes or not labels.is_floating_point():
+                raise ValueError(
+                    f"target={self.target!r} mixes float rows (N, {self.num_classes}), got {labels.dtype} "
+                    f"{tuple(labels.shape)}: open the data set with target={self.target!r} (and num_classes)"
+                )
+        elif labels.device.type == "cpu" and len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             raise ValueError(f"labels outside 0..{self.num_classes - 1}: set num_classes to the data set's classes")
         use_mixup, use_cutmix = self.alpha_mixup > 0, self.alpha_cutmix > 0
         if not (use_mixup or use_cutmix) or self.rng.random() >= self.prob:
@@ -89,6 +117,12 @@ class MixupCutmix:
         lam = 1.0 - (y1 - y0) * (x1 - x0) / (h * w)  # the area actually kept
         self.last = {"mode": "cutmix", "lam": lam, "box": (y0, y1, x0, x1)}
         return mixed, self.targets(labels, lam)
+
+
+def smooth_multihot(rows: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Label smoothing per class of multi-hot rows: each class is its own yes/no target, pulled towards
+    1/2 by ``smoothing`` (1 becomes 1 - smoothing/2, 0 becomes smoothing/2), as BCE-with-logits wants."""
+    return rows * (1.0 - smoothing) + smoothing / 2 if smoothing else rows
 
 
 def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

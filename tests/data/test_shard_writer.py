@@ -106,20 +106,20 @@ def test_list_targets_are_json_labels_exactly(tmp_path):
 def test_what_a_target_may_be_is_said_in_one_line():
     assert encode_target(0) == ("cls", b"0") and encode_target(np.int16(2**15 - 1)) == ("cls", b"32767")
     assert encode_target(2**31 - 1) == ("cls", b"2147483647")
+    assert encode_target(()) == encode_target([]) == ("json", b'{"labels":[]}')  # multi-hot: no class
     cases = {
         -1: "class index -1 is outside 0..2147483647",
         2**31: "class index 2147483648 is outside 0..2147483647",
         True: "target True (bool): use an int class index, or a list of class indices or numbers",
         "cat": "target 'cat' (str): use an int class index, or a list of class indices or numbers",
         None: "target None (NoneType): use an int class index, or a list of class indices or numbers",
-        (): "target (): a list target holds one or more finite numbers",
     }
     for target, message in cases.items():
         with pytest.raises(ValueError) as e:
             encode_target(target)
         assert one_line(e) == message
     for target in ([1, "a"], [float("nan")], [1.0, float("inf")], [True], np.zeros((2, 2))):
-        with pytest.raises(ValueError, match="a list target holds one or more finite numbers"):
+        with pytest.raises(ValueError, match="a list target holds finite numbers only"):
             encode_target(target)
 
 

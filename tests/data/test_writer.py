@@ -203,7 +203,7 @@ def test_pack_report_meta_and_header_exactly(tmp_path, caplog):
     meta = json.loads((dst / "meta.json").read_text())
     created = meta.pop("created")
     assert meta == {
-        "format_version": 2,
+        "format_version": 3,
         "classes": ["a", "b"],
         "source_root": str(src.resolve()),
         "records": 2,
@@ -211,7 +211,8 @@ def test_pack_report_meta_and_header_exactly(tmp_path, caplog):
     }
     assert datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z")
     header = np.fromfile(dst / INDEX_FILE, dtype=HEADER_DTYPE, count=1)[0]
-    assert (int(header["shard_size"]), int(header["reserved"]), int(header["classes"])) == (0, 0, 2)
+    assert (int(header["shard_size"]), int(header["classes"])) == (0, 2)
+    assert (int(header["target_kind"]), int(header["target_width"])) == (0, 0)  # class targets: no target block
     assert [p.name for p in dst.parent.iterdir()] == ["p"]  # no temporary left beside it
 
 

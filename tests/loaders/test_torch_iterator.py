@@ -400,12 +400,17 @@ def test_parts_are_joined_into_batches_in_the_passs_order():
     def part(batch, k, parts, offset, n):
         labels = np.arange(offset, offset + n) + 100 * batch
         return {"slot": batch + 10, "batch": batch, "part": k, "parts": parts, "offset": offset, "n": n,
-                "labels": labels, "boxes": None, "consumed": n, "bad": []}  # fmt: skip
+                "labels": labels, "indices": labels + 1000, "boxes": None, "consumed": n, "bad": []}  # fmt: skip
 
     arrived = [part(1, 0, 1, 0, 4), {"slot": IDLE}, part(2, 1, 2, 2, 2), part(0, 0, 1, 0, 4), part(2, 0, 2, 0, 2)]
     got = list(_whole_batches(iter(arrived)))
     assert [b["slot"] for b in got] == [10, 11, 12]
     assert [b["labels"].tolist() for b in got] == [[0, 1, 2, 3], [100, 101, 102, 103], [200, 201, 202, 203]]
+    assert [b["indices"].tolist() for b in got] == [
+        [1000, 1001, 1002, 1003],
+        [1100, 1101, 1102, 1103],
+        [1200, 1201, 1202, 1203],
+    ]
     assert got[2]["ranges"] == [(0, 2), (2, 2)] and got[2]["consumed"] == 4
 
 

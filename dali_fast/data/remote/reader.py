@@ -45,6 +45,7 @@ from ..base import check_on_error
 from ..checks import check_index
 from ..member_index import MemberIndexReader
 from ..shards import index_shard
+from ..targets import attach_targets, check_target
 from .cache import ShardCache, close_lock, open_lock
 from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
 from .stream import ShardStream
@@ -79,7 +80,8 @@ class RemoteShardsReader(MemberIndexReader):
     a reason of the store (credentials, access, endpoint, TLS, bucket, a full disk) raises a
     `errors.RemoteDataError` naming it.
     ``prefetch_next_epoch``: once this epoch's shards are local or under way, download the next epoch's
-    first shards too, as the budget allows (no stall when an epoch starts).
+    first shards too, as the budget allows (no stall when an epoch starts). ``target`` and ``num_classes``
+    as for local shards (`webdataset.WebDatasetReader`): target lists from each sample's ``.json``.
     """
 
     streaming = True  # the loaders use the streaming order (`loaders.shard_order.StreamingOrder`) over it
@@ -100,7 +102,11 @@ class RemoteShardsReader(MemberIndexReader):
         timeout: float = 60.0,
         chunk_bytes: int = CHUNK_BYTES,
         prefetch_next_epoch: bool = True,
+        target: str | None = None,
+        num_classes: int | None = None,
     ) -> None:
+        check_target(target, num_classes)
+        self.lists = target not in (None, "class")
         for name, value in (("shuffle_window", shuffle_window), ("download_threads", download_threads)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
@@ -131,6 +137,7 @@ class RemoteShardsReader(MemberIndexReader):
         self._bad: dict[int, ShardError] = {}  # shards that failed, with the error: reading them raises it
         self._reset_process_state()
         self._build()
+        attach_targets(self, target, num_classes)
         _READERS.add(self)
 
     # ------------------------------------------------------------------ open: the index
@@ -153,6 +160,11 @@ class RemoteShardsReader(MemberIndexReader):
         starts = np.cumsum([0] + [len(b) for b in blobs[:-1]])
         self._names = np.concatenate(blobs).astype(np.uint8)
         self._name_ends = np.concatenate([p["name_ends"] + o for p, o in zip(parts, starts, strict=True)])  # type: ignore[index]
+        at = np.cumsum([0] + [len(p["target_values"]) for p in parts[:-1]])  # type: ignore[index]
+        self._target_values = np.concatenate([p["target_values"] for p in parts]).astype(np.float64)  # type: ignore[index]
+        self._target_ends = np.concatenate([p["target_ends"] + o for p, o in zip(parts, at, strict=True)]).astype(
+            np.int64
+        )  # type: ignore[index]
         self.shard_crc = np.array([int(p["crc"]) for p in parts], dtype=np.int64)  # type: ignore[index]
         self.skipped: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["skipped"]]  # type: ignore[index,misc]
         self.damaged: list[tuple[str, str]] = [tuple(x) for p in parts for x in p["damaged"]]  # type: ignore[index,misc]
@@ -180,8 +192,13 @@ class RemoteShardsReader(MemberIndexReader):
                 f"{need} (two windows per rank) or a smaller shuffle_window"
             )
 
+    @property
+    def _salt(self) -> str:
+        """What else an index depends on than the shard: the label key, and whether it holds target lists."""
+        return f"{self.label_key}|lists" if self.lists else self.label_key
+
     def _index_path(self, s: int) -> Path:
-        return self.index_dir / f"{self.infos[s].key(self.label_key)}.npz"
+        return self.index_dir / f"{self.infos[s].key(self._salt)}.npz"
 
     def _shard_index(self, s: int) -> dict[str, Any]:
         """Shard ``s``'s member index, from ``index_dir`` or built from the shard (fetched into the cache)."""
@@ -204,6 +221,8 @@ class RemoteShardsReader(MemberIndexReader):
                 "labels": empty,
                 "names": np.empty(0, np.uint8),
                 "name_ends": empty,
+                "target_values": np.empty(0, np.float64),
+                "target_ends": empty,
                 "skipped": [],
                 "ignored": {},
                 "damaged": [(self.infos[s].url, f"cannot be indexed: {e}")],
@@ -244,7 +263,7 @@ class RemoteShardsReader(MemberIndexReader):
         local = self.cache.path(info.key())
         if not crc:  # already in the cache (from another process or an earlier index): the crc from the file
             crc.append(_crc_file(local))
-        found = index_shard(local, label_key=self.label_key, on_error="skip")
+        found = index_shard(local, label_key=self.label_key, on_error="skip", lists=self.lists)
         names = [n.encode("utf-8", "surrogateescape") for n in found.names]
         return {
             "offset": found.offsets.astype(np.int64),
@@ -252,6 +271,8 @@ class RemoteShardsReader(MemberIndexReader):
             "labels": found.labels.astype(np.int64),
             "names": np.frombuffer(b"".join(names), dtype=np.uint8).copy(),
             "name_ends": np.cumsum([len(x) for x in names], dtype=np.int64),
+            "target_values": found.target_values,
+            "target_ends": found.target_ends,
             "skipped": [(w.replace(str(local), info.url, 1), r) for w, r in found.skipped],
             "ignored": dict(found.ignored),
             "damaged": [(info.url, r) for _, r in found.damaged],
@@ -281,7 +302,7 @@ class RemoteShardsReader(MemberIndexReader):
 
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha1("|".join(s.key(self.label_key) for s in self.infos).encode()).hexdigest()[:16]
+        h = hashlib.sha1("|".join(s.key(self._salt) for s in self.infos).encode()).hexdigest()[:16]
         return f"remote-webdataset:{len(self)}:{h}"
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
@@ -353,7 +374,17 @@ class RemoteShardsReader(MemberIndexReader):
         return f"RemoteShardsReader({len(self.shards)} shards, records={len(self)}, classes={len(self.classes)})"
 
 
-_PICKLED = ("_shard_of", "_offset", "_size", "_labels", "_names", "_name_ends", "_bad")
+_PICKLED = (
+    "_shard_of",
+    "_offset",
+    "_size",
+    "_labels",
+    "_names",
+    "_name_ends",
+    "_target_values",
+    "_target_ends",
+    "_bad",
+)
 
 
 def _crc_file(path: Path) -> int:
@@ -364,8 +395,12 @@ def _crc_file(path: Path) -> int:
     return crc
 
 
+_ARRAYS = ("offset", "size", "labels", "names", "name_ends")
+_TARGET_ARRAYS = {"target_values": np.float64, "target_ends": np.int64}  # absent from indexes without lists
+
+
 def _pack_index(part: dict[str, Any]) -> dict[str, np.ndarray]:
-    out = {k: part[k] for k in ("offset", "size", "labels", "names", "name_ends")}
+    out = {k: part[k] for k in (*_ARRAYS, *_TARGET_ARRAYS)}
     out["crc"] = np.asarray(part["crc"], dtype=np.int64)
     meta = {k: part[k] for k in ("skipped", "ignored", "damaged")}
     out["meta"] = np.asarray(json.dumps(meta).encode(), dtype=bytes)
@@ -379,7 +414,8 @@ _NPY_LOAD = threading.Lock()
 def _load_index(path: Path) -> dict[str, Any] | None:
     try:
         with _NPY_LOAD, np.load(path) as z:
-            part = {k: z[k] for k in ("offset", "size", "labels", "names", "name_ends")}
+            part = {k: z[k] for k in _ARRAYS}
+            part.update((k, z[k] if k in z.files else np.empty(0, dtype)) for k, dtype in _TARGET_ARRAYS.items())
             part["crc"] = int(z["crc"])
             meta = json.loads(bytes(z["meta"]))
     except (OSError, KeyError, ValueError):
