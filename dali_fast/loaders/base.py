@@ -168,7 +168,6 @@ class LoaderBase:
                 "did you call super().__init__(dataset, batch_size, **kwargs)?"
             )
 
-    # ------------------------------------------------------------------ public surface
     batch_sampler = None  # batches are cut inside the loader (DataLoader's attribute, for frameworks that read it)
 
     @property

@@ -1,8 +1,11 @@
-"""Object storage: WebDataset shards at a URL (``s3://``, ``gs://``, ``https://``, any fsspec URL), read
+"""Object storage: WebDataset shards and Parquet files at a URL (``s3://``, ``gs://``, ``https://``, any fsspec URL), read
 through a node-local cache. A URL's open runs top to bottom through these files:
 
 - ``reader.py``: `RemoteShardsReader`, what `open_dataset` returns for a URL: it lists the shards, builds or
   loads each shard's member index, and serves records.
+- ``index_file.py``: a shard's member index as saved on the node's disk, and read back.
+- ``parquet.py``, ``parquet_index.py``: `RemoteParquetReader`, Parquet at a URL: its index from the
+  footers, row groups fetched by range into the same cache.
 - ``store.py``: the object store through fsspec: what a URL names, and each shard's bytes fetched by
   range requests, retried and checked.
 - ``cache.py``: the shard cache one node's processes share, within a byte budget.

@@ -26,12 +26,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
-import threading
 import weakref
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +44,7 @@ from ..member_index import MemberIndexReader
 from ..shards import index_shard
 from ..targets import attach_targets, check_target
 from .cache import ShardCache, close_lock, open_lock
+from .index_file import crc_file, load_index, pack_index
 from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
 from .stream import ShardStream
 
@@ -203,7 +201,7 @@ class RemoteShardsReader(MemberIndexReader):
     def _shard_index(self, s: int) -> dict[str, Any]:
         """Shard ``s``'s member index, from ``index_dir`` or built from the shard (fetched into the cache)."""
         path = self._index_path(s)
-        part = _load_index(path)
+        part = load_index(path)
         if part is not None:
             return part
         try:
@@ -234,11 +232,11 @@ class RemoteShardsReader(MemberIndexReader):
         fd = open_lock(path.with_suffix(".lock"))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it; the others wait and load it
-            part = _load_index(path)
+            part = load_index(path)
             if part is None:
                 part = self._make_index(s)
                 try:
-                    atomic_write(path, lambda f: np.savez(f, **_pack_index(part)))
+                    atomic_write(path, lambda f: np.savez(f, **pack_index(part)))
                 except OSError as e:
                     log.warning("cannot save the shard index %s (%s); the next open indexes it again", path, e)
             return part
@@ -262,7 +260,7 @@ class RemoteShardsReader(MemberIndexReader):
         info = self.infos[s]
         local = self.cache.path(info.key())
         if not crc:  # already in the cache (from another process or an earlier index): the crc from the file
-            crc.append(_crc_file(local))
+            crc.append(crc_file(local))
         found = index_shard(local, label_key=self.label_key, on_error="skip", lists=self.lists)
         names = [n.encode("utf-8", "surrogateescape") for n in found.names]
         return {
@@ -385,44 +383,3 @@ _PICKLED = (
     "_target_ends",
     "_bad",
 )
-
-
-def _crc_file(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-_ARRAYS = ("offset", "size", "labels", "names", "name_ends")
-_TARGET_ARRAYS = {"target_values": np.float64, "target_ends": np.int64}  # absent from indexes without lists
-
-
-def _pack_index(part: dict[str, Any]) -> dict[str, np.ndarray]:
-    out = {k: part[k] for k in (*_ARRAYS, *_TARGET_ARRAYS)}
-    out["crc"] = np.asarray(part["crc"], dtype=np.int64)
-    meta = {k: part[k] for k in ("skipped", "ignored", "damaged")}
-    out["meta"] = np.asarray(json.dumps(meta).encode(), dtype=bytes)
-    return out
-
-
-# np.load parses headers with ast, which CPython 3.11 cannot run in two threads at once (gh-106905)
-_NPY_LOAD = threading.Lock()
-
-
-def _load_index(path: Path) -> dict[str, Any] | None:
-    try:
-        with _NPY_LOAD, np.load(path) as z:
-            part = {k: z[k] for k in _ARRAYS}
-            part.update((k, z[k] if k in z.files else np.empty(0, dtype)) for k, dtype in _TARGET_ARRAYS.items())
-            part["crc"] = int(z["crc"])
-            meta = json.loads(bytes(z["meta"]))
-    except (OSError, KeyError, ValueError):
-        return None
-    if "damaged" not in meta:  # an index of an older version (damage counted as a sample): made again
-        return None
-    part["skipped"] = [tuple(x) for x in meta["skipped"]]
-    part["ignored"] = meta["ignored"]
-    part["damaged"] = [tuple(x) for x in meta["damaged"]]
-    return part
