@@ -1,3 +1,5 @@
+"""`python -m dali_fast`: the command line, as `dali-fast` runs it."""
+
 import sys
 
 from .cli import main
