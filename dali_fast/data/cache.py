@@ -18,6 +18,9 @@ class LRUCache:
     The cached bytes never exceed ``max_bytes``; an item larger than the whole budget is
     not cached (it passes through and counts as a miss).
 
+    Args:
+        max_bytes: the most bytes the cached values may hold together.
+
     >>> c = LRUCache(10)
     >>> c.put("a", b"12345", 5); c.put("b", b"12345", 5); c.get("a"); c.put("c", b"1", 1)
     >>> sorted(c.keys())   # "b" was least recently used
@@ -124,6 +127,10 @@ class CachedReader:
     """The reader interface over ``reader`` with its records kept in ``cache``.
 
     Cached values are private copies, so a hit costs no disk or page-cache access.
+
+    Args:
+        reader: the reader whose records are cached.
+        cache: the `LRUCache` that keeps them (one may serve several readers).
     """
 
     def __init__(self, reader: Reader, cache: LRUCache) -> None:

@@ -178,6 +178,11 @@ class ImageFolderReader:
     ``target="multihot"`` (with ``num_classes``) or ``"float"`` reads each image's targets from
     ``root/labels.csv`` (`read_labels_csv`); an image without a row there is left out and listed in
     ``skipped``. The class folders still give ``labels`` and ``classes``.
+
+    Args:
+        root: the ImageFolder root.
+        target: None or "class" (the class folders), "multihot" or "float" (``labels.csv``).
+        num_classes: K of ``target="multihot"``.
     """
 
     def __init__(self, root: str | os.PathLike, target: str | None = None, num_classes: int | None = None) -> None:

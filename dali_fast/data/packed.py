@@ -85,6 +85,11 @@ class MemmapReader:
     ``reader[i]`` returns a zero-copy ``uint8`` view of record ``i`` and its label. A set packed with
     targets (format version 3) yields them (``target_kind``, ``targets``): ``target=None`` takes the
     set's own kind, ``"class"`` its labels instead; ``num_classes``, when given, must be the set's.
+
+    Args:
+        path: the packed set's folder (``index.bin`` and its data files).
+        target: None, "class", "multihot" or "float", as above.
+        num_classes: K of a multi-hot set, checked against the set's.
     """
 
     reads_views = True  # batch reads are views of the map: reading ahead holds no memory and does no I/O

@@ -101,6 +101,14 @@ def make_synthetic(
     `make_multilabel_image`); the images are ``out/images/img_0000000.jpg`` ... and ``out/labels.csv``
     lists each one's classes (``images/img_0000000.jpg,0 3``): open it with
     ``open_dataset(out, target="multihot", num_classes=classes)``.
+
+    Args:
+        out: the folder to write (new, or empty).
+        images: the number of images.
+        classes: the number of classes (at most ``images``).
+        seed: the seed of the images' content.
+        progress: show a progress bar.
+        multi_label: write a multi-label set with ``labels.csv`` (above) instead of class folders.
     """
     if images < 1 or classes < 1:
         raise ValueError(f"images={images}, classes={classes}: both must be >= 1")

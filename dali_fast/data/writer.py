@@ -208,6 +208,20 @@ def pack(
     (`open_dataset`'s ``target``: each sample's ``.json``, ``labels.csv`` beside the class folders, a
     Parquet list column); a reader packs its own targets. A record whose target is bad (an index outside
     the classes, a number that is not finite) is left out and listed, as an undecodable image is.
+
+    Args:
+        src: an ImageFolder root, anything `open_dataset` opens (a URL too), or a reader.
+        dst: the packed set's folder; must not exist.
+        verify: decode every image once and leave out (and list) what does not decode.
+        max_side: re-encode images whose longer side exceeds this many pixels (None: keep every image).
+        progress: show a progress bar.
+        workers: processes that read, verify and re-encode (None: every CPU for large sets).
+        shard_size: the most bytes of each data file (None: one ``data.bin``).
+        target: pack each record's target rows too: "multihot" or "float" (None: the source's own kind).
+        num_classes: K of ``target="multihot"``.
+
+    Returns:
+        A `PackReport`: records, classes, bytes, what was left out and why.
     """
     t0 = time.perf_counter()
     for name, given in (("src", src), ("dst", dst)):

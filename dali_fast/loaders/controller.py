@@ -50,6 +50,20 @@ class BatchSizeController:
 
         controller = BatchSizeController(64, 1024, on_change=rescale_lr)
         loader = DALIIterator(dataset, batch_size=256, controller=controller)
+
+    Args:
+        min_batch: the smallest batch size it picks.
+        max_batch: the largest batch size it picks.
+        target_fraction: the share of the device's memory a peak may reach.
+        grow: the factor of a step up.
+        shrink: the factor of a step down.
+        multiple_of: sizes are rounded down to a multiple of this.
+        hysteresis: how far below the target a grown size's predicted peak must stay.
+        probe: what reads the peak memory (default: `memory_probes.default_probe`: NVML, the device and
+            torch's allocator on a GPU, this process's RSS otherwise).
+        on_change: called with (old, new) when the size changes.
+        sync_ranks: every rank decides from the highest peak of all ranks (under ``torch.distributed``).
+        release: called at each epoch's start, so cached blocks are not read as the epoch's need.
     """
 
     def __init__(

@@ -35,14 +35,42 @@ class DALIIterator(LoaderBase):
     ``images`` is NCHW (on the GPU in GPU mode, on the CPU in DALI's CPU-only mode), cropped,
     augmented, normalized and typed as ``recipe`` says (default: `Recipe()`, float32),
     ``labels`` int64 of shape (N,) on the same device (or the float32 target rows of a data set opened
-    with ``target="multihot"`` or ``"float"``, made from the records the batch holds). Each epoch yields each of this rank's
-    samples exactly once, whatever the prefetch depth, batch-size changes between epochs or
+    with ``target="multihot"`` or ``"float"``, made from the records the batch holds). Each epoch yields
+    each of this rank's samples exactly once, whatever the prefetch depth, batch-size changes between epochs or
     an early ``break``. The pipeline of an epoch that ended normally serves the next epoch of the same
     batch size (its source re-armed); a new batch size, a ``break`` or an error shuts it down and the
     next pass builds one seeded from (seed, epoch, rank, position), so an abandoned epoch leaves
     nothing in flight. With a resolution schedule (``Recipe(resolution=...)``), an epoch whose size
-    changed builds one pipeline for it; an epoch of the same size keeps the pipeline. ``close()`` shuts the kept pipeline down. Augmentation is reproducible for a
-    run with the same history; it continues the kept pipeline's random stream across epochs.
+    changed builds one pipeline for it; an epoch of the same size keeps the pipeline. ``close()`` shuts
+    the kept pipeline down. Augmentation is reproducible for a run with the same history; it continues
+    the kept pipeline's random stream across epochs.
+
+    Args:
+        dataset: a reader (`open_dataset`): ``len``, ``reader[i] -> (bytes, label)``, ``classes``.
+        batch_size: samples per batch (a controller may change it between epochs).
+        train_decode: how training decodes JPEGs: "whole" images (on a GPU's hardware JPEG engine, then
+            cropped), "roi" (the crop window only), or "auto" (None: ``DALI_FAST_TRAIN_DECODE``, else
+            "auto"), which picks the faster for the device (`doctor` says which).
+        **kwargs: the arguments every loader takes, with `TorchIterator`:
+
+            - ``train``: training order and augmentation (shuffled each epoch, random-resized crop, flip,
+              the recipe's extras) if True; evaluation (data set order, resize, centre crop) if False.
+            - ``image_size``: the output's side in pixels (default: the recipe's, 224).
+            - ``device``: "auto" (the GPU when CUDA is usable, else the CPU), "cuda" or "cpu".
+            - ``seed``: the seed of the order and the augmentation; (seed, epoch, rank) fix an epoch.
+            - ``drop_last``: leave out each epoch's last, short batch.
+            - ``cache_bytes``: bytes of encoded records an LRU cache in this process keeps (0: none).
+            - ``controller``: a `BatchSizeController`, which sets the batch size between epochs.
+            - ``num_threads``: decode threads; None: one per CPU of this rank.
+            - ``dtype``: the images' dtype (default: the recipe's, float32).
+            - ``rank``, ``world_size``: this process's shard (None: the process group's, else ``RANK`` and
+              ``WORLD_SIZE``, else one process).
+            - ``on_error``: a bad record: "raise" names it; "skip" leaves it out and counts it.
+            - ``prefetch``: batches prepared ahead of the one in use.
+            - ``memory_format``: the images' memory format (default: the recipe's).
+            - ``recipe``: the per-image transform, a `Recipe` (default: ``Recipe()``).
+            - ``even``: the same number of samples on every rank (default: ``train``); False repeats no
+              sample: exact evaluation, ``len()`` per rank.
 
     >>> loader = DALIIterator(open_dataset("data/train"), batch_size=256)   # doctest: +SKIP
     >>> for epoch in range(90):                                              # doctest: +SKIP

@@ -41,7 +41,15 @@ def make_loader(dataset: Reader, batch_size: int, *, backend: str = "auto", **kw
 
     ``"baseline"`` is `baseline.make_baseline_loader`, a plain DataLoader: it takes ``train``,
     ``image_size``, ``num_workers``, ``drop_last``, ``seed``, ``on_error`` and ``recipe``; what it cannot
-    honour (a cache, a controller, a device...) is refused in one line, unless left at its default."""
+    honour (a cache, a controller, a device...) is refused in one line, unless left at its default.
+
+    Args:
+        dataset: a reader (`open_dataset`).
+        batch_size: samples per batch.
+        backend: "dali" (`DALIIterator`), "torch" (`TorchIterator`), "baseline" (a plain DataLoader) or
+            "auto" (DALI where it runs, else TorchIterator).
+        **kw: the chosen loader's arguments (`DALIIterator` lists those every loader takes).
+    """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use 'auto', 'dali', 'torch' or 'baseline'")
     if backend == "baseline":

@@ -75,6 +75,14 @@ class TorchIterator(LoaderBase):
     cpu). The sample order is identical to `DALIIterator` for the same (seed, epoch, rank). With
     ``cache_bytes`` the LRU cache lives in the main process (shared by all workers, exact statistics):
     it reads encoded bytes through the cache and hands them to the workers with the indices.
+
+    Args:
+        dataset: a reader (`open_dataset`).
+        batch_size: samples per batch (a controller may change it between epochs).
+        num_workers: decode processes; None: one per CPU of this rank, 0 (decode in this process) on one.
+        **kwargs: the arguments every loader takes: ``train``, ``image_size``, ``device``, ``seed``,
+            ``drop_last``, ``cache_bytes``, ``controller``, ``dtype``, ``rank``, ``world_size``,
+            ``on_error``, ``prefetch``, ``memory_format``, ``recipe``, ``even``, as `DALIIterator` lists them.
     """
 
     backend = "torch"

@@ -35,6 +35,16 @@ class MixupCutmix:
     ``"multihot"`` or ``"float"`` (float rows ``(N, num_classes)``, as the loaders yield them for such data
     sets). Rows are mixed as they are, with the images' ``lam``; label smoothing applies per class to
     multi-hot rows (`smooth_multihot`) and is refused for float rows (no class to smooth towards).
+
+    Args:
+        alpha_mixup: Beta's parameter of mixup's lam (0: no mixup).
+        alpha_cutmix: Beta's parameter of cutmix's lam (0: no cutmix).
+        prob: the probability that a batch is mixed.
+        switch_prob: the probability of cutmix rather than mixup when both are on.
+        label_smoothing: the smoothing of the targets.
+        num_classes: K, the width of the target rows.
+        seed: the seed of the draws.
+        target: "class", "multihot" or "float", as above.
     """
 
     def __init__(
