@@ -62,7 +62,9 @@ def main() -> None:
     )
     m = result["machine"]
     where = m["gpu"] or f"{m['cpu_count']} CPU cores, no GPU (DALI CPU-only mode)"
-    print(f"\n{args.images} images, {args.epochs} timed epochs, batch {args.batch_size}, {args.image_size}px on {where}\n")
+    print(
+        f"\n{args.images} images, {args.epochs} timed epochs, batch {args.batch_size}, {args.image_size}px on {where}\n"
+    )
     print(table(result["rows"]))
     (out / "recipes.json").write_text(json.dumps(result["rows"], indent=1, default=str))
     print(f"\nwrote {out / 'results.json'}")

@@ -23,6 +23,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 SITE_PAGES = {"docker/README.md": "docker.md", "CONTRIBUTING.md": "contributing.md"}  # files included as pages
 IDENTIFIER = re.compile(r"^::: (dali_fast(?:\.\w+)+)[ \t]*$", re.M)
 
+
 def _module_exists(dotted: str) -> bool:
     path = ROOT.joinpath(*dotted.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
