@@ -346,23 +346,25 @@ def test_remote_shards_carry_target_lists(tmp_path, monkeypatch):
     shards = write_shards(tmp_path / "shards", "multihot", "list")
     server = S3Server()
     try:
-        server.client.create_bucket(Bucket="data")
+        server.client.create_bucket(Bucket="target-lists")  # moto keeps one store per process: a bucket of its own
         for p in sorted(shards.iterdir()):
-            server.client.put_object(Bucket="data", Key=p.name, Body=p.read_bytes())
+            server.client.put_object(Bucket="target-lists", Key=p.name, Body=p.read_bytes())
         kw = {"storage_options": {"endpoint_url": server.endpoint}, "cache_dir": tmp_path / "c"}
-        reader = open_dataset("s3://data/train-{000000..000001}.tar", target="multihot", num_classes=K, **kw)
+        reader = open_dataset("s3://target-lists/train-{000000..000001}.tar", target="multihot", num_classes=K, **kw)
         assert isinstance(reader, RemoteShardsReader) and reader.target_kind == "multihot"
         loader = loader_class("torch")(reader, 4, train=True, image_size=16, num_workers=0)
         seen = [i for _, t in loader for i in check_rows(reader, loader, t, "multihot")]
         assert sorted(seen) == list(range(N))
         index = sorted((tmp_path / "c" / "index").glob("*.npz"))
         with pytest.raises(
-            ValueError, match=r"^record 0 \(s3://data/train-000000.tar:img00.jpg\) has 0 target numbers"
+            ValueError, match=r"^record 0 \(s3://target-lists/train-000000.tar:img00.jpg\) has 0 target numbers"
         ):
-            open_dataset("s3://data/train-{000000..000001}.tar", target="float", **kw)  # the saved index, as float
+            open_dataset(
+                "s3://target-lists/train-{000000..000001}.tar", target="float", **kw
+            )  # the saved index, as float
         assert len(index) == 2 and sorted((tmp_path / "c" / "index").glob("*.npz")) == index
         with pytest.raises(ValueError, match="no samples with an image and a label in 2 remote shards"):
-            open_dataset("s3://data/", **kw)  # class targets: indexed apart, by the label rules
+            open_dataset("s3://target-lists/", **kw)  # class targets: indexed apart, by the label rules
         assert len(list((tmp_path / "c" / "index").glob("*.npz"))) == 4
     finally:
         server.stop()
