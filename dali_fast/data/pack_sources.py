@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..transforms.decode import verdict
 from .base import LabelledReader, Reader, provides, read_batch_checked
 from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded, pillow_reason
 from .folder import LABELS_CSV, read_labels_csv, scan_image_folder
 from .targets import ListTargets, reader_targets
+from .verify import verdict
 from .webdataset import WebDatasetReader
 
 _READER: Reader | None = None

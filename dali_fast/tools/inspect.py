@@ -19,9 +19,9 @@ from ..data.checks import check_label
 from ..data.open import open_dataset
 from ..data.packed import MemmapReader
 from ..data.targets import reader_targets
+from ..data.verify import verdict
 from ..machine import available_cpus, die_with_parent
 from ..text import plural, progress_bar
-from ..transforms.decode import verdict
 
 VERIFY_CHUNK = 64  # records per task handed to a verify worker
 VERIFY_SMALL = 256  # below this many records, verify in this process (starting workers costs more)

@@ -12,20 +12,24 @@ Damaged JPEG data: libjpeg-turbo reports damage in a JPEG's compressed data ("Co
 "Premature end of JPEG file") as a warning and goes on, filling what it lost with grey or smeared
 pixels; Pillow says nothing at all. Here such a JPEG is a bad record (`CorruptJpeg`), whichever path
 decodes it: the fast path decodes strictly (simplejpeg's ``strict``, which costs a good image nothing),
-and a JPEG that goes to Pillow is first decoded strictly at 1/8 scale (`jpeg_damage`). `verdict` is
-the rule as `pack` and ``inspect --verify`` apply it.
+and a JPEG that goes to Pillow is first decoded strictly at 1/8 scale (`jpeg_damage`). The strict decode
+and `verdict`, the rule as `pack` and ``inspect --verify`` apply it, live in `data.verify`, which writing
+a data set shares.
 """
 
 from __future__ import annotations
 
-import functools
-import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..data.checks import check_encoded, pillow_reason
+from ..data.verify import (
+    damage_reason,
+    jpeg_damage,
+    open_image,
+    simplejpeg_module,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -33,13 +37,6 @@ if TYPE_CHECKING:
 EXIF_ORIENTATION = 0x0112
 _SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees
 _WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
-
-
-def open_image(data: bytes | np.ndarray) -> Image.Image:
-    """A lazily decoded Pillow image of an encoded record (not yet loaded: `draft` still possible)."""
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data if isinstance(data, bytes) else np.asarray(data).tobytes()))
 
 
 def orientation(im: Image.Image) -> int:
@@ -196,7 +193,7 @@ def fast_path_header(data: bytes | np.ndarray) -> JpegHeader | None:
     """The header of a JPEG the fast decoder serves exactly as `to_rgb` would (8-bit, 1 or 3 components
     in gray or YCbCr, no Adobe colour transform; its EXIF orientation is applied after the decode, as
     `to_rgb` applies it), else None: the general path decodes it."""
-    if _simplejpeg() is None:
+    if simplejpeg_module() is None:
         return None
     head = jpeg_header(data)
     if (
@@ -209,7 +206,7 @@ def fast_path_header(data: bytes | np.ndarray) -> JpegHeader | None:
     ):
         return None
     try:
-        _, _, colorspace, _ = _simplejpeg().decode_jpeg_header(data)
+        _, _, colorspace, _ = simplejpeg_module().decode_jpeg_header(data)
     except ValueError:
         return None
     return head if colorspace in _FAST_COLORSPACES else None
@@ -226,70 +223,6 @@ def oriented(pixels: np.ndarray, rot: int) -> np.ndarray:
 
 class CorruptJpeg(ValueError):
     """libjpeg-turbo reported damage in a JPEG's compressed data (the message is the reason)."""
-
-
-# libjpeg-turbo's warnings that mean lost or invented pixels (jerror.h: JWRN_HIT_MARKER, JWRN_HUFF_BAD_CODE,
-# JWRN_EXTRANEOUS_DATA, JWRN_MUST_RESYNC, JWRN_ARITH_BAD_CODE, JWRN_JPEG_EOF, JWRN_BOGUS_PROGRESSION). Its
-# other warnings (an unknown JFIF revision, odd scan parameters) leave the pixels whole.
-_DAMAGE = ("Corrupt JPEG data", "Premature end of JPEG file", "Inconsistent progression sequence")
-
-
-def damage_reason(message: str) -> str | None:
-    """The bad-record reason for libjpeg-turbo's ``message`` when it reports damage, else None."""
-    if message.startswith(_DAMAGE):
-        return f"corrupt JPEG (libjpeg-turbo: {message})"
-    return None
-
-
-def _strict_decode(data: bytes | np.ndarray) -> tuple[bool, str | None]:
-    """A JPEG decoded strictly by libjpeg-turbo at 1/8 scale (every bit of its scans is still read):
-    (whether it decoded whole, why it is damaged). (False, None): not a JPEG, or one libjpeg-turbo cannot
-    read at all (a fatal error, or a warning that is no damage: Pillow's verdict then decides)."""
-    sj = _simplejpeg()
-    if sj is None or len(data) < 3 or bytes(data[:3]) != b"\xff\xd8\xff":
-        return False, None
-    try:
-        _, _, colorspace, _ = sj.decode_jpeg_header(data)
-        to = {"CMYK": "CMYK", "YCCK": "CMYK", "Gray": "GRAY"}.get(colorspace, "RGB")
-        sj.decode_jpeg(data, colorspace=to, min_width=1, min_height=1, min_factor=8, strict=True)
-    except ValueError as e:
-        return False, damage_reason(str(e))
-    return True, None
-
-
-def jpeg_damage(data: bytes | np.ndarray) -> str | None:
-    """Why libjpeg-turbo finds a JPEG's compressed data damaged, or None (whole, not a JPEG, or one it
-    cannot read at all). A strict decode at 1/8 scale: about two thirds of a full decode's time."""
-    return _strict_decode(data)[1]
-
-
-def verdict(data: bytes | np.ndarray, name: str | None = None) -> str | None:
-    """Why a record is bad by the one rule, reading all of it, or None: the structural checks
-    (`check_encoded`, the pixel limit included), then a JPEG's strict decode by libjpeg-turbo (damage
-    reported is bad; decoded whole is good), and Pillow's decode for everything else. What `pack` and
-    ``inspect --verify`` apply to every record; ``name`` (the file) is put in Pillow's words for it."""
-    reason = check_encoded(data)
-    if reason is not None:
-        return reason
-    whole, reason = _strict_decode(data)
-    if whole or reason is not None:
-        return reason
-    try:
-        with open_image(data) as im:
-            im.load()
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        return pillow_reason(e, name)
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def _simplejpeg() -> Any:
-    """The simplejpeg module (libjpeg-turbo), or None where it is not installed."""
-    try:
-        import simplejpeg
-    except ImportError:
-        return None
-    return simplejpeg
 
 
 def reduction(width: int, height: int, need: tuple[int, int]) -> int:
@@ -327,7 +260,7 @@ class Decoder:
         return Opened(self, data, width, height, None, im)
 
     def _fast(self, data: bytes | np.ndarray, head: JpegHeader, k: int) -> np.ndarray:
-        sj = _simplejpeg()
+        sj = simplejpeg_module()
         w, h = -(-head.width // k), -(-head.height // k)
         size = w * h * 3
         kw: dict[str, Any] = {"colorspace": "RGB"}

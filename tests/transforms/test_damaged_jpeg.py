@@ -55,7 +55,7 @@ def damaged() -> dict[str, bytes]:
 def test_pillow_hides_the_damage_that_libjpeg_turbo_reports(damaged):
     """The premise: both pass the structural check and Pillow decodes both; libjpeg-turbo names the damage."""
     from dali_fast.data.checks import check_encoded
-    from dali_fast.transforms.decode import jpeg_damage
+    from dali_fast.data.verify import jpeg_damage
 
     for data in damaged.values():
         assert check_encoded(data) is None
@@ -75,7 +75,8 @@ def test_the_decoder_refuses_damage_on_either_path_full_or_scaled(good):
     """The fast path (baseline, progressive, gray, EXIF-rotated) and the general one (CMYK, through
     Pillow) alike: `CorruptJpeg` with libjpeg-turbo's words, at full scale and when a draft scale is
     asked for; the whole file decodes."""
-    from dali_fast.transforms.decode import CorruptJpeg, jpeg_damage, verdict
+    from dali_fast.data.verify import jpeg_damage, verdict
+    from dali_fast.transforms.decode import CorruptJpeg
 
     assert Decoder().open(good).decode().shape[2] == 3
     for name, data in odd_images.damaged_scans(good).items():
