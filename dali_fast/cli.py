@@ -90,9 +90,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
     """The recipe the flags describe (a bad combination is one line, before any work)."""
+    import torch
+
     from .transforms.recipe import Recipe
 
+    dtype = getattr(args, "dtype", None)
     return Recipe(
+        dtype=getattr(torch, dtype) if dtype else None,
         image_size=args.image_size,
         auto_augment=None if augment in (None, "none") else augment,
         random_erasing=args.random_erasing,

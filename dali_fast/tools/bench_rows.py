@@ -20,7 +20,8 @@ from ..text import progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix
-from ..transforms.recipe import Recipe
+from ..transforms.recipe import Recipe, resolve_recipe
+from .ffcv_row import FFCV
 
 log = logging.getLogger(__name__)
 
@@ -174,17 +175,23 @@ def loader_row(
     # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
     workers = available_cpus()
     iterator_only = {"cache_bytes": cache_bytes, "controller": ctrl} if kind != "baseline" else {}
-    loader = make_loader(
-        reader,
-        batch_size,
-        backend=kind,
-        train=True,
-        image_size=image_size,
-        num_workers=workers,
-        on_error=on_error,
-        recipe=recipe,
-        **iterator_only,
-    )
+    if kind == FFCV:  # FFCV's own Loader over its .beton of the same data, written once into the cache
+        from .ffcv_row import FFCVLoader, write_beton
+
+        ffcv_recipe = resolve_recipe(recipe, image_size=image_size)
+        loader: Any = FFCVLoader(write_beton(reader, workers), batch_size, workers, ffcv_recipe)
+    else:
+        loader = make_loader(
+            reader,
+            batch_size,
+            backend=kind,
+            train=True,
+            image_size=image_size,
+            num_workers=workers,
+            on_error=on_error,
+            recipe=recipe,
+            **iterator_only,
+        )
     mixer = MixupCutmix(**mix, num_classes=len(reader.classes)) if mix else None
     trainer = Trainer(model, len(reader.classes), mix=mixer) if model != "none" else None
     gpu = torch.cuda.is_available()
