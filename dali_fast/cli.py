@@ -259,6 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .data.remote.errors import RemoteDataError
 
     try:
+        from .data.checks import apply_pixel_limit_env
+
+        if getattr(args, "dataset", None) == "":  # Path("") is the current folder
+            raise UserError("the data set is an empty path (''); name a folder, shards or a URL")
+        apply_pixel_limit_env()
         with _log_above_bars():
             return int(COMMANDS[args.command](args) or 0)
     except (UserError, ValueError, FileNotFoundError, FileExistsError, RemoteDataError) as e:

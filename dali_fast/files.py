@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -127,13 +128,43 @@ def atomic_dir(path: str | Path, *, doing: str = "writing", what: str = "run") -
 
 def check_writable_folder(path: str | Path, what: str) -> None:
     """Fail now, in one line, if folder ``path`` could not be created or written later (``what`` names it)."""
+    why = _unwritable(Path(path))
+    if why is not None:
+        raise ValueError(f"{what} {path}: {why}; choose another path")
+
+
+def check_writable_file(path: str | Path, what: str) -> None:
+    """Fail now, in one line, if file ``path`` could not be written later: a folder there, an existing
+    file that cannot be opened for writing, or a folder for it that cannot be made or written."""
     path = Path(path)
+    why = "is a folder, not a file" if path.is_dir() else None
+    if why is None and path.exists():
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            why = f"cannot write it ({e.strerror or e})"
+    elif why is None:
+        why = _unwritable(path.parent)
+    if why is not None:
+        raise ValueError(f"{what} {path}: {why}; choose another path")
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why folder ``path`` could not be made or written, or None: a file is made and removed in it, or in
+    the nearest folder above it that exists (permission bits do not tell: root passes them, and a
+    read-only mount, /proc or /sys refuse anyway)."""
     probe = path
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise ValueError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
-    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: {probe} is not writable; choose another path")
+        return f"{probe} is a file, not a folder"
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".dali_fast-probe-")
+    except OSError as e:
+        return f"cannot write in {probe} ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(name)
+    return None

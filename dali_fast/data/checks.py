@@ -1,9 +1,16 @@
 """Checks of one record that cost O(1) or a walk of its headers, never a decode: what a bad record
-would break first (a DALI pipeline dies on a JPEG it cannot parse), each verdict a reason in words."""
+would break first (a DALI pipeline dies on a JPEG it cannot parse), each verdict a reason in words.
+
+The pixel limit: an image of more pixels than `pixel_limit` (Pillow's decompression-bomb guard, 2 x
+``PIL.Image.MAX_IMAGE_PIXELS``) is refused by every loader and by `pack`, from its header (a JPEG's
+frame, a PNG's IHDR), before any decoder sees it; DALI's decoders have no such guard of their own.
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 import numpy as np
 
@@ -14,6 +21,49 @@ _JPEG_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RST0-7: markers without a 
 JPEG_SOI_BYTES, JPEG_EOI_BYTES = np.frombuffer(JPEG_SOI, np.uint8), np.frombuffer(JPEG_EOI, np.uint8)
 PNG_SIGNATURE_BYTES, PNG_IEND_BYTES = np.frombuffer(PNG_SIGNATURE, np.uint8), np.frombuffer(PNG_IEND, np.uint8)
 QUICK_MIN = 20  # bytes: records shorter (no real image is) get the full check instead of the quick look
+_JPEG_FRAMES = {*range(0xC0, 0xD0)} - {0xC4, 0xC8, 0xCC}  # SOF0-15: not DHT, JPG, DAC
+PILLOW_MAX_IMAGE_PIXELS = 1024 * 1024 * 1024 // 4 // 3  # Pillow's default Image.MAX_IMAGE_PIXELS
+PIXELS_ENV = "DALI_FAST_MAX_PIXELS"  # the dali-fast command's pixel limit (`apply_pixel_limit_env`)
+
+
+def pixel_limit() -> int | None:
+    """The most pixels an image may have: twice ``PIL.Image.MAX_IMAGE_PIXELS`` (178,956,970 by default),
+    where Pillow refuses an image as a possible decompression bomb, so that every decoder stops where
+    Pillow does; None when it is None (no limit). Read at each call: a script may change it."""
+    pil = sys.modules.get("PIL.Image")  # not imported: nobody changed it
+    most = pil.MAX_IMAGE_PIXELS if pil is not None else PILLOW_MAX_IMAGE_PIXELS
+    return None if most is None else 2 * int(most)
+
+
+def too_many_pixels(width: int, height: int, limit: int | None) -> str | None:
+    """Why an image of ``width`` x ``height`` is refused under ``limit`` (see `pixel_limit`), or None."""
+    if limit is None or max(1, width) * max(1, height) <= limit:
+        return None
+    return (
+        f"{width}x{height} pixels ({width * height:,}), over the limit of {limit:,} (twice "
+        "PIL.Image.MAX_IMAGE_PIXELS, Pillow's decompression-bomb guard); if the image is genuine, raise it: "
+        f"PIL.Image.MAX_IMAGE_PIXELS in Python (None: no limit), {PIXELS_ENV}=<pixels> or none for dali-fast"
+    )
+
+
+def apply_pixel_limit_env() -> None:
+    """Set the pixel limit from ``$DALI_FAST_MAX_PIXELS`` (a number of pixels, or ``none``), where set: the
+    dali-fast command's way to raise it (a script sets ``PIL.Image.MAX_IMAGE_PIXELS`` itself)."""
+    text = os.environ.get(PIXELS_ENV)
+    if text is None:
+        return
+    from PIL import Image
+
+    if text.strip().lower() == "none":
+        Image.MAX_IMAGE_PIXELS = None
+        return
+    try:
+        most = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        most = 0
+    if most < 1:
+        raise ValueError(f"{PIXELS_ENV}={text!r}: give the most pixels an image may have, e.g. 250000000, or none")
+    Image.MAX_IMAGE_PIXELS = (most + 1) // 2  # Pillow refuses above twice its value
 
 
 def check_index(i: int, n: int) -> int:
@@ -50,7 +100,8 @@ def check_encoded(data: np.ndarray | bytes) -> str | None:
 
 
 def _check_jpeg(buf: bytes | memoryview) -> str | None:
-    """Walk the marker segments to the first scan, then look for an end-of-image marker after it.
+    """Walk the marker segments to the first scan, then look for an end-of-image marker after it; the
+    frame header's size is held to the pixel limit.
 
     Entropy-coded data cannot contain 0xFFD9 (0xFF is stuffed), and an EXIF thumbnail's own end
     marker sits inside an APP segment that the walk skips, so it cannot pass for the image's.
@@ -58,6 +109,7 @@ def _check_jpeg(buf: bytes | memoryview) -> str | None:
     found at once, where a search from the scan's start would read the whole image.
     """
     n, pos = len(buf), 2
+    size: tuple[int, int] | None = None  # (width, height) from the frame header
     for _ in range(n):  # each segment moves on by 2 bytes or more: bounded, whatever the bytes say
         while pos + 1 < n and buf[pos] == 0xFF and buf[pos + 1] == 0xFF:
             pos += 1  # fill bytes
@@ -79,15 +131,19 @@ def _check_jpeg(buf: bytes | memoryview) -> str | None:
         end = pos + 2 + length
         if end > n:
             return "truncated JPEG (ends inside its headers)"
+        if marker in _JPEG_FRAMES and length >= 7:  # precision, height, width
+            size = ((buf[pos + 7] << 8) | buf[pos + 8], (buf[pos + 5] << 8) | buf[pos + 6])
         if marker == 0xDA:  # start of scan: compressed data follows
             found = buf.rfind(JPEG_EOI, end) if isinstance(buf, bytes) else buf[end:].tobytes().rfind(JPEG_EOI)
-            return None if found >= 0 else "truncated JPEG (no end-of-image marker)"
+            if found < 0:
+                return "truncated JPEG (no end-of-image marker)"
+            return too_many_pixels(*size, pixel_limit()) if size else None
         pos = end
     return "truncated JPEG (no scan)"
 
 
 def _check_png(buf: bytes | memoryview) -> str | None:
-    """Walk the chunks (length, type, data, crc) to IEND."""
+    """Walk the chunks (length, type, data, crc) to IEND; the size in IHDR is held to the pixel limit."""
     n, pos = len(buf), 8
     for _ in range(n):  # each chunk moves on by 12 bytes or more: bounded
         if pos + 12 > n:
@@ -100,13 +156,17 @@ def _check_png(buf: bytes | memoryview) -> str | None:
         if pos > n:
             return "truncated PNG (a chunk runs past the end)"
         if kind == b"IEND":
-            return None
+            if buf[12:16] != b"IHDR":  # the first chunk; Pillow refuses a PNG without it
+                return "corrupt PNG (no IHDR chunk first)"
+            width, height = int.from_bytes(buf[16:20], "big"), int.from_bytes(buf[20:24], "big")
+            return too_many_pixels(width, height, pixel_limit())
     return "truncated PNG (no IEND chunk)"
 
 
-def pillow_reason(error: BaseException) -> str:
-    """Why Pillow could not read a record, without Pillow's `<_io.BytesIO object at 0x…>` stand-in for its name."""
-    text = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "the record", str(error))
+def pillow_reason(error: BaseException, name: str | None = None) -> str:
+    """Why Pillow could not read a record: Pillow's `<_io.BytesIO object at 0x…>` stand-in for the file
+    replaced by ``name``, or left out when the message names the record already."""
+    text = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", f" {name}" if name else "", str(error))
     return f"undecodable: {type(error).__name__}: {text}"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,26 +21,43 @@ log = logging.getLogger(__name__)
 
 
 # pragma: no mutate start (ImageFolder reading and the read pool's threads, which mutmut's tracing of tests does not follow)
-def scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path], list[tuple[str, str]]]:
-    """Classes (sorted sub-folders), (file, label) pairs, files with other extensions, and the folders
-    that could not be listed (with the reason): their files are left out, never silently."""
+def scan_image_folder(
+    root: Path, *, broken_links_are_records: bool = True
+) -> tuple[list[str], list[tuple[Path, int]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Classes (sorted sub-folders), (file, label) pairs, what is not an image (path, what it is), and the
+    folders that could not be listed (with the reason): their files are left out, never silently.
+
+    An image is a file (or a link to a file) named .jpg/.jpeg/.png. Not images: files of other names (but
+    hidden ones), a link to a folder (not followed, as `os.walk` does not), anything else that is not a
+    file, and (without ``broken_links_are_records``, as `pack` scans) a link that loops or leads nowhere;
+    a reader keeps such a link as a record, bad when read and named by the loaders like a file that
+    vanished. Each folder's files come in name order, then its sub-folders'."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items: list[tuple[Path, int]] = []
-    other: list[Path] = []
+    other: list[tuple[str, str]] = []
     unlisted: list[tuple[str, str]] = []
-
-    def failed(error: OSError) -> None:
-        unlisted.append((str(error.filename), f"folder cannot be listed: {error.strerror or error}"))
-
     for label, name in enumerate(classes):
-        for dirpath, dirnames, filenames in os.walk(root / name, onerror=failed):
-            dirnames.sort()
-            for f in sorted(filenames):
-                p = Path(dirpath) / f
-                if f.lower().endswith(IMAGE_EXTENSIONS):
+        folders = [root / name]
+        while folders:
+            folder = folders.pop()
+            try:
+                with os.scandir(folder) as listing:
+                    entries = sorted(listing, key=lambda e: e.name)
+            except OSError as e:
+                unlisted.append((str(folder), f"folder cannot be listed: {e.strerror or e}"))
+                continue
+            subfolders = []
+            for entry in entries:
+                p = Path(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    subfolders.append(p)
+                    continue
+                what = _not_an_image(entry, broken_links_are_records)
+                if what is None:
                     items.append((p, label))
-                elif not f.startswith("."):
-                    other.append(p)
+                elif what:
+                    other.append((str(p), what))
+            folders.extend(reversed(subfolders))  # depth first, in name order
     empty = sorted(set(range(len(classes))) - {label for _, label in items})
     if empty and items:
         names = ", ".join(f"{classes[k]!r} (label {k})" for k in empty[:5]) + (" ..." if len(empty) > 5 else "")
@@ -52,6 +70,28 @@ def scan_image_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], li
             root,
         )
     return classes, items, other, unlisted
+
+
+def _not_an_image(entry: os.DirEntry, broken_links_are_records: bool) -> str | None:
+    """What a folder entry (not a folder itself) is when it is not an image, "" for a hidden file of
+    another name (passed over in silence), None for an image file. Only links cost a system call."""
+    image = entry.name.lower().endswith(IMAGE_EXTENSIONS)
+    if entry.is_symlink():
+        try:
+            target = os.stat(entry.path)
+        except OSError as e:
+            if broken_links_are_records and image:
+                return None
+            return f"a link that loops or leads nowhere ({e.strerror or e})"
+        if stat.S_ISDIR(target.st_mode):
+            return "a link to a folder (not followed)"
+        if not stat.S_ISREG(target.st_mode):
+            return "a link to something that is not a file"
+    elif not entry.is_file(follow_symlinks=False):
+        return "not a file (a device, pipe or socket)"
+    if image:
+        return None
+    return "" if entry.name.startswith(".") else "not a .jpg/.jpeg/.png file"
 
 
 def _read_file(path: str) -> np.ndarray:
@@ -76,9 +116,12 @@ class ImageFolderReader:
         self.path = Path(root)
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: no such folder")
-        self.classes, items, _, self.skipped = scan_image_folder(self.path)
+        self.classes, items, other, self.skipped = scan_image_folder(self.path)
         for folder, reason in self.skipped:
             log.warning("left out %s: %s", folder, reason)
+        for path, what in other:  # named like an image but not one: a user would expect it read
+            if path.lower().endswith(IMAGE_EXTENSIONS):
+                log.warning("not an image, ignored: %s (%s)", path, what)
         if not items:
             raise ValueError(
                 f"{self.path}: no .jpg/.jpeg/.png files under class sub-folders; expected ROOT/<class>/<image>"

@@ -22,6 +22,8 @@ def open_dataset(path: str | os.PathLike, **reader_kw: object) -> Reader:
     ``image_column=`` and ``label_column=`` go to `parquet.ParquetReader`, which needs pyarrow) or an
     ImageFolder root. A URL (``s3://``, ``gs://``, ``https://``, any fsspec URL) names remote WebDataset
     shards, streamed through a node-local cache (`remote.RemoteShardsReader`, which takes the keywords)."""
+    if not str(path):  # Path("") is the current folder
+        raise ValueError("the data set is an empty path (''); name a folder, shards or a URL")
     if is_remote(path):
         if is_parquet(str(path).rstrip("/")):
             raise ValueError(

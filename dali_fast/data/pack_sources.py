@@ -11,37 +11,53 @@ from pathlib import Path
 
 import numpy as np
 
+from ..transforms.decode import verdict
 from .base import LabelledReader, Reader, provides, read_batch_checked
-from .checks import check_encoded, pillow_reason
+from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded, pillow_reason
 
 _READER: Reader | None = None
 
 
 # pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
-def _prepare(raw: bytes, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """(bytes to store, reason it was rejected, whether it was re-encoded)."""
+def _prepare(raw: bytes, verify: bool, max_side: int | None, name: str) -> tuple[bytes | None, str | None, bool]:
+    """(bytes to store, reason it was left out, whether it was re-encoded) for the image file ``name``.
+
+    ``verify`` decodes it by the one rule (`verdict`: a JPEG strictly, so that damage libjpeg-turbo
+    reports leaves it out); without it, only the structural check. Either way the pixel limit holds."""
     if not raw:
         return None, "empty file", False
-    if not verify and max_side is None:
-        reason = check_encoded(raw)
-        return (None, reason, False) if reason else (raw, None, False)
+    reason = verdict(raw, name) if verify else check_encoded(raw)
+    if reason is not None:
+        return None, _unsupported(raw) or reason, False
+    if max_side is None:
+        return raw, None, False
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(raw)) as im:
-            fmt = im.format
-            if fmt not in ("JPEG", "PNG"):
-                return None, f"unsupported format {fmt}; only JPEG and PNG are packed", False
-            im.load()
-            if max_side is not None and max(im.size) > max_side:
+            if max(im.size) > max_side:
                 scale = max_side / max(im.size)
                 size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
                 out = io.BytesIO()
                 im.convert("RGB").resize(size, Image.BILINEAR, reducing_gap=3.0).save(out, "JPEG", quality=90)
                 return out.getvalue(), None, True
+            im.load()
     except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad files; each is reported
-        return None, pillow_reason(e), False
+        return None, pillow_reason(e, name), False
     return raw, None, False
+
+
+def _unsupported(raw: bytes) -> str | None:
+    """ "unsupported format X" for an image Pillow knows that is neither JPEG nor PNG, else None."""
+    if raw[:3] == JPEG_SOI or raw[:8] == PNG_SIGNATURE:
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            return f"unsupported format {im.format}; only JPEG and PNG are packed"
+    except Exception:  # noqa: BLE001 - not an image Pillow knows either: the structural reason stands
+        return None
 
 
 # pragma: no mutate end
@@ -60,7 +76,7 @@ class Item:
     stored: bytes
 
 
-def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+def _load_one(source: Source, name: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
     """Read and prepare one image (in a worker process): (bytes to store, reason it was left out, re-encoded)."""
     try:
         if isinstance(source, tuple):
@@ -71,31 +87,40 @@ def _load_one(source: Source, verify: bool, max_side: int | None) -> tuple[bytes
             raw = Path(source).read_bytes()
     except OSError as e:
         return None, f"unreadable: {e}", False
-    return _prepare(raw, verify, max_side)
+    return _prepare(raw, verify, max_side, name)
 
 
 # pragma: no mutate start (runs only in worker processes, where mutmut cannot map tests to it; the
 # byte-identical test of 1, 2 and 4 workers covers it)
 def load_chunk(
-    sources: list[Source], verify: bool, max_side: int | None
+    sources: list[tuple[Source, str]], verify: bool, max_side: int | None, max_image_pixels: int | None
 ) -> list[tuple[bytes | None, str | None, bool]]:
-    if sources and isinstance(sources[0], int):  # a reader's records: read as one batch
-        return [_prepare_read(raw, why, verify, max_side) for raw, why in read_rows(sources)]  # type: ignore[arg-type]
-    return [_load_one(p, verify, max_side) for p in sources]
+    """`load` of each (source, name), in a worker process, under the parent's pixel limit (a spawned
+    worker would start from Pillow's default)."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
+    if sources and isinstance(sources[0][0], int):  # a reader's records: read as one batch
+        rows = read_rows([source for source, _ in sources])  # type: ignore[misc]
+        return [
+            _prepare_read(raw, why, verify, max_side, name) for (raw, why), (_, name) in zip(rows, sources, strict=True)
+        ]
+    return [_load_one(p, name, verify, max_side) for p, name in sources]
 
 
 # pragma: no mutate end
 
 
-def load(source: Source, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """`_load_one` of a file or a member, or the reader's record ``source`` (an int) read with its checks."""
+def load(source: Source, name: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
+    """`_load_one` of a file or a member, or the reader's record ``source`` (an int) read with its checks;
+    ``name`` is how reasons name it."""
     if isinstance(source, int):
-        return _prepare_read(*read_rows([source])[0], verify, max_side)
-    return _load_one(source, verify, max_side)
+        return _prepare_read(*read_rows([source])[0], verify, max_side, name)
+    return _load_one(source, name, verify, max_side)
 
 
-def _prepare_read(raw: bytes | None, why: str | None, verify: bool, max_side: int | None) -> tuple:
-    return (None, why, False) if raw is None else _prepare(raw, verify, max_side)
+def _prepare_read(raw: bytes | None, why: str | None, verify: bool, max_side: int | None, name: str) -> tuple:
+    return (None, why, False) if raw is None else _prepare(raw, verify, max_side, name)
 
 
 def use_reader(reader: Reader | None) -> None:

@@ -25,6 +25,7 @@ from .checks import (
     check_encoded,
     check_index,
     check_label,
+    pixel_limit,
 )
 from .format import (
     DATA_FILE,
@@ -49,6 +50,9 @@ def _read_classes(meta_path: Path) -> list[str]:
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         raise ValueError(f"{meta_path}: has no 'classes' list of names; pack the data set again")
     return classes
+
+
+HEAD = 24  # bytes of each record's start the quick check reads: a PNG's signature and its IHDR's size
 
 
 class MemmapReader:
@@ -205,7 +209,9 @@ class MemmapReader:
         `pack` checked every record's structure (``verify`` decodes it; without it, `check_encoded`
         walks it) and stored its crc, so reading checks only what damage after packing would break
         first: the label is one of the classes, a JPEG starts with its SOI and ends with its EOI, a
-        PNG starts with its signature and ends with IEND. Those bytes are gathered for the whole batch
+        PNG starts with its signature, ends with IEND and has no more pixels than the limit (its IHDR is
+        in its first bytes; a JPEG's size is not at a fixed place, and `pack` held it to the limit in force
+        when it packed). Those bytes are gathered for the whole batch
         at once; the few records that do not pass (data after the image's end, damage) get the full
         `check_encoded`, which names what is wrong. Damage between the ends (in the headers or the
         compressed data) passes: the pipeline finds what breaks its decoder by decoding the failed
@@ -215,9 +221,13 @@ class MemmapReader:
         ok = (lengths >= QUICK_MIN) & (labels < len(self.classes))
         rows = np.flatnonzero(ok)  # the others are bad, or too short for the quick look: the full check decides
         edges = self._edges(offsets[rows], lengths[rows])
-        heads, tails = edges[:, :8], edges[:, 8:]
+        heads, tails = edges[:, :HEAD], edges[:, HEAD:]
         jpeg = (heads[:, :3] == JPEG_SOI_BYTES).all(axis=1) & (tails[:, -2:] == JPEG_EOI_BYTES).all(axis=1)
-        png = (heads == PNG_SIGNATURE_BYTES).all(axis=1) & (tails == PNG_IEND_BYTES).all(axis=1)
+        png = (heads[:, :8] == PNG_SIGNATURE_BYTES).all(axis=1) & (tails == PNG_IEND_BYTES).all(axis=1)
+        limit = pixel_limit()
+        if limit is not None and png.any():  # a PNG's size is in its first bytes (IHDR): the full check names it
+            sides = heads[:, 16:24].astype(np.int64).reshape(-1, 2, 4) @ np.array([1 << 24, 1 << 16, 1 << 8, 1])
+            png &= np.maximum(sides, 1).prod(axis=1) <= limit
         ok[rows] = jpeg | png
         bad: dict[int, str] = {}
         for pos in np.flatnonzero(~ok).tolist():  # rare: data after the image's end, or damage
@@ -240,11 +250,12 @@ class MemmapReader:
         return views, rows["label"].astype(np.int64), offsets, lengths
 
     def _edges(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """The first 8 and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records, 20) uint8
-        array, gathered from the maps at once (once per shard the records are in)."""
-        at = np.concatenate(
-            [offsets[:, None] + np.arange(8), (offsets + lengths)[:, None] - np.arange(12, 0, -1)], axis=1
-        )
+        """The first `HEAD` and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records,
+        HEAD + 12) uint8 array, gathered from the maps at once (once per shard the records are in); a
+        record shorter than `HEAD` repeats its last byte to fill its head."""
+        ends = offsets + lengths
+        heads = np.minimum(offsets[:, None] + np.arange(HEAD), ends[:, None] - 1)  # never past the record
+        at = np.concatenate([heads, ends[:, None] - np.arange(12, 0, -1)], axis=1)
         span = self.shard_size or self.data_size  # unsharded: one shard, in which every such record starts
         shard = offsets // span
         out = np.empty(at.shape, np.uint8)

@@ -36,8 +36,18 @@ Prepared = tuple[bytes | None, str | None, bool]  # (bytes to write, why it is l
 
 
 # pragma: no mutate start (runs in worker processes; the byte-identical test of 1 and 2 workers covers it)
-def _prepare_chunk(raws: list[bytes | None], verify: bool, max_side: int | None) -> list[Prepared]:
-    return [(None, None, False) if raw is None else _prepare(raw, verify, max_side) for raw in raws]
+def _prepare_chunk(
+    raws: list[bytes | None], names: list[str], verify: bool, max_side: int | None, max_image_pixels: int | None
+) -> list[Prepared]:
+    """`_prepare` of each record (named by ``names`` in its reasons), under the parent's pixel limit (a
+    spawned worker would start from Pillow's default)."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
+    return [
+        (None, None, False) if raw is None else _prepare(raw, verify, max_side, name)
+        for raw, name in zip(raws, names, strict=True)
+    ]
 
 
 # pragma: no mutate end
@@ -67,18 +77,27 @@ def _records(
         ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),))
     pending: deque = deque()
+    from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
 
     def submit() -> None:
         chunk = next(chunks, None)
         if chunk is None:
             return
         raws, targets, bad = _read(reader, chunk)
+        names = [reader.source(i) for i in chunk.tolist()]
         if streaming:
             reader.advance(len(chunk))  # type: ignore[attr-defined]
         if pool is None:
-            pending.append((chunk, targets, bad, _prepare_chunk(raws, verify, max_side)))
+            pending.append((chunk, targets, bad, _prepare_chunk(raws, names, verify, max_side, Image.MAX_IMAGE_PIXELS)))
         else:
-            pending.append((chunk, targets, bad, pool.submit(_prepare_chunk, raws, verify, max_side)))
+            pending.append(
+                (
+                    chunk,
+                    targets,
+                    bad,
+                    pool.submit(_prepare_chunk, raws, names, verify, max_side, Image.MAX_IMAGE_PIXELS),
+                )
+            )
 
     try:
         for _ in range(max(1, workers) * PACK_WINDOW):
@@ -173,7 +192,7 @@ def _left_out_before(reader: Reader) -> list[tuple[str, str]]:
     skipped = [tuple(x) for x in getattr(reader, "skipped", [])]
     if isinstance(reader, ImageFolderReader):
         _, _, other, _ = scan_image_folder(reader.path)
-        skipped += [(str(p), "not a .jpg/.jpeg/.png file") for p in other]
+        skipped += other  # (path, what it is): other files, links that lead nowhere...
     return skipped  # type: ignore[return-value]
 
 

@@ -66,12 +66,18 @@ def make_synthetic(
 ) -> Path:
     """Write an ImageFolder of ``images`` JPEGs in ``classes`` classes at ``out``; returns ``out``.
 
+    Image ``i`` is of class ``i % classes``, so ``images`` must be at least ``classes`` (no empty class).
     The same (images, classes, seed) always gives the same bytes. ``out`` must not exist (or be an
     empty folder): the set is written into a temporary folder beside it and renamed into place when
     complete, so two runs never mix and an interrupted run leaves nothing at ``out``.
     """
     if images < 1 or classes < 1:
         raise ValueError(f"images={images}, classes={classes}: both must be >= 1")
+    if images < classes:  # image i goes to class i % classes: the last classes would stay empty
+        raise ValueError(
+            f"images={images} is fewer than classes={classes}: {classes - images} classes would have no image; "
+            f"make at least as many images as classes (--images {classes}) or fewer classes (--classes {images})"
+        )
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out}: is a file; make-synthetic writes a new folder, choose another path")
@@ -93,7 +99,9 @@ def make_synthetic(
 
 
 def default_dataset(images: int, classes: int = 10, progress: bool = True) -> tuple[Path, Path]:
-    """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder."""
+    """(ImageFolder, packed) of the embedded synthetic set, made once into the cache folder (of as many
+    classes as images, when there are fewer images than ``classes``)."""
+    classes = min(classes, images)
     root = default_cache_dir() / f"synthetic-{images}x{classes}"
     folder, packed = root / "images", root / "packed"
     if packed.exists():

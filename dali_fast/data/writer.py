@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PackReport:
-    """What `pack` wrote and what it left out (with the reason for each)."""
+    """What `pack` wrote, the images it left out (``skipped``: (path, reason)), the damaged shards it read
+    (``damaged``: (shard, what)), and what it found that is not an image (``ignored``: (path, what it is):
+    other files, links that loop or lead nowhere...)."""
 
     dst: Path
     records: int
@@ -57,13 +59,17 @@ class PackReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
+    ignored: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
+        ignored = f"; ignored {plural(len(self.ignored), 'non-image')}"
         return (
             f"packed {self.records} records of {self.classes} classes ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-        ) + (lost if self.damaged else "")
+            + (lost if self.damaged else "")
+            + (ignored if self.ignored else "")
+        )
 
 
 PACK_CHUNK = 16  # images per task handed to a worker
@@ -78,7 +84,7 @@ def _prepared(
     at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
     if workers <= 1:
         for item in items:
-            yield item, load(item.source, verify, max_side)
+            yield item, load(item.source, item.shown, verify, max_side)
         return
     import multiprocessing
     from collections import deque
@@ -88,6 +94,8 @@ def _prepared(
     # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
     # every worker unless it guards itself with `if __name__ == "__main__"`.
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
+
     # workers die with this process, even when it is killed: no worker is left waiting for tasks forever
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
@@ -95,7 +103,8 @@ def _prepared(
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append((chunk, pool.submit(load_chunk, [item.source for item in chunk], verify, max_side)))
+                sources = [(item.source, item.shown) for item in chunk]
+                pending.append((chunk, pool.submit(load_chunk, sources, verify, max_side, Image.MAX_IMAGE_PIXELS)))
 
         for _ in range(workers * PACK_WINDOW):
             submit()
@@ -188,6 +197,9 @@ def pack(
     limits, and a record is still found in O(1) (its offset is shard * shard_size + offset in the shard).
     """
     t0 = time.perf_counter()
+    for name, given in (("src", src), ("dst", dst)):
+        if not isinstance(given, Reader) and not os.fspath(given):  # Path("") is the current folder
+            raise ValueError(f"{name} is an empty path (''); name a folder")
     if is_remote(src):  # data at a URL is read through its reader (a Path would make "s3:/..." of it)
         src = open_dataset(str(src))
     reader = src if isinstance(src, Reader) else None
@@ -226,6 +238,8 @@ def pack(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # pragma: no mutate (layout of the text only)
     report.records, report.data_bytes = len(rows), data_bytes
     report.seconds = time.perf_counter() - t0
+    for path, what in report.ignored:
+        log.warning("not an image, ignored: %s (%s)", path, what)
     for path, reason in report.skipped:
         log.warning("left out %s: %s", path, reason)
     for shard, what in report.damaged:
@@ -280,7 +294,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[Item],
             name = wds.source(i)
             items.append(Item(wds.member(i), int(labels[i]), name, os.fsencode(name)))
     else:
-        classes, found, other, unlisted = scan_image_folder(src)
+        classes, found, other, unlisted = scan_image_folder(src, broken_links_are_records=False)
         damaged = []
         items = [Item(str(p), label, str(p), os.fsencode(p.relative_to(src))) for p, label in found]
     if not items:
@@ -288,8 +302,7 @@ def _sources(src: Path, dst: Path, shards: bool) -> tuple[list[str], list[Item],
     report = PackReport(dst=dst, records=0, classes=len(classes), data_bytes=0)
     report.skipped += unlisted
     report.damaged += damaged
-    for p in other:
-        report.skipped.append((str(p), "not a .jpg/.jpeg/.png file"))
+    report.ignored += other
     return classes, items, report
 
 

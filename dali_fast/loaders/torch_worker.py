@@ -10,7 +10,9 @@ process's side (the slots, the tasks, the outputs) is `torch_slots`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
 import logging
 import platform
 import time
@@ -56,7 +58,12 @@ def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
 
 
 def worker_init(_worker_id: int) -> None:
-    """DataLoader ``worker_init_fn`` of the decode workers."""
+    """DataLoader ``worker_init_fn`` of the decode workers. A worker that crashes (a segmentation fault in a
+    native library) writes its Python stack to stderr before DataLoader reports it dead, so the report names
+    the place, not only the signal."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # a stderr without a file descriptor
+        faulthandler.disable()  # enabled before the fork, it would now be DataLoader's handler's, not ours
+        faulthandler.enable()  # the stack, then the signal's default: DataLoader reports the worker dead
     tame_malloc()
 
 

@@ -7,9 +7,12 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..data.base import check_on_error
-from ..files import check_writable_folder
+import numpy as np
+
+from ..data.base import Reader, StreamingReader, check_on_error, provides, read_record
+from ..files import check_writable_file, check_writable_folder
 from ..loaders.factory import BACKENDS
+from ..transforms.decode import stored_size
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 
@@ -89,9 +92,46 @@ class TrainConfig:
         for name, what in (("out", "--out"), ("checkpoint", "--checkpoint")):
             if paths[name] is not None:
                 check_writable_folder(paths[name], what)
-        if paths["record_indices"] is not None:
-            check_writable_folder(paths["record_indices"].parent, "--record-indices")
+        if paths["record_indices"] is not None:  # the file of rank 0 (the others' are beside it)
+            text = str(paths["record_indices"])
+            check_writable_file(text.format(rank=0) if "{rank}" in text else text, "--record-indices")
         return replace(self, recipe=recipe, **paths)
 
     def _paths(self) -> dict[str, str | Path | None]:
         return {"checkpoint": self.checkpoint, "out": self.out, "record_indices": self.record_indices}
+
+
+SIZE_SAMPLE = 64  # records whose headers are read to say how large the data set's images are
+
+
+def warn_if_sizes_exceed_images(recipe: Recipe, reader: Reader, epochs: int) -> None:
+    """Warn once when a resolution schedule trains, in ``epochs`` epochs, at a size larger than most
+    images: the shorter side of most of `SIZE_SAMPLE` records spread over ``reader`` (their headers only).
+    Such crops are all upscaled: time spent on no new detail. Streamed (remote) data is not sampled: a
+    read out of order would fetch a shard."""
+    if recipe.resolution is None or epochs < 1 or (provides(reader, StreamingReader) and reader.streaming):  # type: ignore[attr-defined]
+        return
+    size, epoch = max((recipe.train_size(e), e) for e in range(epochs))
+    at = np.unique(np.linspace(0, len(reader) - 1, min(SIZE_SAMPLE, len(reader))).astype(np.int64))
+    sides = []
+    for i in at.tolist():
+        data, _, reason = read_record(reader, i)
+        found = stored_size(data) if reason is None else None
+        if found is not None:
+            sides.append(min(found))
+    smaller = sum(side < size for side in sides)
+    if not sides or 2 * smaller <= len(sides):
+        return
+    typical = int(np.median(sides))
+    log.warning(
+        "the resolution schedule %s trains at %d px (epoch %d), more than the shorter side of %d of %d images "
+        "sampled (median %d px): their crops are all upscaled, which costs time and adds no detail; end the "
+        "schedule at %d px or less",
+        recipe.resolution,
+        size,
+        epoch,
+        smaller,
+        len(sides),
+        typical,
+        typical,
+    )

@@ -40,7 +40,7 @@ from .checkpoint import (
     resume_batch_size,
     save_checkpoint,
 )
-from .config import TrainConfig
+from .config import TrainConfig, warn_if_sizes_exceed_images
 from .distributed import DistContext, broadcast, distributed_context, gather
 from .monitor import UtilizationMonitor
 from .trainer import Trainer
@@ -119,6 +119,8 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
     """The data split and checked, the model, the controller and the loaders: a run ready for epoch 0."""
     torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     train_set, val_set = split(reader, config.holdout, config.seed)
+    if ctx.is_main:
+        warn_if_sizes_exceed_images(config.recipe, reader, config.epochs)  # type: ignore[arg-type]
     per_rank = len(train_set) // ctx.world_size
     if config.drop_last and config.batch_size > per_rank:
         raise ValueError(

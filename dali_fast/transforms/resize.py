@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..data.checks import pillow_reason
-from .decode import Decoder
+from .decode import CorruptJpeg, Decoder
 from .draws import SampleDraws
 from .recipe import Recipe
 
@@ -153,7 +153,8 @@ def decode_crop(
     Train: a random-resized-crop box drawn from ``rng``; eval: the shorter side resized to
     ``recipe.resize_shorter``, then the centre square. A JPEG much larger than the output is decoded at
     1/2, 1/4 or 1/8 scale (Pillow's draft rule: the crop keeps twice the output's resolution). Written
-    into ``out`` when given (train). Raises `BadImage` for a record that does not decode.
+    into ``out`` when given (train). Raises `BadImage` for a record that does not decode, or whose JPEG data
+    libjpeg-turbo reports damaged (`CorruptJpeg`).
     """
     S = recipe.image_size
     decoder = decoder if decoder is not None else Decoder()
@@ -170,6 +171,8 @@ def decode_crop(
         need = (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale)))
     try:
         pixels = opened.decode(need)
+    except CorruptJpeg as e:  # damage libjpeg-turbo reported: the reason is in its words
+        raise BadImage(str(e)) from None
     except Exception as e:  # noqa: BLE001 - as above: the decoders' verdict on the record
         raise BadImage(pillow_reason(e)) from None
     if train:

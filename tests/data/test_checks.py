@@ -89,7 +89,8 @@ def test_pillow_reasons_name_the_error_not_a_buffer():
     try:
         Image.open(io.BytesIO(b"junk"))
     except UnidentifiedImageError as e:
-        assert pillow_reason(e) == "undecodable: UnidentifiedImageError: cannot identify image file the record"
+        assert pillow_reason(e) == "undecodable: UnidentifiedImageError: cannot identify image file"
+        assert pillow_reason(e, "a/x.jpg") == "undecodable: UnidentifiedImageError: cannot identify image file a/x.jpg"
     assert pillow_reason(OSError("broken data stream")) == "undecodable: OSError: broken data stream"
 
 

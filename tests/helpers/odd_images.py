@@ -110,3 +110,15 @@ def corrupt() -> dict[str, bytes]:
 
 
 PASS_THE_CHEAP_CHECK = ("bogus_huffman_table_jpeg", "undefined_table_jpeg", "bad_precision_jpeg")
+
+
+def damaged_scans(good: bytes) -> dict[str, bytes]:
+    """``good`` (a JPEG of 12 KiB or more) damaged in its compressed data as files are in the wild: 4 KiB
+    zeroed in the middle (a bad disk sector), or cut at two thirds with an end marker appended (a repair
+    tool's work). Their headers and end are whole, so the structural check passes them; libjpeg-turbo
+    reports the damage and decodes on; Pillow decodes them without a word."""
+    mid = len(good) // 2
+    return {
+        "zeroed_4k": good[:mid] + bytes(4096) + good[mid + 4096 :],
+        "cut_with_end_marker": good[: len(good) * 2 // 3] + b"\xff\xd9",
+    }
