@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from builders import IndexReader, jpeg_bytes, make_folder
+from spies import ConcurrencySpy
 
 from dali_fast.data.base import (
     ON_ERROR,
@@ -76,11 +77,14 @@ def test_the_read_pool_serves_a_forked_child(tmp_path):
     assert child.exitcode == 0
 
 
-def test_read_threads_do_not_grow_with_readers_or_batches(tmp_path):
+def test_read_threads_do_not_grow_with_readers_or_batches(tmp_path, monkeypatch):
     import threading
 
+    import dali_fast.data.folder as folder
     from dali_fast.data.base import READ_THREADS
 
+    # slow reads (1 ms each: not the page cache), which go to the pool
+    monkeypatch.setattr(folder, "_read_file_checked", ConcurrencySpy(folder._read_file_checked, hold=0.001))
     images = [jpeg_bytes(20 + k, 20) for k in range(40)]
     root = make_folder(tmp_path / "imgs", {"a": images})
 
@@ -161,13 +165,13 @@ def test_a_failed_parallel_read_returns_only_after_every_read_has_finished():
     finished = []
 
     def read(x: int) -> int:
-        if x == 0:
+        if x == 1:
             raise FileNotFoundError("gone")
-        time.sleep(0.05)
+        time.sleep(0.05)  # slow: after item 0 (read first, in the caller), the rest go to the pool
         finished.append(x)
         return x
 
-    items = list(range(2 * READ_THREADS))
+    items = list(range(2 * READ_THREADS + 1))
     with pytest.raises(FileNotFoundError):
         read_parallel(read, items)
-    assert sorted(finished) == [x for x in items if x >= 2]  # run 0 (items 0, 1) stopped at its error
+    assert sorted(finished) == [0] + [x for x in items if x >= 3]  # run 0 (items 1, 2) stopped at its error
