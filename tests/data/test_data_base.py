@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 from builders import IndexReader, jpeg_bytes, make_folder
-from spies import ConcurrencySpy
 
 from dali_fast.data.base import (
     ON_ERROR,
@@ -77,14 +76,11 @@ def test_the_read_pool_serves_a_forked_child(tmp_path):
     assert child.exitcode == 0
 
 
-def test_read_threads_do_not_grow_with_readers_or_batches(tmp_path, monkeypatch):
+def test_read_threads_do_not_grow_with_readers_or_batches(tmp_path):
     import threading
 
-    import dali_fast.data.folder as folder
     from dali_fast.data.base import READ_THREADS
 
-    # slow reads (1 ms each: not the page cache), which go to the pool
-    monkeypatch.setattr(folder, "_read_file_checked", ConcurrencySpy(folder._read_file_checked, hold=0.001))
     images = [jpeg_bytes(20 + k, 20) for k in range(40)]
     root = make_folder(tmp_path / "imgs", {"a": images})
 
@@ -165,13 +161,62 @@ def test_a_failed_parallel_read_returns_only_after_every_read_has_finished():
     finished = []
 
     def read(x: int) -> int:
-        if x == 1:
+        if x == 0:
             raise FileNotFoundError("gone")
-        time.sleep(0.05)  # slow: after item 0 (read first, in the caller), the rest go to the pool
+        time.sleep(0.05)
         finished.append(x)
         return x
 
-    items = list(range(2 * READ_THREADS + 1))
+    items = list(range(2 * READ_THREADS))
     with pytest.raises(FileNotFoundError):
         read_parallel(read, items)
-    assert sorted(finished) == [0] + [x for x in items if x >= 3]  # run 0 (items 1, 2) stopped at its error
+    assert sorted(finished) == [x for x in items if x >= 2]  # run 0 (items 0, 1) stopped at its error
+
+
+def test_a_process_reading_in_place_reads_quick_files_itself_and_slow_ones_in_the_pool(tmp_path, monkeypatch):
+    """`read_in_place` (TorchIterator's decode workers): page-cached files are read in the calling thread; from
+    the first slow read on (20 ms each here: a network file system), the rest overlap in the pool."""
+    import threading
+
+    from spies import ConcurrencySpy
+
+    import dali_fast.data.base as base
+    import dali_fast.data.folder as folder
+
+    monkeypatch.setattr(base, "_in_place", False)  # restored after the test
+    base.read_in_place()
+    images = [jpeg_bytes(20 + k, 20) for k in range(32)]
+    reader = ImageFolderReader(make_folder(tmp_path / "imgs", {"a": images}))
+    reader.read_batch_checked(range(32))  # the files now in the page cache
+    quick = ConcurrencySpy(folder._read_file_checked, hold=0)
+    monkeypatch.setattr(folder, "_read_file_checked", quick)
+    datas, _, bad = reader.read_batch_checked(range(31, -1, -1))
+    assert bad == {} and [bytes(d) for d in datas] == images[::-1]
+    assert quick.threads == {threading.current_thread().name} and quick.most == 1
+    slow = ConcurrencySpy(quick.real, hold=0.02)
+    monkeypatch.setattr(folder, "_read_file_checked", slow)
+    datas, _, bad = reader.read_batch_checked(range(32))
+    assert bad == {} and [bytes(d) for d in datas] == images
+    pool = {name for name in slow.threads if name.startswith("dali_fast-read")}
+    assert slow.threads == pool | {threading.current_thread().name} and len(pool) >= 4 and slow.most >= 4
+    base.read_in_place(False)
+    slow.threads.clear()
+    reader.read_batch_checked(range(32))
+    assert all(name.startswith("dali_fast-read") for name in slow.threads)  # the default: every read in the pool
+
+
+def test_decode_workers_read_in_place():
+    import multiprocessing
+
+    import dali_fast.data.base as base
+    from dali_fast.loaders.torch_worker import worker_init
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=lambda: (worker_init(0), queue.put(base._in_place)))
+    child.start()
+    try:
+        assert queue.get(timeout=60) is True
+    finally:
+        child.join(10)
+    assert base._in_place is False  # this process (a training thread's) keeps the pool

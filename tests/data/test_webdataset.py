@@ -85,9 +85,8 @@ def test_reader_pickles_for_workers(tmp_path, cache):
 
 
 def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, monkeypatch):
-    """The DALI source reads slow members (each read holds 20 ms here) through the read pool after the first
-    (several at once, in order); a member damaged or cut off after indexing is a bad record named by its
-    reason, not an error."""
+    """The DALI source reads members through the read pool (several at once, in order); a member damaged or
+    cut off after indexing is a bad record named by its reason, not an error."""
     import threading
 
     import dali_fast.data.webdataset as w
@@ -100,8 +99,7 @@ def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, mo
     datas, labels, bad = r.read_batch_checked(order)
     assert bad == {} and [bytes(d) for d in datas] == [samples[i][0] for i in order]
     assert labels.dtype == np.int64 and labels.tolist() == [samples[i][1] for i in order]
-    pool = {name for name in spy.threads if name.startswith("dali_fast-read")}
-    assert spy.most >= 4 and spy.threads == pool | {threading.current_thread().name}
+    assert spy.most >= 4 and threading.current_thread().name not in spy.threads
     views, plain_labels = r.read_batch(order)
     assert [bytes(v) for v in views] == [bytes(d) for d in datas] and plain_labels.tolist() == labels.tolist()
     monkeypatch.undo()
