@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol, TypeVar, runtime_checkable
@@ -128,8 +127,6 @@ def read_batch_checked(reader: Reader, indices: Sequence[int]) -> CheckedBatch:
 
 
 READ_THREADS = 8  # files read at once per process: what hides a network file system's latency
-SLOW_READ_S = 200e-6  # reading in place, a read slower than this did not come from the page cache
-_in_place = False  # this process reads quick files in the calling thread (`read_in_place`)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -153,38 +150,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def read_in_place(on: bool = True) -> None:
-    """In this process, read quick files in the calling thread (`read_parallel`): for processes that are
-    already one per cpu (`TorchIterator`'s decode workers), where handing page-cached files to threads
-    costs more CPU than reading them (0.06-0.08 against 0.02-0.03 ms per 44 KB photo on 2 cores). The
-    training thread keeps the pool: its reads never wait on a file there."""
-    global _in_place
-    _in_place = on
-
-
 def read_parallel(read: Callable[[T], R], items: Sequence[T]) -> list[R]:
     """``[read(x) for x in items]`` in order, by the read pool: the items split into one run per thread, so
     that slow reads (a network file system) overlap and the pool's bookkeeping is per run, not per item.
-    In a process that reads in place (`read_in_place`), items are read in the calling thread while each
-    read is quick (under `SLOW_READ_S`: the page cache), and only the rest, from the first slow read on,
-    go to the pool. An exception ``read`` raises reaches the caller once every run has finished: no read
-    outlives the call."""
-    out: list[R] = []
-    start = 0
-    if _in_place:
-        for x in items:
-            t0 = time.perf_counter()
-            out.append(read(x))
-            start += 1
-            if time.perf_counter() - t0 > SLOW_READ_S:
-                break
-    rest = items[start:]
-    if len(rest) < 2:
-        return out + [read(x) for x in rest]
-    step = -(-len(rest) // READ_THREADS)
-    runs = [read_pool().submit(_read_run, read, rest[k : k + step]) for k in range(0, len(rest), step)]
+    An exception ``read`` raises reaches the caller once every run has finished: no read outlives the call."""
+    if len(items) < 2:
+        return [read(x) for x in items]
+    step = -(-len(items) // READ_THREADS)
+    runs = [read_pool().submit(_read_run, read, items[k : k + step]) for k in range(0, len(items), step)]
     wait(runs)  # every run done, so a failure is raised with no read still holding a file open
-    return out + [r for run in runs for r in run.result()]
+    return [r for run in runs for r in run.result()]
 
 
 def _read_run(read: Callable[[T], R], items: Sequence[T]) -> list[R]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..data.base import Reader, read_batch_checked, read_in_place
+from ..data.base import Reader, read_batch_checked
 from ..transforms.autoaugment import apply_policy
 from ..transforms.decode import Decoder
 from ..transforms.draws import SampleDraws, crop_draws, sample_erasing_box, sample_rng
@@ -60,13 +60,11 @@ def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
 def worker_init(_worker_id: int) -> None:
     """DataLoader ``worker_init_fn`` of the decode workers. A worker that crashes (a segmentation fault in a
     native library) writes its Python stack to stderr before DataLoader reports it dead, so the report names
-    the place, not only the signal. Page-cached files are read in place: a worker is already one process
-    per cpu (`read_in_place`)."""
+    the place, not only the signal."""
     with contextlib.suppress(AttributeError, ValueError, OSError):  # a stderr without a file descriptor
         faulthandler.disable()  # enabled before the fork, it would now be DataLoader's handler's, not ours
         faulthandler.enable()  # the stack, then the signal's default: DataLoader reports the worker dead
     tame_malloc()
-    read_in_place()
 
 
 IDLE_WAIT = 0.001  # seconds a worker waits on an idle task, so that a run of them costs little CPU
