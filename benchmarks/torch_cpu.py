@@ -2,10 +2,12 @@
 the main process's page faults per image, row beside row in one run.
 
     python benchmarks/torch_cpu.py DATASET [--rounds 5] [--epochs 2] [--batch-size 32] [--workers 2]
-                                           [--image-size 224] [--loaders baseline,torch]
+                                           [--image-size 224] [--loaders baseline,torch,torch:uint8,limit]
                                            [--compare-with OTHER_REVISION/dali_fast]
 
-Rows: the plain DataLoader baseline and `TorchIterator` (``--loaders``), and with ``--compare-with`` the
+Rows: the plain DataLoader baseline, `TorchIterator` (``torch``; ``torch:uint8`` with ``dtype=torch.uint8``)
+and ``limit`` (bench's ceiling: every record read and decoded whole, in ``--workers`` processes; a row's
+img/s over it is bench's "of limit") as ``--loaders`` names them, and with ``--compare-with`` the
 `TorchIterator` of another revision (``git archive REV dali_fast | tar -x -C DIR``; pass DIR/dali_fast).
 Each row lives in a Python process of its own, made once and warmed up by one epoch (the default
 training recipe: random-resized crop, flip, normalize), with ``--workers`` decode processes. Then the rows
@@ -61,12 +63,23 @@ def _workers_cpu() -> tuple[dict[int, float], float]:
 
 def serve(kind: str, dataset: str, batch_size: int, workers: int, image_size: int) -> None:
     """A row's process: builds the loader, warms it up, then runs one timed epoch per "epoch" line on stdin."""
+    import torch
+
     import dali_fast
     from dali_fast import open_dataset
     from dali_fast.loaders.factory import make_loader
 
     reader = open_dataset(dataset)
-    loader = make_loader(reader, batch_size, backend=kind, train=True, image_size=image_size, num_workers=workers)
+    if kind == "limit":
+        from dali_fast.tools.bench_rows import limit_row
+
+        loader = limit_row(reader, workers=workers, batch_size=batch_size, monitor=None, progress=False).loader
+    else:
+        backend, _, dtype = kind.partition(":")
+        kw = {"dtype": getattr(torch, dtype)} if dtype else {}
+        loader = make_loader(
+            reader, batch_size, backend=backend, train=True, image_size=image_size, num_workers=workers, **kw
+        )
     epoch = 0
 
     def run() -> int:
@@ -74,6 +87,8 @@ def serve(kind: str, dataset: str, batch_size: int, workers: int, image_size: in
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
         epoch += 1
+        if kind == "limit":
+            return sum(loader)  # each batch: how many records it decoded
         return sum(len(labels) for _, labels in loader)
 
     run()  # warm-up: workers started, caches filled

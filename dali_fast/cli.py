@@ -114,9 +114,13 @@ def _dataset_with_targets(args: argparse.Namespace, options: dict[str, Any]) -> 
 
 def _recipe(args: argparse.Namespace, augment: str | None) -> Any:
     """The recipe the flags describe (a bad combination is one line, before any work)."""
+    import torch
+
     from .transforms.recipe import Recipe
 
+    dtype = getattr(args, "dtype", None)
     return Recipe(
+        dtype=getattr(torch, dtype) if dtype else None,
         image_size=args.image_size,
         auto_augment=None if augment in (None, "none") else augment,
         random_erasing=args.random_erasing,
@@ -183,6 +187,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UserError("--eval-crop-fraction shapes evaluation batches, and bench times training; use it with train")
     if args.label_smoothing and not (args.mixup or args.cutmix):
         raise UserError("--label-smoothing alone changes only the loss, not the loading bench times; use it with train")
+    if args.dtype == "uint8" and (args.mixup or args.cutmix):
+        raise UserError("--mixup and --cutmix blend normalized images, not uint8 ones; drop --dtype uint8 or them")
     augments = _augments(args.augment)
     recipe = _recipe(args, None)
     mix = {"alpha_mixup": args.mixup, "alpha_cutmix": args.cutmix, "label_smoothing": args.label_smoothing}

@@ -296,8 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
-    s.add_argument("--loaders", default="baseline,torch,dali", help="comma-separated: baseline,torch,dali")
+    s.add_argument(
+        "--loaders",
+        default="baseline,torch,dali",
+        help="comma-separated: baseline,torch,dali, and ffcv (FFCV's Loader over a .beton of the same data, "
+        "written once into the cache; needs pip install ffcv)",
+    )
     s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
+    s.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "uint8"),
+        default="float32",
+        help="the batches' dtype: normalized float, or uint8 left for the consumer to normalize on its device",
+    )
     _add_model_arg(s)
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")

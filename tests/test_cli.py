@@ -1,3 +1,4 @@
+import importlib.util
 import subprocess
 import sys
 
@@ -75,6 +76,12 @@ def test_bad_input_exit_2_one_line(tmp_path):
         (["train", "{data}", "--checkpoint-every", "3"], "--checkpoint-every needs a checkpoint folder"),
         (["bench", "{data}", "--eval-crop-fraction", "0.9"], "--eval-crop-fraction shapes evaluation batches"),
         (["bench", "{data}", "--label-smoothing", "0.1"], "--label-smoothing alone changes only the loss"),
+        (["bench", "{data}", "--dtype", "uint8", "--cutmix", "1"], "--mixup and --cutmix blend normalized images"),
+        *(
+            []
+            if importlib.util.find_spec("ffcv")
+            else [(["bench", "{data}", "--loaders", "torch,ffcv"], "the ffcv row needs FFCV: pip install ffcv")]
+        ),
     ],
 )
 def test_bad_input_found_before_any_work_one_line_exit_2(tmp_path, capsys, argv, says):

@@ -238,11 +238,13 @@ class TorchIterator(LoaderBase):
             labels.record_stream(current)
         mean, std = (recipe.mean_255, recipe.std_255) if recipe.normalize else (None, None)
         if self.gpu:
-            images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes)
+            images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes, fill=recipe.erasing_fill)
         else:
             out = self._outputs.get(tuple(pixels.shape), self.dtype, self.memory_format)
             with one_intra_op_thread():
-                images = finish_batch(pixels, self.dtype, self.memory_format, mean, std, boxes, out)
+                images = finish_batch(
+                    pixels, self.dtype, self.memory_format, mean, std, boxes, out, recipe.erasing_fill
+                )
             del out
         return images, labels, event
 

@@ -22,6 +22,9 @@ from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 from . import report
 from .bench_rows import LIMIT, Row, limit_row, loader_row, run_alone
+from .ffcv_row import FFCV, ffcv_missing, ffcv_spec
+
+BENCH_ROWS = (*BACKENDS, FFCV)  # what --loaders names: the backends, and FFCV's Loader where it is installed
 
 log = logging.getLogger(__name__)
 
@@ -191,17 +194,24 @@ def _variants(
     """The recipes the rows run (one per augmentation asked for), after a one-line error for any bad
     setting, before any work."""
     for k in loaders:
-        if k not in BACKENDS:
-            raise ValueError(f"loader {k!r}: choose from {', '.join(BACKENDS)}")
+        if k not in BENCH_ROWS:
+            raise ValueError(f"loader {k!r}: choose from {', '.join(BENCH_ROWS)}")
     if epochs < 1 or batch_size < 1 or image_size < 1:
         raise ValueError("epochs, batch size and image size must be >= 1")
     recipe = resolve_recipe(recipe, image_size=image_size)
     if mix:
         MixupCutmix(**mix)  # settings checked before any work
-    return [
+    variants = [
         recipe.with_(auto_augment=None if a in (None, "none") else a)
         for a in (augments if augments else [recipe.auto_augment])
     ]
+    if FFCV in loaders:  # where FFCV is missing, or cannot do a setting, one line before any work
+        missing = ffcv_missing()
+        if missing is not None:
+            raise ValueError(missing)
+        for variant in variants:
+            ffcv_spec(variant)
+    return variants
 
 
 def _write(results: dict[int, dict[str, Any]], settings: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from ..text import progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix
-from ..transforms.recipe import Recipe
+from ..transforms.recipe import Recipe, resolve_recipe
+from .ffcv_row import FFCV
 
 log = logging.getLogger(__name__)
 
@@ -175,18 +176,26 @@ def loader_row(
     # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
     workers = available_cpus()
     iterator_only = {"cache_bytes": cache_bytes, "controller": ctrl} if kind != "baseline" else {}
-    loader = make_loader(
-        reader,
-        batch_size,
-        backend=kind,
-        train=True,
-        image_size=image_size,
-        num_workers=workers,
-        on_error=on_error,
-        recipe=recipe,
-        **iterator_only,
-    )
     target, width = target_spec(reader)  # class labels, or the multi-hot / float rows the reader was opened with
+    if kind == FFCV:  # FFCV's own Loader over its .beton of the same data, written once into the cache
+        from .ffcv_row import FFCVLoader, write_beton
+
+        if target != "class":
+            raise ValueError(f"the ffcv row reads class labels, not {target} targets; leave ffcv out of --loaders")
+        ffcv_recipe = resolve_recipe(recipe, image_size=image_size)
+        loader: Any = FFCVLoader(write_beton(reader, workers), batch_size, workers, ffcv_recipe)
+    else:
+        loader = make_loader(
+            reader,
+            batch_size,
+            backend=kind,
+            train=True,
+            image_size=image_size,
+            num_workers=workers,
+            on_error=on_error,
+            recipe=recipe,
+            **iterator_only,
+        )
     mixer = MixupCutmix(**mix, num_classes=width, target=target) if mix else None
     trainer = Trainer(model, width, mix=mixer, target=target) if model != "none" else None
     gpu = torch.cuda.is_available()

@@ -1,5 +1,6 @@
 """Batch operations on the tensor's own device, with no host synchronization: uint8 images to the recipe's
-dtype and layout, normalized and erased (`finish_batch`), and mirrored (`normalize_flip`)."""
+dtype and layout, normalized and erased (`finish_batch`), mirrored (`normalize_flip`), and a uint8 batch
+normalized where it arrives (`normalize_images`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .recipe import ERASING_FILL_255, IMAGENET_MEAN, IMAGENET_STD
+from .recipe import ERASING_FILL_255, IMAGENET_MEAN, IMAGENET_STD, Recipe
 
 
 @functools.lru_cache(maxsize=16)
@@ -45,10 +46,11 @@ def finish_batch(
     std: tuple[float, ...] | None = None,
     boxes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    fill: tuple[float, ...] = ERASING_FILL_255,
 ) -> torch.Tensor:
     """uint8 NCHW ``images`` (any strides: an NHWC slot's permuted view too) → a ``dtype`` tensor in
     ``memory_format``, normalized by ``mean``/``std`` (0–255 scale; None: left as is), erased in ``boxes``
-    with the mean pixel (0 when normalized, `ERASING_FILL_255` when not: `Recipe.erasing_fill`'s rule);
+    with the mean pixel (0 when normalized, ``fill`` when not: `Recipe.erasing_fill`'s rule);
     written into ``out`` when given (of that shape, dtype and format, e.g. reused by the caller), else new.
 
     Batched ops on the tensor's device, with no host synchronization. On the CPU the conversion and the
@@ -58,7 +60,7 @@ def finish_batch(
     """
     if mean is None or std is None:
         x = images.to(dtype, memory_format=memory_format, copy=True) if out is None else out.copy_(images)
-        return x if boxes is None else erase_boxes(x, boxes, ERASING_FILL_255)
+        return x if boxes is None else erase_boxes(x, boxes, fill)
     mean_t, inv_std = _normalization(images.device, tuple(mean), tuple(std))
     if images.is_cuda:
         x = images.to(torch.float32, memory_format=memory_format, copy=True)
@@ -102,6 +104,38 @@ def normalize_flip(
     flips = flips.to(images.device, non_blocking=True)
     images = torch.where(flips.view(-1, 1, 1, 1), images.flip(2), images)  # mirror on uint8: 4x less memory
     return finish_batch(images.permute(0, 3, 1, 2), dtype, memory_format, mean, std, boxes)
+
+
+def normalize_images(
+    images: torch.Tensor, recipe: Recipe | None = None, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A loader's uint8 batch (``dtype=torch.uint8``) normalized on its own device, as the loader would have.
+
+    Args:
+        images: uint8 NCHW images (any memory format: channels_last stays channels_last), on any device,
+            typically the GPU after a copy of a quarter of the bytes of a float batch.
+        recipe: the loader's recipe, whose ``mean`` and ``std`` apply (None: the default recipe's, ImageNet's).
+        dtype: torch.float32 or torch.float16.
+
+    Returns:
+        A new tensor of ``dtype`` on the same device, ``(x - mean) / std`` per channel (0-1 scale statistics on
+        0-255 pixels); an erased box (the recipe's mean pixel) comes out at about 0.
+    """
+    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(
+            f"images of dtype {images.dtype} and shape {tuple(images.shape)}: pass a loader's uint8 NCHW batch "
+            "(N, 3, H, W)"
+        )
+    if dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"dtype={dtype}: use torch.float32 or torch.float16")
+    recipe = recipe if recipe is not None else Recipe()
+    if recipe.mean is None:
+        raise ValueError(
+            "the recipe has mean=None: it has no normalization to apply; pass the recipe with its mean/std"
+        )
+    channels_last = images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return finish_batch(images, dtype, fmt, recipe.mean_255, recipe.std_255)
 
 
 @contextlib.contextmanager

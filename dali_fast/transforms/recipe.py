@@ -148,7 +148,10 @@ class Recipe:
     follow the epoch (progressive resizing); ``image_size`` is then the evaluation size only, as FFCV
     evaluates at a higher resolution than it trains. `at_epoch` gives an epoch's fixed-size recipe.
     ``mean=None, std=None`` gives uint8 output that the model normalizes itself. ``dtype`` defaults
-    to float32 (uint8 without mean/std); ``memory_format=torch.channels_last`` gives NCHW views of NHWC.
+    to float32 (uint8 without mean/std); ``dtype=torch.uint8`` with a mean and std gives uint8 output too,
+    which the consumer normalizes on its device by the recipe's mean and std (`normalize_images`: a quarter
+    of the bytes to copy, no normalizing on the CPU). ``memory_format=torch.channels_last`` gives NCHW
+    views of NHWC.
     """
 
     image_size: int = 224
@@ -230,8 +233,6 @@ class Recipe:
             object.__setattr__(self, "std", std)
         if self.dtype is not None and self.dtype not in OUT_DTYPES:
             raise ValueError(f"dtype={self.dtype}: use torch.float32, torch.float16 or torch.uint8")
-        if self.dtype == torch.uint8 and self.mean is not None:
-            raise ValueError("dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it")
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory_format={self.memory_format}: use torch.contiguous_format or torch.channels_last")
         if self.resolution is not None and not callable(self.resolution):
@@ -274,7 +275,9 @@ class Recipe:
 
     @property
     def normalize(self) -> bool:
-        return self.mean is not None
+        """Whether the loader normalizes: a mean and std, and a float output. With ``dtype=torch.uint8`` the
+        batch stays uint8 and ``mean``/``std`` are what the consumer normalizes by (`normalize_images`)."""
+        return self.mean is not None and self.out_dtype != torch.uint8
 
     @property
     def mean_255(self) -> tuple[float, ...]:
@@ -290,8 +293,14 @@ class Recipe:
         """What an erased box holds, per channel, in the output: the mean pixel in every backend and dtype.
         Normalized output: 0 (the recipe's mean normalizes to 0). Unnormalized output (uint8, or float with
         ``mean=None``): ImageNet's mean pixel on the 0–255 scale, rounded, `ERASING_FILL_255`, which the
-        usual model-side normalization maps to about 0, where 0 (black) would be a dark box."""
-        return (0.0, 0.0, 0.0) if self.normalize else ERASING_FILL_255
+        usual model-side normalization maps to about 0, where 0 (black) would be a dark box; uint8 output
+        of a recipe with its own ``mean``: that mean pixel, rounded."""
+        if self.normalize:
+            return (0.0, 0.0, 0.0)
+        if self.mean is None:
+            return ERASING_FILL_255
+        r, g, b = (float(round(m)) for m in self.mean_255)
+        return (r, g, b)
 
     @property
     def resize_shorter(self) -> int:

@@ -86,3 +86,58 @@ def test_finish_writes_into_the_given_output():
         out = torch.empty((4, 3, 8, 8))
         got = finish_batch(u8, torch.float32, torch.contiguous_format, mean, std, out=out)
         assert got is out and torch.equal(out, finish_batch(u8, torch.float32, torch.contiguous_format, mean, std))
+
+
+def test_normalize_images_is_the_recipes_normalization_in_float():
+    from dali_fast import Recipe, normalize_images
+
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8).view(2, 3, 4, 5) * 2
+    recipe = Recipe(mean=(0.5, 0.25, 0.0), std=(0.5, 0.25, 1.0))
+    out = normalize_images(x, recipe)
+    expected = (x.float() - torch.tensor([127.5, 63.75, 0.0]).view(1, 3, 1, 1)) / torch.tensor(
+        [127.5, 63.75, 255.0]
+    ).view(1, 3, 1, 1)
+    assert out.dtype == torch.float32 and out.shape == x.shape and out.is_contiguous()
+    assert torch.allclose(out, expected, atol=1e-6)
+    assert torch.equal(x, torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8).view(2, 3, 4, 5) * 2)  # input untouched
+    default = normalize_images(x)  # the default recipe: ImageNet's statistics
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    assert torch.allclose(default, (x.float() - mean) / std, atol=1e-5)
+    half = normalize_images(x.contiguous(memory_format=torch.channels_last), dtype=torch.float16)
+    assert half.dtype == torch.float16 and half.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(half.float(), default, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("images", "kw", "message"),
+    [
+        (
+            torch.zeros(2, 3, 4, 4),
+            {},
+            "images of dtype torch.float32 and shape (2, 3, 4, 4): pass a loader's uint8 NCHW batch (N, 3, H, W)",
+        ),
+        (
+            torch.zeros(2, 4, 4, 3, dtype=torch.uint8),
+            {},
+            "images of dtype torch.uint8 and shape (2, 4, 4, 3): pass a loader's uint8 NCHW batch (N, 3, H, W)",
+        ),
+        (
+            torch.zeros(1, 3, 2, 2, dtype=torch.uint8),
+            {"dtype": torch.uint8},
+            "dtype=torch.uint8: use torch.float32 or torch.float16",
+        ),
+        (
+            torch.zeros(1, 3, 2, 2, dtype=torch.uint8),
+            {"recipe": "no-normalization"},
+            "the recipe has mean=None: it has no normalization to apply; pass the recipe with its mean/std",
+        ),
+    ],
+)
+def test_normalize_images_refuses_in_one_line(images, kw, message):
+    from dali_fast import Recipe, normalize_images
+
+    if kw.get("recipe") == "no-normalization":
+        kw = {"recipe": Recipe(mean=None, std=None)}
+    with pytest.raises(ValueError) as e:
+        normalize_images(images, **kw)
+    assert str(e.value) == message

@@ -233,7 +233,6 @@ def test_eval_resize_and_crop_follow_the_recipe(backend):
             {"eval_resize_size": 100},
             "eval_resize_size=100 is smaller than image_size=224: the centre crop would not fit",
         ),
-        ({"dtype": torch.uint8}, "dtype=torch.uint8 holds unnormalized pixels: pass mean=None, std=None with it"),
         ({"image_size": 0}, "image_size=0: must be a positive integer"),
     ],
 )
