@@ -17,7 +17,7 @@ _HOME = {
     "LRUCache": ".data.cache",
     "MemmapReader": ".data.packed",
     "MixupCutmix": ".transforms.mix",
-    "PackReport": ".data.writer",
+    "PackReport": ".data.pack_report",
     "Progressive": ".transforms.recipe",
     "Recipe": ".transforms.recipe",
     "RemoteDataError": ".data.remote.errors",

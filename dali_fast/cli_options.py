@@ -296,12 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
-    s.add_argument(
-        "--loaders",
-        default="baseline,torch,dali",
-        help="comma-separated: baseline,torch,dali, and ffcv (FFCV's Loader over a .beton of the same data, "
-        "written once into the cache; needs pip install ffcv)",
-    )
+    ffcv = "ffcv (FFCV's Loader over a .beton of the same data, written once into the cache; pip install ffcv)"
+    s.add_argument("--loaders", default="baseline,torch,dali", help=f"comma-separated: baseline,torch,dali, {ffcv}")
     s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
     s.add_argument(
         "--dtype",

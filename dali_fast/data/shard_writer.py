@@ -56,8 +56,19 @@ def sample_key(prefix: str, position: int) -> str:
 
 @dataclass
 class ShardReport:
-    """What `write_shards` wrote: the shards' names in order, samples and bytes (headers included), what
-    it left out (``(where, why)``), the stale shards of the prefix it removed, and the time it took."""
+    """What `write_shards` wrote, what it left out, and the stale shards it removed.
+
+    Attributes:
+        dst: the folder or URL written to.
+        prefix: the shards' names' start (``PREFIX-000000.tar``, ...).
+        shards: the shards' names, in order.
+        samples: the samples written.
+        bytes: the shards' bytes, tar headers included.
+        skipped: (where, why) of each record left out.
+        removed: the stale shards of the prefix (from an earlier, longer run) it removed.
+        reencoded: images re-encoded to fit ``max_side``.
+        seconds: how long it took.
+    """
 
     dst: str
     prefix: str

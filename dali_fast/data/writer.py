@@ -14,7 +14,6 @@ import sys
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from .format import (
     record_dtype,
 )
 from .open import open_dataset
+from .pack_report import PackReport
 from .pack_sources import Item, PackSources, load, load_chunk, pack_sources, reader_sources, use_reader
 from .parquet_index import is_parquet
 from .remote.store import is_remote
@@ -45,36 +45,6 @@ from .shards import is_webdataset
 from .targets import check_target
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PackReport:
-    """What `pack` wrote, the images it left out (``skipped``: (path, reason)), the damaged shards it read
-    (``damaged``: (shard, what)), and what it found that is not an image (``ignored``: (path, what it is):
-    other files, links that loop or lead nowhere...)."""
-
-    dst: Path
-    records: int
-    classes: int
-    data_bytes: int
-    reencoded: int = 0
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    seconds: float = 0.0
-    damaged: list[tuple[str, str]] = field(default_factory=list)  # (shard, what): its lost samples uncounted
-    target: str = "class"  # what each record's target is (a target block per row unless "class")
-    target_width: int = 0  # K classes (multihot) or D numbers (float)
-    ignored: list[tuple[str, str]] = field(default_factory=list)
-
-    def summary(self) -> str:
-        lost = f"; {plural(len(self.damaged), 'damaged shard')} (the samples they lost are not counted)"
-        ignored = f"; ignored {plural(len(self.ignored), 'non-image')}"
-        targets = "" if self.target == "class" else f" with {self.target} targets of width {self.target_width}"
-        return (
-            f"packed {self.records} records of {self.classes} classes{targets} ({self.data_bytes / 2**20:.1f} MiB) "
-            f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
-            + (lost if self.damaged else "")
-            + (ignored if self.ignored else "")
-        )
 
 
 PACK_CHUNK = 16  # images per task handed to a worker

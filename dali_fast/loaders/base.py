@@ -36,10 +36,8 @@ class LoaderBase:
     """The epoch driver every backend shares: the epoch order and its cursor, resume, sharding across
     ranks, the batch size and the controller hooks. Exactly-once and resume live here, once.
 
-    ``recipe`` (a `dali_fast.Recipe`) is the per-image transform; ``image_size``, ``dtype`` and
-    ``memory_format`` adjust the default recipe and must agree with a given one. ``dtype=torch.uint8``
-    gives unnormalized uint8 batches, which the consumer normalizes on its device by the recipe's mean and
-    std (`dali_fast.normalize_images`).
+    ``recipe`` (a `dali_fast.Recipe`) is the per-image transform; ``image_size``, ``dtype`` (uint8: batches
+    the consumer normalizes, `normalize_images`) and ``memory_format`` adjust it and must agree with it.
 
     ``even`` (default: ``train``) gives every rank the same number of samples, as DDP training needs, by at
     most ``world_size - 1`` repeats (or, with ``drop_last``, cutting the tail); ``even=False`` repeats

@@ -69,6 +69,13 @@ class Progressive:
 
     Called with an epoch, it gives that epoch's training size: ``Progressive(160, 224, 0, 4)(2) == 192``.
     A ramp may also go down (``start > end``).
+
+    Args:
+        start: the size in px up to ``start_epoch``.
+        end: the size in px from ``end_epoch`` on.
+        start_epoch: the last epoch at ``start``.
+        end_epoch: the first epoch at ``end``.
+        step: sizes in between are multiples of this many px.
     """
 
     start: int
@@ -152,6 +159,28 @@ class Recipe:
     which the consumer normalizes on its device by the recipe's mean and std (`normalize_images`: a quarter
     of the bytes to copy, no normalizing on the CPU). ``memory_format=torch.channels_last`` gives NCHW
     views of NHWC.
+
+    Attributes:
+        image_size: the output's side in px (the evaluation size under a ``resolution`` schedule).
+        scale: the random-resized crop's share of the image's area, (low, high).
+        ratio: the crop's width/height, (low, high), drawn log-uniformly.
+        eval_crop_fraction: evaluation's centre crop as a share of the resized side.
+        eval_resize_size: evaluation's shorter side before the crop (None: from ``eval_crop_fraction``).
+        interpolation: the resize filter: "bilinear" or another of `INTERPOLATIONS`.
+        hflip: the probability of a horizontal flip.
+        auto_augment: None, "randaugment", "trivialaugment" or "autoaugment".
+        num_ops: RandAugment's operations per image.
+        magnitude: RandAugment's magnitude, out of ``num_magnitude_bins``.
+        num_magnitude_bins: the bins of the augmentations' magnitudes.
+        fill: the pixel value geometric augmentations fill with.
+        random_erasing: the probability of erasing a box.
+        erasing_scale: the erased box's share of the area, (low, high).
+        erasing_ratio: the erased box's aspect, (low, high).
+        mean: per-channel mean on the 0-1 scale (None with ``std=None``: uint8 output, not normalized).
+        std: per-channel standard deviation on the 0-1 scale.
+        dtype: the output's dtype (None: float32, or uint8 without mean and std).
+        memory_format: ``torch.contiguous_format`` or ``torch.channels_last``.
+        resolution: the training size per epoch, a `Progressive` or a function of the epoch.
     """
 
     image_size: int = 224

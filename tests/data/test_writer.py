@@ -245,7 +245,7 @@ def test_a_failing_pack_leaves_nothing(small_folder, tmp_path, monkeypatch):
 
 
 def test_pack_summary_line_exactly(tmp_path):
-    from dali_fast.data.writer import PackReport
+    from dali_fast.data.pack_report import PackReport
 
     report = PackReport(dst=tmp_path / "p", records=12, classes=3, data_bytes=3 * 2**20 + 2**19, seconds=2.25)
     report.reencoded, report.skipped = 2, [("a.jpg", "empty file")]
