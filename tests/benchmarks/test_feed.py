@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_feed_benchmark_runs_small_and_reports_every_row(tmp_path):
     pytest.importorskip("nvidia.dali")
+    pytest.importorskip("skimage", reason="the benchmark's photos need the photos extra (scikit-image)")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "feed.py"), "--images", "24", "--batch-size", "8",
            "--rounds", "1", "--dali-batch-sizes", "8", "--dali-threads", "1", "--image-size", "32",
            "--threads", "2", "--keep", str(tmp_path / "data")]  # fmt: skip
