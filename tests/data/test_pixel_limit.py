@@ -205,3 +205,43 @@ def test_the_packed_readers_quick_look_holds_a_png_to_the_limit_exactly(tmp_path
     assert check_encoded(items[5]).startswith(f"{w}x{h} pixels ({w * h:,}), over the limit of {w * h - 1:,} ")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", (w * h + 1) // 2)
     assert reader.read_batch_checked([5, 1])[2] == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "pillow"),
+    [
+        ("none", None),
+        (" None\n", None),
+        ("NONE", None),
+        ("196000000", 98_000_000),
+        ("196,000,001", 98_000_001),  # Pillow refuses above twice its value: rounded up
+        ("196_000_000", 98_000_000),
+        ("1__000", 500),  # underscores anywhere are taken out
+        ("2", 1),
+        ("1", 1),  # the least
+    ],
+)
+def test_the_pixel_variable_sets_pillows_limit(monkeypatch, text, pillow):
+    from dali_fast.data.checks import apply_pixel_limit_env, pixel_limit
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # restored after the test
+    monkeypatch.setenv("DALI_FAST_MAX_PIXELS", text)
+    apply_pixel_limit_env()
+    assert Image.MAX_IMAGE_PIXELS == pillow and pixel_limit() == (None if pillow is None else 2 * pillow)
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "", "1e9", "no"])
+def test_a_pixel_variable_of_no_pixels_is_refused(monkeypatch, text):
+    from dali_fast.data.checks import apply_pixel_limit_env
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    monkeypatch.setenv("DALI_FAST_MAX_PIXELS", text)
+    with pytest.raises(ValueError) as e:
+        apply_pixel_limit_env()
+    assert str(e.value) == (
+        f"DALI_FAST_MAX_PIXELS={text!r}: give the most pixels an image may have, e.g. 250000000, or none"
+    )
+    assert Image.MAX_IMAGE_PIXELS == 1000
+    monkeypatch.delenv("DALI_FAST_MAX_PIXELS")
+    apply_pixel_limit_env()  # unset: left as it is
+    assert Image.MAX_IMAGE_PIXELS == 1000
