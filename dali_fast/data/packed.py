@@ -300,7 +300,7 @@ class MemmapReader:
         png = (heads[:, :8] == PNG_SIGNATURE_BYTES).all(axis=1) & (tails == PNG_IEND_BYTES).all(axis=1)
         limit = pixel_limit()
         if limit is not None and png.any():  # a PNG's size is in its first bytes (IHDR): the full check names it
-            sides = heads[:, 16:24].astype(np.int64).reshape(-1, 2, 4) @ np.array([1 << 24, 1 << 16, 1 << 8, 1])
+            sides = heads[:, 16:].astype(np.int64).reshape(-1, 2, 4) @ np.array([1 << 24, 1 << 16, 1 << 8, 1])
             png &= np.maximum(sides, 1).prod(axis=1) <= limit
         ok[rows] = jpeg | png
         bad: dict[int, str] = {}
