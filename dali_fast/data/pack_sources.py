@@ -1,6 +1,6 @@
 """What `pack` reads: the images of an ImageFolder, of WebDataset shards or of any reader `open_dataset` opens
 (Parquet files, another packed set), in the source order, each with its label, its name and its target,
-what is left out before any image is read (`pack_sources`, `reader_sources`), and each image read and
+what is left out before any image is read (`pack_sources`; a reader's records by its checked reads), and each image read and
 prepared (verified, re-encoded) in this process or in `pack`'s worker processes. A reader reaches forked
 workers as this module's reader (`use_reader`)."""
 
@@ -131,11 +131,10 @@ def pack_sources(src: Path, shards: bool, target: str | None, num_classes: int |
 
 def reader_sources(reader: Reader) -> PackSources:
     """The `PackSources` of a reader: each record by its index, with the reader's own targets (a record
-    whose target is bad is left out, named with the reason)."""
-    targets = reader_targets(reader)
+    whose target is bad is left out when it is read, named with the reason, as the reader's checked reads
+    name it: `read_rows`)."""
     items = [Item(i, label, name, os.fsencode(name), i) for i, label, name in reader_records(reader)]
-    items, bad = _without_bad_targets(items, targets)
-    return PackSources(list(reader.classes), items, bad, targets)
+    return PackSources(list(reader.classes), items, [], reader_targets(reader))
 
 
 def _without_bad_targets(items: list[Item], targets: Any) -> tuple[list[Item], list[tuple[str, str]]]:

@@ -56,7 +56,7 @@ def _read_classes(meta_path: Path) -> list[str]:
     return classes
 
 
-HEAD = 24  # bytes of each record's start the quick check reads: a PNG's signature and its IHDR's size
+HEAD = QUICK_MIN  # bytes of each record's start the quick check reads: a PNG's signature and its IHDR's size
 
 
 class PackedTargets:
@@ -300,7 +300,7 @@ class MemmapReader:
         png = (heads[:, :8] == PNG_SIGNATURE_BYTES).all(axis=1) & (tails == PNG_IEND_BYTES).all(axis=1)
         limit = pixel_limit()
         if limit is not None and png.any():  # a PNG's size is in its first bytes (IHDR): the full check names it
-            sides = heads[:, 16:24].astype(np.int64).reshape(-1, 2, 4) @ np.array([1 << 24, 1 << 16, 1 << 8, 1])
+            sides = heads[:, 16:].astype(np.int64).reshape(-1, 2, 4) @ np.array([1 << 24, 1 << 16, 1 << 8, 1])
             png &= np.maximum(sides, 1).prod(axis=1) <= limit
         ok[rows] = jpeg | png
         bad: dict[int, str] = {}
@@ -325,10 +325,9 @@ class MemmapReader:
 
     def _edges(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """The first `HEAD` and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records,
-        HEAD + 12) uint8 array, gathered from the maps at once (once per shard the records are in); a
-        record shorter than `HEAD` repeats its last byte to fill its head."""
+        HEAD + 12) uint8 array, gathered from the maps at once (once per shard the records are in)."""
         ends = offsets + lengths
-        heads = np.minimum(offsets[:, None] + np.arange(HEAD), ends[:, None] - 1)  # never past the record
+        heads = offsets[:, None] + np.arange(HEAD)  # never past the record: HEAD is QUICK_MIN
         at = np.concatenate([heads, ends[:, None] - np.arange(12, 0, -1)], axis=1)
         span = self.shard_size or self.data_size  # unsharded: one shard, in which every such record starts
         shard = offsets // span

@@ -329,7 +329,7 @@ def _set_length(dst: Path, record: int, length: int) -> None:
 @pytest.fixture
 def mixed_pack(tmp_path):
     """A packed set (not verified) of a JPEG, a PNG, a JPEG with data after its end, a whole JPEG of 18 bytes
-    (shorter than the quick look), a progressive JPEG, a gray PNG and a whole JPEG of exactly 20 bytes (the
+    (shorter than the quick look), a progressive JPEG, a gray PNG and a whole JPEG of exactly 24 bytes (the
     quick look's least); returns (path, the source bytes in record order)."""
     import odd_images
 
@@ -341,9 +341,9 @@ def mixed_pack(tmp_path):
         _tiny_jpeg(),
         valid["progressive_jpeg"],
         valid["gray16_png"],
-        _tiny_jpeg(b"\x12\x34"),
+        _tiny_jpeg(b"\x12\x34\x56\x78\x9a\xbc"),
     ]
-    assert len(items[3]) == 18 and len(items[6]) == QUICK_MIN == 20
+    assert len(items[3]) == 18 and len(items[6]) == QUICK_MIN == 24
     src = make_folder(tmp_path / "src", {"a": items[:3], "b": items[3:]})
     report = pack(src, tmp_path / "p", verify=False, progress=False)
     assert report.records == len(items)
@@ -380,7 +380,7 @@ def test_damage_after_packing_that_the_quick_check_sees_is_named(mixed_pack):
     _flip_byte(path / DATA_FILE, off[5] + n[5] - 7, 0x20)  # the gray PNG's last chunk: "IEND" -> "IeND"
     _flip_byte(path / DATA_FILE, off[4] + 1, 0x01)  # the progressive JPEG's SOI: FFD8 -> FFD9
     _rewrite_label(path, 3, 2, fix_crc=True)  # the 18-byte JPEG: label 2 of 2 classes (0 and 1)
-    _rewrite_label(path, 6, 2, fix_crc=True)  # the 20-byte one, too
+    _rewrite_label(path, 6, 2, fix_crc=True)  # the 24-byte one, too
     _set_length(path, 2, 0)  # the trailing-data JPEG: now empty
     r = MemmapReader(path)
     views, labels, bad = r.read_batch_checked(range(7))

@@ -12,6 +12,7 @@ from builders import IndexReader, jpeg_bytes, make_folder
 from PIL import Image
 
 from dali_fast.data.checks import check_encoded
+from dali_fast.data.format import DATA_FILE
 from dali_fast.data.packed import MemmapReader
 from dali_fast.data.writer import pack
 from dali_fast.loaders.bad_records import BadRecordError
@@ -154,3 +155,93 @@ def test_the_command_raises_the_limit_from_its_variable(tmp_path, huge_png, monk
 
 def test_a_png_without_its_ihdr_is_refused(huge_png):
     assert check_encoded(huge_png[:8] + chunk(b"IEND", b"")) == "corrupt PNG (no IHDR chunk first)"
+
+
+def header_png(width: int, height: int) -> bytes:
+    """A PNG whose IHDR says ``width`` x ``height``, whole in structure (its pixels are not there)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_the_packed_readers_quick_look_holds_a_png_to_the_limit_exactly(tmp_path, monkeypatch):
+    """The packed reader reads a PNG's width and height from its IHDR (4 big-endian bytes each, every byte
+    counted): a PNG of exactly the limit passes on its ends alone, one over it is named; a damaged record
+    beside them is named; with no limit every PNG passes; beyond 2**53 pixels the count is still exact."""
+    import dali_fast.data.packed as packed
+
+    w, h = 2_147_483_647, 4_194_307  # 2**53 + 2,147,482,621 pixels: a float64 rounds the product down by one
+    items = [
+        header_png(0x02020202, 1),  # 33,686,018 pixels: the limit below, exactly
+        header_png(2, 0x01010101),  # the same number
+        header_png(0x01010102, 2),  # 2 over it
+        header_png(1, 0x02020203),  # 1 over it
+        header_png(2, 2),  # damaged below
+        header_png(w, h),
+    ]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    src = make_folder(tmp_path / "src", {"a": items})
+    assert pack(src, tmp_path / "p", progress=False, verify=False).records == len(items)
+    r = MemmapReader(tmp_path / "p")
+    at = int(r.records["offset"][4]) + int(r.records["length"][4]) - 7  # its last chunk: "IEND" -> "IeND"
+    del r
+    with open(tmp_path / "p" / DATA_FILE, "r+b") as f:
+        f.seek(at)
+        f.write(b"e")
+    walked = []
+    real = packed.check_encoded
+    monkeypatch.setattr(packed, "check_encoded", lambda data: walked.append(bytes(data)) or real(data))
+    reader = MemmapReader(tmp_path / "p")
+    damaged = {4: "truncated PNG (no IEND chunk)"}
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 0x01010101)
+    _, _, bad = reader.read_batch_checked(range(5))
+    assert bad == {2: check_encoded(items[2]), 3: check_encoded(items[3])} | damaged
+    assert bad[2].startswith("16843010x2 pixels (33,686,020), over the limit of 33,686,018 ")
+    assert bad[3].startswith("1x33686019 pixels (33,686,019), over the limit of 33,686,018 ")
+    assert len(walked) == 3  # the two over the limit and the damaged one: not the two at it
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert reader.read_batch_checked(range(6))[2] == damaged
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", (w * h - 1) // 2)
+    assert reader.read_batch_checked([5, 1])[2] == {0: check_encoded(items[5])}
+    assert check_encoded(items[5]).startswith(f"{w}x{h} pixels ({w * h:,}), over the limit of {w * h - 1:,} ")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", (w * h + 1) // 2)
+    assert reader.read_batch_checked([5, 1])[2] == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "pillow"),
+    [
+        ("none", None),
+        (" None\n", None),
+        ("NONE", None),
+        ("196000000", 98_000_000),
+        ("196,000,001", 98_000_001),  # Pillow refuses above twice its value: rounded up
+        ("196_000_000", 98_000_000),
+        ("1__000", 500),  # underscores anywhere are taken out
+        ("2", 1),
+        ("1", 1),  # the least
+    ],
+)
+def test_the_pixel_variable_sets_pillows_limit(monkeypatch, text, pillow):
+    from dali_fast.data.checks import apply_pixel_limit_env, pixel_limit
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # restored after the test
+    monkeypatch.setenv("DALI_FAST_MAX_PIXELS", text)
+    apply_pixel_limit_env()
+    assert Image.MAX_IMAGE_PIXELS == pillow and pixel_limit() == (None if pillow is None else 2 * pillow)
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "", "1e9", "no"])
+def test_a_pixel_variable_of_no_pixels_is_refused(monkeypatch, text):
+    from dali_fast.data.checks import apply_pixel_limit_env
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    monkeypatch.setenv("DALI_FAST_MAX_PIXELS", text)
+    with pytest.raises(ValueError) as e:
+        apply_pixel_limit_env()
+    assert str(e.value) == (
+        f"DALI_FAST_MAX_PIXELS={text!r}: give the most pixels an image may have, e.g. 250000000, or none"
+    )
+    assert Image.MAX_IMAGE_PIXELS == 1000
+    monkeypatch.delenv("DALI_FAST_MAX_PIXELS")
+    apply_pixel_limit_env()  # unset: left as it is
+    assert Image.MAX_IMAGE_PIXELS == 1000

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from builders import jpeg_bytes, make_folder, one_line
+from builders import IndexReader, jpeg_bytes, make_folder, one_line
 
 from dali_fast.data.format import DATA_FILE, HEADER_DTYPE, INDEX_FILE, RECORD_DTYPE
 from dali_fast.data.open import open_dataset
@@ -65,6 +65,22 @@ def test_bad_images_left_out_and_reported(tmp_path):
     r = MemmapReader(tmp_path / "p")
     assert [r.source(i) for i in range(2)] == ["a/000.jpg", "b/002.jpg"]
     assert [r[i][1] for i in range(2)] == [0, 1]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_readers_record_pillow_cannot_read_is_named_in_pillows_words(tmp_path, workers):
+    """Packing a reader, a record whose structure is whole but which Pillow cannot open (a PNG of bit depth
+    3) is left out, the reader's name for it in Pillow's words."""
+    ihdr = (4).to_bytes(4, "big") * 2 + bytes([3, 0, 0, 0, 0])
+    png = b"\x89PNG\r\n\x1a\n" + b"".join(
+        len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+        for kind, body in [(b"IHDR", ihdr), (b"IDAT", zlib.compress(b"")), (b"IEND", b"")]
+    )
+    report = pack(IndexReader([jpeg_bytes(), png, jpeg_bytes()]), tmp_path / "p", progress=False, workers=workers)
+    assert report.records == 2
+    assert report.skipped == [
+        ("mem://1.jpg", "undecodable: UnidentifiedImageError: cannot identify image file mem://1.jpg")
+    ]
 
 
 def test_no_verify_still_rejects_structurally_bad(tmp_path):
