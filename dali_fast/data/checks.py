@@ -145,9 +145,7 @@ def _check_jpeg(buf: bytes | memoryview) -> str | None:
 def _check_png(buf: bytes | memoryview) -> str | None:
     """Walk the chunks (length, type, data, crc) to IEND; the size in IHDR is held to the pixel limit."""
     n, pos = len(buf), 8
-    for _ in range(n):  # each chunk moves on by 12 bytes or more: bounded
-        if pos + 12 > n:
-            return "truncated PNG (no IEND chunk)"
+    while pos + 12 <= n:  # each chunk moves on by 12 bytes or more
         length = int.from_bytes(buf[pos : pos + 4], "big")
         kind = bytes(buf[pos + 4 : pos + 8])
         if not kind.isalpha():

@@ -286,9 +286,15 @@ def _check_pack_arguments(
 def _report(found: PackSources, dst: Path) -> PackReport:
     """The report so far: what is left out before any image is read, the damaged shards, the non-images,
     the targets' kind."""
-    report = PackReport(dst=dst, records=0, classes=len(found.classes), data_bytes=0, skipped=found.left_out)
-    report.damaged += found.damaged
-    report.ignored += found.ignored
+    report = PackReport(
+        dst=dst,
+        records=0,
+        classes=len(found.classes),
+        data_bytes=0,
+        skipped=found.left_out,
+        damaged=found.damaged,
+        ignored=found.ignored,
+    )
     if found.targets is not None:
         report.target, report.target_width = found.targets.kind, found.targets.width
     return report

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -298,3 +299,16 @@ def test_the_fingerprint_follows_the_contents_not_where_the_files_are(tmp_path, 
     for f in (tmp_path / "other" / "data").iterdir():  # the same names and mtimes as the first set
         os.utime(f, ns=(0, (tmp_path / "snap" / "data" / f.name).stat().st_mtime_ns))
     assert open_dataset(tmp_path / "other").fingerprint != r.fingerprint
+
+
+def test_bad_target_arguments_are_refused_before_any_index_is_built(tmp_path, cache):
+    write_hf(tmp_path / "snap")
+    for kw, message in [
+        ({"target": "multihot", "num_classes": 0}, "num_classes=0: must be a positive integer"),
+        ({"target": "float", "num_classes": 3}, "num_classes=3 is for target='multihot'"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            ParquetReader(tmp_path / "snap", cache_dir=tmp_path / "index", **kw)
+        assert not (tmp_path / "index").exists()  # refused before the files were read
+    ParquetReader(tmp_path / "snap", cache_dir=tmp_path / "index")
+    assert (tmp_path / "index").is_dir()  # where a reader that is built keeps its index

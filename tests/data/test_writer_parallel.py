@@ -215,3 +215,23 @@ def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_e
     pack(src, tmp_path / "one", progress=False, workers=1)
     for name in (INDEX_FILE, DATA_FILE, "paths.bin"):
         assert (tmp_path / "under" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
+def test_a_reader_packs_with_workers_on_linux_and_in_this_process_elsewhere(
+    small_folder, tmp_path, monkeypatch, pools, platform
+):
+    """A reader reaches the workers by fork: on Linux its records are read by the workers asked for; where
+    the start method is not fork, by this process alone. The bytes are those of a pack in this process."""
+    import dali_fast.data.writer as writer
+
+    monkeypatch.setattr(writer, "available_cpus", lambda: 2)
+    pack(small_folder, tmp_path / "ref", progress=False, workers=1)
+    pack(MemmapReader(tmp_path / "ref"), tmp_path / "one", progress=False, workers=1)
+    assert pools == []
+    monkeypatch.setattr(sys, "platform", platform)
+    report = pack(MemmapReader(tmp_path / "ref"), tmp_path / "two", progress=False, workers=2)
+    assert [n for n, _ in pools] == ([2] if platform == "linux" else [])
+    assert report.records == len(MemmapReader(tmp_path / "ref").records) > 1 and report.skipped == []
+    for name in (INDEX_FILE, DATA_FILE, "paths.bin"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
