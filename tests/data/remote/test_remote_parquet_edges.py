@@ -8,6 +8,7 @@ import logging
 import re
 import urllib.request
 
+import numpy as np
 import pytest
 from builders import jpeg_bytes, one_line
 
@@ -236,3 +237,15 @@ def test_footers_that_cannot_be_saved_are_reported_and_the_data_still_reads(s3e,
     said = [rec.getMessage() for rec in caplog.records if rec.name == "dali_fast.data.remote.parquet_index"]
     assert len(said) == 1
     assert re.fullmatch(rf"cannot save the Parquet footers to {re.escape(str(footers))} \(\[Errno \d+\] .+\)", said[0])
+
+
+def test_stats_count_the_row_groups_downloaded_and_close_unpins_them(s3e, tmp_path):
+    images, _, _, _, data = two_columns(tmp_path)
+    url = put(s3e, "s/one.parquet", data)
+    r = open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "cache", shuffle_window=2)
+    r.schedule(np.arange(6))  # both row groups, pinned until their records are delivered
+    assert [bytes(r[i][0]) for i in range(6)] == images
+    sizes = sum(int(c.size) for c in r.chunks)
+    assert r.stats() == {"downloads": 2, "downloaded_bytes": sizes, "evictions": 0, "pinned": 2, "bad_row_groups": 0}
+    r.close()
+    assert r.stats()["pinned"] == 0
