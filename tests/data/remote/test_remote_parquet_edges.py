@@ -249,3 +249,40 @@ def test_stats_count_the_row_groups_downloaded_and_close_unpins_them(s3e, tmp_pa
     assert r.stats() == {"downloads": 2, "downloaded_bytes": sizes, "evictions": 0, "pinned": 2, "bad_row_groups": 0}
     r.close()
     assert r.stats()["pinned"] == 0
+
+
+def test_label_chunks_are_read_one_by_one_when_the_batch_of_ranges_fails(s3e, tmp_path, monkeypatch):
+    images, _, labels, _, data = two_columns(tmp_path)
+    url = put(s3e, "b/one.parquet", data)
+    monkeypatch.setattr(parquet_index, "TAIL_BYTES", 64)
+
+    def refused(self, *a, **kw):
+        raise RuntimeError("the batch of ranges failed")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "cat_ranges", refused)
+    r = open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "cache")
+    md = pq.ParquetFile(tmp_path / "t.parquet").metadata
+    chunks = [md.row_group(g).column(2).total_compressed_size for g in range(md.num_row_groups)]
+    tail = 2  # the footer: one request of TAIL_BYTES, one for the rest
+    assert gets(s3e, "b/one.parquet") == (tail + len(chunks), md.serialized_size + 8 + sum(chunks))
+    assert [bytes(r[i][0]) for i in range(6)] == images and r.labels.tolist() == labels
+
+
+def test_the_store_failing_on_the_label_chunks_is_named(s3e, tmp_path, monkeypatch):
+    _, _, _, _, data = two_columns(tmp_path)
+    url = put(s3e, "b/one.parquet", data)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOBODYKNOWS00000")
+    s3fs.S3FileSystem.clear_instance_cache()
+    real = s3fs.S3FileSystem.cat_ranges
+
+    def rejected(self, *a, **kw):
+        _auth(s3e, "0")  # the footer was read: the server refuses these credentials from now on
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "cat_ranges", rejected)
+    try:
+        with pytest.raises(errors.CredentialsRejectedError) as e:
+            open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "cache")
+    finally:
+        _auth(s3e, "inf")
+    assert one_line(e) == f"{url}: {errors.CREDENTIALS_REJECTED.format(code='InvalidAccessKeyId')}"
