@@ -179,7 +179,7 @@ class RemoteParquetReader(ParquetReader):
         try:
             data = self._stream.map(gid)
             source = RangeFile(info.whole_size, {info.start: data})
-            pf = self._pq.ParquetFile(pa.PythonFile(source, mode="r"), metadata=self._footer(k), pre_buffer=False)
+            pf = self._pq.ParquetFile(pa.PythonFile(source), metadata=self._footer(k))  # one read: the chunk
             table = pf.read_row_group(g, columns=[self.columns.image_leaf], use_threads=False)
             return _Group(table.column(0), self.columns.image_field)
         except (OSError, pa.ArrowException) as e:

@@ -58,12 +58,13 @@ def holds_parquet(url: str, storage_options: dict[str, Any] | None) -> bool:
 
     try:
         fs, root = url_to_fs(url, storage_options)
-        found = fs.find(root.rstrip("/"))
+        root = root.rstrip("/")  # an https:// folder keeps its slash
+        found = fs.find(root)
     except Exception:  # noqa: BLE001 - named by the reader that opens it
         return False
     if any(p.endswith(".tar") for p in found):
         return False
-    return bool(folder_files(root.rstrip("/"), [p for p in found if p.endswith(".parquet")]))
+    return bool(folder_files(root, [p for p in found if p.endswith(".parquet")]))
 
 
 def _one_split(infos: list[ShardInfo], spec: str) -> None:
@@ -180,7 +181,7 @@ def chunk_range(md: Any, group: int, leaf: str) -> tuple[int, int]:
         c = rg.column(j)
         if c.path_in_schema == leaf:
             starts = [c.data_page_offset]
-            if c.has_dictionary_page and c.dictionary_page_offset:  # 0 from some writers: no such page
+            if c.dictionary_page_offset:  # None without one; 0 from some writers: no such page
                 starts.append(c.dictionary_page_offset)
             return min(starts), int(c.total_compressed_size)
     raise ValueError(f"no column {leaf} in row group {group}")  # pragma: no cover - the index found it
@@ -238,15 +239,15 @@ class RemoteIndex:
         return tail
 
     def _open(self, k: int) -> Any:
-        """File ``k`` as a ``ParquetFile`` holding its footer and its label column's chunks, fetched in
-        one request each (the index reads those); any other read fetches its range."""
+        """File ``k`` as a ``ParquetFile`` of its parsed footer holding its label column's chunks, fetched
+        in one request each (the index reads those); any other read fetches its range."""
         import pyarrow as pa
 
         info, tail = self.infos[k], self._tail(k)
         md = parse_footer(tail)
         ranges = self._ranges.get(k)
         if ranges is None:
-            ranges = {info.size - len(tail): tail}
+            ranges = {}
             try:
                 columns = find_columns(md.schema.to_arrow_schema(), self.image_column, self.label_column, info.url)
             except ValueError:
@@ -258,7 +259,7 @@ class RemoteIndex:
         def fetch(start: int, end: int) -> bytes:
             return _get(self.store, info, start, end)
 
-        source = pa.PythonFile(RangeFile(info.size, ranges, fetch), mode="r")
+        source = pa.PythonFile(RangeFile(info.size, ranges, fetch))  # read-only: opened for reading
         return pyarrow_parquet().ParquetFile(source, metadata=md, pre_buffer=False)  # one read per chunk
 
     def _label_chunks(self, k: int, md: Any, columns: Columns) -> dict[int, bytes]:
