@@ -14,6 +14,7 @@ from typing import Any
 from ..data.base import Reader
 from ..data.open import open_dataset
 from ..data.synthetic import default_dataset
+from ..data.targets import target_spec
 from ..files import atomic_write, check_writable_folder
 from ..loaders.factory import BACKENDS
 from ..machine import available_cpus
@@ -136,6 +137,9 @@ def run_bench(
     check_writable_folder(out, "--out")
     data = bench_data(dataset, images, progress, open_options)
     check_batch_fits(batch_size, len(data.reader), data.name)
+    target = target_spec(data.reader)[0]
+    if FFCV in loaders and target != "class":  # the .beton holds class labels: said before any row runs
+        raise ValueError(f"the ffcv row reads class labels, not {target} targets; leave ffcv out of --loaders")
     out.mkdir(parents=True, exist_ok=True)
     specs: list[tuple[str, Recipe | None]] = [(LIMIT, None)] if limit else []
     specs += [(k, v) for v in variants for k in loaders]

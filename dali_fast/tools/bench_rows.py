@@ -180,8 +180,6 @@ def loader_row(
     if kind == FFCV:  # FFCV's own Loader over its .beton of the same data, written once into the cache
         from .ffcv_row import FFCVLoader, write_beton
 
-        if target != "class":
-            raise ValueError(f"the ffcv row reads class labels, not {target} targets; leave ffcv out of --loaders")
         ffcv_recipe = resolve_recipe(recipe, image_size=image_size)
         loader: Any = FFCVLoader(write_beton(reader, workers), batch_size, workers, ffcv_recipe)
     else:

@@ -126,3 +126,20 @@ def test_ffcv_batches_have_the_other_rows_shape_dtype_and_labels(tmp_path, monke
     assert labels.dtype == torch.int64
     assert sorted(labels.tolist()) == sorted(int(reader[i][1]) for i in range(20))
     assert -3 < images.mean().item() < 3  # normalized, not 0-255
+
+
+def test_the_ffcv_row_refuses_targets_other_than_classes_before_any_row(tmp_path, monkeypatch):
+    from dali_fast import open_dataset
+
+    monkeypatch.setattr("dali_fast.tools.bench.ffcv_missing", lambda: None)  # as where FFCV is installed
+
+    def no_row(*args, **kwargs):
+        raise AssertionError("a row started before the settings were checked")
+
+    monkeypatch.setattr("dali_fast.tools.bench.loader_row", no_row)
+    make_synthetic(tmp_path / "tags", images=8, classes=3, multi_label=True, progress=False)
+    reader = open_dataset(tmp_path / "tags", target="multihot", num_classes=3)
+    with pytest.raises(ValueError) as e:
+        run_bench(reader, loaders=["torch", "ffcv"], batch_size=4, out=tmp_path / "out", progress=False)
+    assert str(e.value) == "the ffcv row reads class labels, not multihot targets; leave ffcv out of --loaders"
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
