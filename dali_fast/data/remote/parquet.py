@@ -152,10 +152,8 @@ class RemoteParquetReader(ParquetReader):
     def _fetch(
         self, gid: int, pin: bool, block_for_room: bool = True, cancel: Callable[[], bool] | None = None
     ) -> int | None | bool:
-        """Row group ``gid``'s image column made local in the shard cache; a failure is remembered."""
-        bad = self._bad.get(gid)
-        if bad is not None:
-            raise bad
+        """Row group ``gid``'s image column made local in the shard cache; a failure is remembered (the
+        stream asks for no row group that failed)."""
         info = self.chunks[gid]
 
         def download(tmp: Path) -> None:

@@ -280,10 +280,8 @@ class RemoteShardsReader(MemberIndexReader):
     def _fetch(
         self, s: int, pin: bool, block_for_room: bool = True, cancel: Callable[[], bool] | None = None
     ) -> int | None | bool:
-        """Shard ``s`` made local (see `ShardCache.acquire`); a failure is remembered as a bad shard."""
-        bad = self._bad.get(s)
-        if bad is not None:
-            raise bad
+        """Shard ``s`` made local (see `ShardCache.acquire`); a failure is remembered as a bad shard (the
+        stream asks for no shard that failed)."""
         info = self.infos[s]
         try:
             return self.cache.acquire(
