@@ -7,8 +7,10 @@ consumption (prefetch) and past the end of the epoch; since the list, not an
 changes cannot duplicate or lose samples.
 
 DALI takes the source's arrays without a copy (``no_copy``: a packed set's records are views of its
-memory map), and it does not keep them alive itself: the source holds each batch's arrays until that
-batch is delivered (`BatchSource.consume`), by when DALI has read them and copied its outputs out.
+memory map), handed over as one ``TensorListCPU`` over the records' own memory (DALI's per-sample wrapping
+of a list of arrays cost the training thread more than reading them). The source also holds each batch's
+arrays until that batch is delivered (`BatchSource.consume`), by when DALI has read them and copied its
+outputs out.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ READ_AHEAD_RECORDS = 512
 class BatchSource:
     """A batch-mode external-source callable over a planned list of index batches.
 
-    Returns ``(encoded images, labels)`` per call. ``fed`` records, per batch handed to DALI,
+    Returns ``(encoded images, labels)`` per call: the images as one ``TensorListCPU`` over the records'
+    memory, the labels as one array (and the erasing boxes as a third, when asked). ``fed`` records, per batch handed to DALI,
     how many planned samples it accounts for (skipped ones included), in order, so the
     consumer can advance its cursor exactly by what it received. A packed set's batches are read in runs
     of `READ_AHEAD_RECORDS` records; a bad record is named (or skipped) when its batch is handed out.
@@ -70,6 +73,9 @@ class BatchSource:
         self.fed: deque[Fed] = deque()  # batches handed to DALI, not yet delivered
         self.tail_skipped: list[tuple[int, str]] = []
         self._ahead: deque[tuple[np.ndarray, list, np.ndarray, dict[int, str]]] = deque()  # read, not handed out
+        from nvidia.dali.tensors import TensorListCPU
+
+        self._tensor_list = TensorListCPU
 
     def stop(self) -> None:
         """Hand out nothing more (the consumer has left the epoch)."""
@@ -114,8 +120,11 @@ class BatchSource:
                 keep = [pos for pos in range(len(indices)) if pos not in bad]
                 datas, labels, kept = [datas[pos] for pos in keep], labels[keep], indices[keep]
             if datas:
-                out = (datas, labels) if self.boxes is None else (datas, labels, self.boxes(kept))
-                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped, out))
+                # One TensorList of the records (no copy): DALI then skips its own per-sample wrapping and
+                # checks of a list of arrays, which cost the training thread more than reading them.
+                jpegs = self._tensor_list(datas, None, False)
+                out = (jpegs, labels) if self.boxes is None else (jpegs, labels, self.boxes(kept))
+                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped, (datas, *out)))
                 return out
         self.tail_skipped += skipped  # the plan ended on records that were all skipped
         skipped = []
@@ -156,7 +165,7 @@ class BatchSource:
 @dataclass
 class Fed:
     """One batch handed to DALI: planned samples and plan batches it accounts for, what it kept and skipped,
-    and the arrays handed over (DALI reads them without a copy and without a reference of its own)."""
+    and what was handed over: the records' arrays, then the outputs (DALI reads the arrays in place)."""
 
     consumed: int
     kept: list[int]

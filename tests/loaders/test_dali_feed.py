@@ -82,8 +82,12 @@ def test_the_source_keeps_what_it_hands_to_dali_until_the_batch_is_delivered(mon
     reader = IndexReader([jpeg_bytes(20, 16)] * 6)
     source = BatchSource(reader, [np.array([0, 1]), np.array([2, 3])], "raise", SkipLog())
     out = source()
-    assert source.fed[0].arrays is out and source.fed[0].arrays[0][0] is out[0][0]
-    assert source.consume().arrays is out and not source.fed
+    records, *handed = source.fed[0].arrays
+    assert len(handed) == len(out) and all(a is b for a, b in zip(handed, out, strict=True))
+    # one TensorList over the records' own memory: DALI wraps nothing per sample, and nothing is copied
+    assert type(out[0]).__name__ == "TensorListCPU" and len(out[0]) == len(records) == 2
+    assert [np.asarray(t).ctypes.data for t in out[0]] == [r.ctypes.data for r in records]
+    assert source.consume().arrays[0] is records and not source.fed
     seen = []
     real = fn.external_source
 
