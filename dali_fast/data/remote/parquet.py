@@ -20,7 +20,6 @@ URL), read by row group through the node-local cache that remote WebDataset shar
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -35,12 +34,13 @@ from ..parquet_index import pyarrow_parquet
 from .cache import ShardCache
 from .parquet_index import RangeFile, RemoteIndex, chunk_range, list_parquet, parse_footer
 from .store import CHUNK_BYTES, ShardChanged, ShardDownloader, ShardError, ShardInfo
-from .stream import ShardStream
+from .streamed import Streamed
 
 
-class RemoteParquetReader(ParquetReader):
+class RemoteParquetReader(Streamed, ParquetReader):
     """The reader interface over Parquet files at a URL (see the module docstring); every member of
-    `parquet.ParquetReader` holds, with ``source(i)`` naming ``URL:row``.
+    `parquet.ParquetReader` holds, with ``source(i)`` naming ``URL:row``; the row groups stream as
+    `streamed.Streamed` says (``schedule``, ``advance``, ``close``, ``stats``).
 
     Args:
         spec: a ``.parquet`` URL, a brace pattern of them, a ``*`` pattern (not over HTTP), or a folder
@@ -62,6 +62,8 @@ class RemoteParquetReader(ParquetReader):
         chunk_bytes: bytes of one range request.
         prefetch_next_epoch: download the next epoch's first row groups as this one ends.
     """
+
+    unit = "row_groups"
 
     def __init__(
         self,
@@ -194,59 +196,15 @@ class RemoteParquetReader(ParquetReader):
         h.update(self._labels.tobytes())
         return f"remote-parquet:{len(self)}:{h.hexdigest()[:16]}"
 
-    def _groups_of(self, records: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.shard_bounds, np.asarray(records, dtype=np.int64), side="right") - 1
-
-    def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
-        """The records this process reads next, in order (and the next epoch's): their row groups are
-        downloaded ahead in that order, and unpinned once used (`advance`)."""
-        following = None
-        if then is not None and len(then) and self.prefetch_next_epoch:
-            following = self._groups_of(then)
-        self._stream.schedule(self._groups_of(order), following)
-
-    def advance(self, count: int) -> None:
-        """``count`` more records of the schedule were delivered: unpin the row groups whose use is over."""
-        self._stream.advance(count)
-
-    def close(self) -> None:
-        """Stop downloading ahead and unpin every row group; the files stay in the cache."""
-        stream = getattr(self, "_stream", None)
-        if stream is not None:
-            stream.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-    def stats(self) -> dict[str, int]:
-        """This process's downloads (row groups, bytes), evictions, and row groups pinned now."""
-        return {
-            "downloads": self.cache.downloads,
-            "downloaded_bytes": self.store.downloaded_bytes,
-            "evictions": self.cache.evictions,
-            "pinned": self._stream.pinned,
-            "bad_row_groups": len(self._bad),
-        }
+    def _units_of(self, records: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.shard_bounds, records, side="right") - 1
 
     # ------------------------------------------------------------------ processes
     def _reset_process_state(self) -> None:
         """This process's row groups, downloads and connections, fresh (a new reader, an unpickled one, a
         forked child: its parent's pins and threads are not its own)."""
         super()._reset_process_state()
-        self._stream = ShardStream(
-            self.cache,
-            [c.key() for c in self.chunks],
-            [c.url for c in self.chunks],
-            self.chunk_bytes,
-            self._fetch,
-            self._bad,
-            window=self.shuffle_window,
-            threads=self.download_threads,
-        )
-        if getattr(self, "_pid", None) not in (None, os.getpid()):
-            self.store.forget_connections()  # fsspec's clients do not survive a fork
-        self._pid = os.getpid()
+        self._start_stream([c.key() for c in self.chunks], [c.url for c in self.chunks], self.chunk_bytes)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

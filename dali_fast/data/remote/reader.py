@@ -23,7 +23,6 @@ URL), read through a node-local shard cache. numpy only: no torch here.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import logging
@@ -46,7 +45,7 @@ from ..targets import attach_targets, check_target
 from .cache import ShardCache, close_lock, open_lock
 from .index_file import crc_file, load_index, pack_index
 from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
-from .stream import ShardStream
+from .streamed import Streamed
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_readers_in_child)
 
 
-class RemoteShardsReader(MemberIndexReader):
+class RemoteShardsReader(Streamed, MemberIndexReader):
     """The reader interface over remote WebDataset shards, streamed through a `ShardCache`.
 
     ``cache_dir`` (default ``$DALI_FAST_CACHE/remote``) holds the shards (``shards/``) and, unless
@@ -308,54 +307,14 @@ class RemoteShardsReader(MemberIndexReader):
         off = int(self._offset[j])
         return m[off : off + int(self._size[j])], int(self._labels[j])
 
-    def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
-        """The records this process will read next, in order (the rest of the loader's pass), and optionally
-        the next epoch's: shards are downloaded ahead in that order and unpinned once used (`advance`)."""
-        following = None
-        if then is not None and len(then) and self.prefetch_next_epoch:
-            following = self._shard_of[np.asarray(then, dtype=np.int64)]
-        self._stream.schedule(self._shard_of[np.asarray(order, dtype=np.int64)], following)
-
-    def advance(self, count: int) -> None:
-        """``count`` more records of the schedule were delivered: unpin the shards whose use is over."""
-        self._stream.advance(count)
-
-    def close(self) -> None:
-        """Stop downloading ahead (a download under way stops at its next range request) and unpin every
-        shard; the files stay in the cache."""
-        self._stream.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-    def stats(self) -> dict[str, int]:
-        """This process's downloads (shards, bytes), evictions, and shards pinned now."""
-        return {
-            "downloads": self.cache.downloads,
-            "downloaded_bytes": self.store.downloaded_bytes,
-            "evictions": self.cache.evictions,
-            "pinned": self._stream.pinned,
-            "bad_shards": len(self._bad),
-        }
+    def _units_of(self, records: np.ndarray) -> np.ndarray:
+        return self._shard_of[records]
 
     # ------------------------------------------------------------------ processes
     def _reset_process_state(self) -> None:
         """Per-process state, fresh: in a new reader, after unpickling, and in a forked child (whose
         pins were its parent's and whose threads did not survive the fork)."""
-        self._stream = ShardStream(
-            self.cache,
-            [info.key() for info in self.infos],
-            self.shards,
-            self.shard_bytes,
-            self._fetch,
-            self._bad,
-            window=self.shuffle_window,
-            threads=self.download_threads,
-        )
-        if getattr(self, "_pid", None) not in (None, os.getpid()):
-            self.store.forget_connections()  # fsspec's clients (event loops, connections) do not survive a fork
-        self._pid = os.getpid()
+        self._start_stream([info.key() for info in self.infos], self.shards, self.shard_bytes)
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k in _PICKLED}
