@@ -183,6 +183,18 @@ class S3Server(_Server):
 
         return make_server("127.0.0.1", self.port, counting, threaded=True, request_handler=Handler)
 
+    def check_credentials(self, on: bool) -> None:
+        """From now on moto checks each request's credentials (and IAM permissions), or accepts any."""
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.endpoint}/moto-api/reset-auth",
+            data=b"0" if on else b"inf",
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        urllib.request.urlopen(request).read()
+
     def reset(self) -> None:
         """Every bucket and object gone (moto's own reset), counters at zero."""
         import urllib.request

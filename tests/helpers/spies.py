@@ -35,3 +35,42 @@ class ConcurrencySpy:
 
     def __repr__(self) -> str:
         return f"ConcurrencySpy(now={self.now}, most={self.most}, threads={sorted(self.threads)})"
+
+
+class DaliCalls(list):
+    """The DALI operators `transforms.dali.augment` called, as (name, args, kwargs) in call order, each
+    operator returning its own name (so an operator's input names the one that made it)."""
+
+    def last(self, name: str) -> tuple[tuple, dict]:
+        """(args, kwargs) of the last call of ``name``."""
+        return next((args, kwargs) for n, args, kwargs in reversed(self) if n == name)
+
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self]
+
+
+def record_dali_ops(monkeypatch, auto_augment=None):
+    """DALI's operators replaced by recorders (`DaliCalls`): ``decode`` for ``fn.decoders.image``,
+    ``decode_roi`` for ``fn.decoders.image_random_crop``, ``flip`` for ``fn.random.coin_flip``, and the
+    operators of ``fn`` by their own names. ``auto_augment`` replaces the graph's automatic augmentation
+    (default: none, the images pass through). Returns (`dali_fast.transforms.dali`, the calls)."""
+    import nvidia.dali.fn as fn
+
+    import dali_fast.transforms.dali as graph
+
+    seen = DaliCalls()
+
+    def record(name):
+        def op(*args, **kwargs):
+            seen.append((name, args, kwargs))
+            return name
+
+        return op
+
+    for name in ("resize", "crop_mirror_normalize", "erase", "cast", "random_resized_crop"):
+        monkeypatch.setattr(fn, name, record(name))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
+    monkeypatch.setattr(fn.decoders, "image", record("decode"))
+    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
+    monkeypatch.setattr(graph, "auto_augment", auto_augment or (lambda images, recipe: images))
+    return graph, seen

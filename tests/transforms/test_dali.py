@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spies import record_dali_ops
 
 from dali_fast.transforms.recipe import Recipe
 
@@ -24,33 +25,13 @@ def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monk
     `mixed` decoder's output, the erasing boxes stay CPU argument inputs (DALI refuses GPU ones), and the
     flip probability, crop scale/ratio, interpolation, eval resize and normalization are the recipe's."""
     pytest.importorskip("nvidia.dali")
-    import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
-    import dali_fast.transforms.dali as graph
+    graph, calls = record_dali_ops(
+        monkeypatch, auto_augment=lambda images, recipe: ("augmented", images, recipe.auto_augment)
+    )
+    seen = Seen(calls)
 
-    seen = {}
-
-    def record(name):
-        def op(*args, **kwargs):
-            seen[name] = (args, kwargs)
-            return name
-
-        return op
-
-    class Boxes:
-        def __getitem__(self, key):
-            return ("boxes", key.start, key.stop)
-
-        def gpu(self):
-            raise AssertionError("erasing boxes moved to the GPU")
-
-    for name in ("resize", "crop_mirror_normalize", "erase", "random_resized_crop"):
-        monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
-    monkeypatch.setattr(graph, "auto_augment", lambda images, recipe: ("augmented", images, recipe.auto_augment))
     recipe = Recipe(
         image_size=160,
         scale=(0.35, 1.0),
@@ -62,7 +43,7 @@ def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monk
         mean=(0.5, 0.5, 0.5),
         std=(0.25, 0.25, 0.25),
     )
-    out = graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=Boxes())
+    out = graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=_Boxes())
     assert out == "erase" and "decode_roi" not in seen and "resize" not in seen
     assert seen["decode"][1]["device"] == "mixed"
     crop_args, crop = seen["random_resized_crop"]
@@ -75,14 +56,14 @@ def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monk
     assert cmn["mean"] == [127.5] * 3 and cmn["std"] == [63.75] * 3 and cmn["mirror"] == "flip"
     assert seen["erase"][0] == ("crop_mirror_normalize",)
     assert seen["erase"][1]["anchor"] == ("boxes", 0, 2) and seen["erase"][1]["shape"] == ("boxes", 2, 4)
-    seen.clear()
-    graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=Boxes(), decode="roi")
+    calls.clear()
+    graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=_Boxes(), decode="roi")
     assert seen["decode_roi"][1]["device"] == "mixed" and "random_resized_crop" not in seen
     roi = seen["decode_roi"][1]
     assert roi["random_area"] == [0.35, 1.0] and roi["random_aspect_ratio"] == [0.5, 2.0]
     assert seen["resize"][1]["interp_type"] == types.INTERP_CUBIC and seen["resize"][1]["resize_x"] == 160
     assert seen["crop_mirror_normalize"][0][0] == ("augmented", "resize", "trivialaugment")
-    seen.clear()
+    calls.clear()
     plain = Recipe(image_size=160, eval_resize_size=192, mean=None, std=None, hflip=0.0)
     graph.augment("jpegs", train=False, recipe=plain, gpu=True, num_threads=4)
     assert seen["resize"][1]["resize_shorter"] == 192 and "erase" not in seen and "flip" not in seen
@@ -91,61 +72,38 @@ def test_gpu_pipeline_augments_decoded_gpu_images_and_erases_with_cpu_boxes(monk
 
 def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
     pytest.importorskip("nvidia.dali")
-    import nvidia.dali.fn as fn
-
-    import dali_fast.transforms.dali as graph
-
-    seen = {}
-
-    def record(name):
-        def op(*args, **kwargs):
-            seen[name] = kwargs
-            return object()
-
-        return op
-
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode"))
-    monkeypatch.setattr(fn, "random_resized_crop", record("crop"))
-    monkeypatch.setattr(fn, "resize", record("resize"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
-    monkeypatch.setattr(fn, "crop_mirror_normalize", record("normalize"))
+    graph, calls = record_dali_ops(monkeypatch)
+    seen = Seen(calls)
     for decode, op in (("whole", "decode"), ("roi", "decode_roi")):
-        graph.augment(object(), train=True, recipe=Recipe(), gpu=True, num_threads=224, decode=decode)
-        assert seen[op]["device"] == "mixed"
-        assert seen[op]["device_memory_padding"] * 224 <= graph.DECODER_DEVICE_BUDGET
-        assert seen[op]["host_memory_padding"] * 2 * 224 <= graph.DECODER_PINNED_BUDGET
+        graph.augment("jpegs", train=True, recipe=Recipe(), gpu=True, num_threads=224, decode=decode)
+        kw = seen[op][1]
+        assert kw["device"] == "mixed"
+        assert kw["device_memory_padding"] * 224 <= graph.DECODER_DEVICE_BUDGET
+        assert kw["host_memory_padding"] * 2 * 224 <= graph.DECODER_PINNED_BUDGET
     monkeypatch.setattr(graph, "cpus_per_local_rank", lambda: 224)
     assert graph.default_num_threads(gpu=True) == graph.MIXED_MAX_THREADS
     assert graph.default_num_threads(gpu=False) == 224
 
 
-def _record_ops(monkeypatch):
-    """Replace the DALI operators `augment` uses by recorders: (name, args, kwargs) in call order."""
-    import nvidia.dali.fn as fn
+class Seen:
+    """The last call of each operator by name: ``seen[name]`` is its (args, kwargs)."""
 
-    import dali_fast.transforms.dali as graph
+    def __init__(self, calls) -> None:
+        self.calls = calls
 
-    seen = []
+    def __getitem__(self, name: str) -> tuple[tuple, dict]:
+        return self.calls.last(name)
 
-    def record(name):
-        def op(*args, **kwargs):
-            seen.append((name, args, kwargs))
-            return name
-
-        return op
-
-    for name in ("resize", "crop_mirror_normalize", "erase", "cast", "random_resized_crop"):
-        monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
-    monkeypatch.setattr(fn.decoders, "image", record("decode"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("flip"))
-    return graph, seen
+    def __contains__(self, name: str) -> bool:
+        return name in self.calls.names()
 
 
 class _Boxes:
     def __getitem__(self, key):
         return ("boxes", key.start, key.stop)
+
+    def gpu(self):
+        raise AssertionError("erasing boxes moved to the GPU")
 
 
 def test_gpu_decoders_upsample_chroma_like_the_cpu_decoder(monkeypatch):
@@ -153,7 +111,7 @@ def test_gpu_decoders_upsample_chroma_like_the_cpu_decoder(monkeypatch):
     decoder, Pillow and TorchIterator use: training on a GPU would see other pixels than on a CPU. Whole
     images (training's default on a GPU, and evaluation) decode with fancy upsampling."""
     pytest.importorskip("nvidia.dali")
-    graph, seen = _record_ops(monkeypatch)
+    graph, seen = record_dali_ops(monkeypatch)
     for train in (True, False):
         seen.clear()
         graph.augment("jpegs", train=train, recipe=Recipe(), gpu=True, num_threads=4)
@@ -171,7 +129,7 @@ def test_gpu_float16_with_erasing_erases_in_float32_then_casts(monkeypatch):
     pytest.importorskip("nvidia.dali")
     import nvidia.dali.types as types
 
-    graph, seen = _record_ops(monkeypatch)
+    graph, seen = record_dali_ops(monkeypatch)
     recipe = Recipe(dtype=torch.float16, random_erasing=0.5)
     out = graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=4, erase=_Boxes())
     names = [name for name, _, _ in seen]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from builders import IndexReader, jpeg_bytes, one_line
 from PIL import Image
+from spies import record_dali_ops
 
 from dali_fast.transforms.decode_choice import (
     HW_DECODER_LOAD,
@@ -109,30 +110,6 @@ def test_the_loader_reads_the_engine_as_doctor_does_and_decides_once(monkeypatch
         DALIIterator(reader, 2, device="cuda")
 
 
-def _record_graph(monkeypatch):
-    """DALI's operators replaced by recorders: (name, args, kwargs) in call order."""
-    import nvidia.dali.fn as fn
-
-    import dali_fast.transforms.dali as graph
-
-    seen = []
-
-    def record(name):
-        def op(*args, **kwargs):
-            seen.append((name, args, kwargs))
-            return name
-
-        return op
-
-    for name in ("resize", "crop_mirror_normalize", "erase", "cast", "random_resized_crop"):
-        monkeypatch.setattr(fn, name, record(name))
-    monkeypatch.setattr(fn.decoders, "image_random_crop", record("image_random_crop"))
-    monkeypatch.setattr(fn.decoders, "image", record("image"))
-    monkeypatch.setattr(fn.random, "coin_flip", record("coin_flip"))
-    monkeypatch.setattr(graph, "auto_augment", lambda images, recipe: images)
-    return graph, seen
-
-
 class _Boxes:
     def __getitem__(self, key):
         return ("boxes", key.start, key.stop)
@@ -156,13 +133,18 @@ def test_gpu_training_decodes_whole_images_on_the_engine_then_crops_by_the_recip
     pytest.importorskip("nvidia.dali")
     import nvidia.dali.types as types
 
-    graph, seen = _record_graph(monkeypatch)
+    graph, seen = record_dali_ops(monkeypatch)
     recipe = RECIPES[name]
     S = recipe.image_size
     erase = _Boxes() if recipe.random_erasing else None
     graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=8, erase=erase)
     (decode_name, decode_args, decode), (crop_name, crop_args, crop) = seen[:2]
-    assert (decode_name, decode_args, crop_name, crop_args) == ("image", ("jpegs",), "random_resized_crop", ("image",))
+    assert (decode_name, decode_args, crop_name, crop_args) == (
+        "decode",
+        ("jpegs",),
+        "random_resized_crop",
+        ("decode",),
+    )
     assert (
         decode["device"] == "mixed" and decode["jpeg_fancy_upsampling"] is True and decode["output_type"] == types.RGB
     )
@@ -184,13 +166,13 @@ def test_gpu_training_decodes_whole_images_on_the_engine_then_crops_by_the_recip
                 "jpegs", train=train, recipe=recipe, gpu=True, num_threads=8, erase=erase, decode=decode_choice
             )
             for op, _, kw in seen:
-                assert not (op == "image_random_crop" and kw.get("jpeg_fancy_upsampling")), (train, decode_choice)
-                if op == "image":  # every whole-image decode on the GPU: fancy, on the engine
+                assert not (op == "decode_roi" and kw.get("jpeg_fancy_upsampling")), (train, decode_choice)
+                if op == "decode":  # every whole-image decode on the GPU: fancy, on the engine
                     assert kw["jpeg_fancy_upsampling"] is True and kw["hw_decoder_load"] == HW_DECODER_LOAD
     seen.clear()
     graph.augment("jpegs", train=True, recipe=recipe, gpu=True, num_threads=8, erase=erase, decode="roi")
     window = seen[0]
-    assert window[0] == "image_random_crop" and window[2]["device"] == "mixed"
+    assert window[0] == "decode_roi" and window[2]["device"] == "mixed"
     assert window[2]["random_area"] == list(recipe.scale) and window[2]["num_attempts"] == 10
 
 

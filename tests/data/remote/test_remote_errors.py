@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -137,7 +136,7 @@ def test_no_credentials(server, tmp_path, monkeypatch, capsys):
 
 def _with_iam_user(server, policy: dict | None):
     """An IAM user of moto's (with ``policy`` inline, if any) and its keys; the server then checks every
-    request's credentials and permissions until `_no_auth`."""
+    request's credentials and permissions until ``check_credentials(False)``."""
     from botocore.session import Session
 
     iam = Session().create_client("iam", endpoint_url=server.endpoint, region_name="us-east-1")
@@ -146,24 +145,14 @@ def _with_iam_user(server, policy: dict | None):
     if policy is not None:
         iam.put_user_policy(UserName=name, PolicyName="p", PolicyDocument=json.dumps(policy))
     key = iam.create_access_key(UserName=name)["AccessKey"]
-    _auth(server, "0")
+    server.check_credentials(True)
     return key["AccessKeyId"], key["SecretAccessKey"]
-
-
-def _auth(server, count: str) -> None:
-    request = urllib.request.Request(
-        f"{server.endpoint}/moto-api/reset-auth",
-        data=count.encode(),
-        method="POST",
-        headers={"Content-Type": "text/plain"},
-    )
-    urllib.request.urlopen(request).read()
 
 
 @pytest.fixture
 def auth(server):
     yield lambda policy=None: _with_iam_user(server, policy)
-    _auth(server, "inf")
+    server.check_credentials(False)
 
 
 def test_access_denied_and_rejected_credentials(server, auth, monkeypatch, capsys):

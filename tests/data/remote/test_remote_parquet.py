@@ -6,7 +6,6 @@ both loaders on 2 ranks over 2 epochs, resume, bad rows named by URL; the store'
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -191,23 +190,13 @@ def test_a_missing_bucket_and_rejected_credentials_are_named(s3pq, tmp_path, mon
     upload(s3pq, tmp_path / "local")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOBODYKNOWS00000")
     s3fs.S3FileSystem.clear_instance_cache()
-    _auth(s3pq, "0")  # moto checks credentials from now on
+    s3pq.check_credentials(True)  # moto checks credentials from now on
     try:
         with pytest.raises(errors.CredentialsRejectedError) as e:
             open_dataset(SPEC, **opts(s3pq, tmp_path))
     finally:
-        _auth(s3pq, "inf")
+        s3pq.check_credentials(False)
     assert one_line(e) == f"{SPEC}: {errors.CREDENTIALS_REJECTED.format(code='InvalidAccessKeyId')}"
-
-
-def _auth(server, count: str) -> None:
-    request = urllib.request.Request(
-        f"{server.endpoint}/moto-api/reset-auth",
-        data=count.encode(),
-        method="POST",
-        headers={"Content-Type": "text/plain"},
-    )
-    urllib.request.urlopen(request).read()
 
 
 # --------------------------------------------------------------------------------------------- loaders

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import re
-import urllib.request
 
 import numpy as np
 import pytest
@@ -140,23 +139,13 @@ def test_the_store_failing_on_the_tail_is_named(s3e, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOBODYKNOWS00000")
     s3fs.S3FileSystem.clear_instance_cache()
     store = downloader(s3e, url)
-    _auth(s3e, "0")  # moto checks credentials from now on
+    s3e.check_credentials(True)  # moto checks credentials from now on
     try:
         with pytest.raises(errors.CredentialsRejectedError) as e:
             fetch_tail(store, 0)
     finally:
-        _auth(s3e, "inf")
+        s3e.check_credentials(False)
     assert one_line(e) == f"{url}: {errors.CREDENTIALS_REJECTED.format(code='InvalidAccessKeyId')}"
-
-
-def _auth(server, count: str) -> None:
-    request = urllib.request.Request(
-        f"{server.endpoint}/moto-api/reset-auth",
-        data=count.encode(),
-        method="POST",
-        headers={"Content-Type": "text/plain"},
-    )
-    urllib.request.urlopen(request).read()
 
 
 # ---------------------------------------------------------------------------------------------- folders
@@ -276,7 +265,7 @@ def test_the_store_failing_on_the_label_chunks_is_named(s3e, tmp_path, monkeypat
     real = s3fs.S3FileSystem.cat_ranges
 
     def rejected(self, *a, **kw):
-        _auth(s3e, "0")  # the footer was read: the server refuses these credentials from now on
+        s3e.check_credentials(True)  # the footer was read: the server refuses these credentials from now on
         return real(self, *a, **kw)
 
     monkeypatch.setattr(s3fs.S3FileSystem, "cat_ranges", rejected)
@@ -284,5 +273,5 @@ def test_the_store_failing_on_the_label_chunks_is_named(s3e, tmp_path, monkeypat
         with pytest.raises(errors.CredentialsRejectedError) as e:
             open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "cache")
     finally:
-        _auth(s3e, "inf")
+        s3e.check_credentials(False)
     assert one_line(e) == f"{url}: {errors.CREDENTIALS_REJECTED.format(code='InvalidAccessKeyId')}"
