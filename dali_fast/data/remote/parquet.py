@@ -208,8 +208,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_stream", None)
-        state["_pid"] = None
+        del state["_stream"]  # this process's downloads and pins: an unpickled reader starts its own
         return state
 
     def __repr__(self) -> str:  # pragma: no mutate (display)

@@ -5,6 +5,7 @@ for again."""
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import numpy as np
@@ -147,4 +148,16 @@ def test_a_row_group_that_failed_is_not_asked_for_again(s3g, tmp_path):
     _, _, again = r.read_batch_checked([1, 4])
     assert again == bad and gets(s3g) == asked + 1  # row group 1 only: one range request
     assert r.stats()["bad_row_groups"] == 1
+    r.close()
+
+
+def test_a_pickled_reader_reads_the_same_rows_through_a_stream_of_its_own(s3g, tmp_path):
+    r = reader(s3g, tmp_path, shuffle_window=1)
+    r.schedule(np.arange(4))
+    wait_for(lambda: r.stats()["pinned"] == 1)
+    copy = pickle.loads(pickle.dumps(r))  # what a spawned DataLoader worker gets
+    assert copy._stream is not r._stream and copy.stats()["pinned"] == 0  # noqa: SLF001 - the parent's pins stay its own
+    assert [(bytes(copy[i][0]), copy[i][1]) for i in range(ROWS)] == [(x, i % 3) for i, x in enumerate(s3g.images)]
+    assert r.stats()["pinned"] == 1
+    copy.close()
     r.close()
