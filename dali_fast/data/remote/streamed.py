@@ -18,7 +18,7 @@ from .stream import ShardStream
 class Streamed:
     """The streaming half of a remote reader. The reader sets ``cache``, ``store``, ``_bad`` (units that
     failed), ``shuffle_window``, ``download_threads`` and ``prefetch_next_epoch``, maps records to units
-    (``_units_of(records)``, int64 in, unit per record out), fetches one (``_fetch``: `ShardStream`'s), names its units in `stats` (``unit``), and calls `_start_stream` in its
+    (``_units_of(records)``: the unit of each record, records given as int64), fetches one (``_fetch``: `ShardStream`'s), names its units in `stats` (``unit``), and calls `_start_stream` in its
     ``_reset_process_state``."""
 
     unit = "shards"  # what `stats` calls a unit that failed: bad_<unit>
@@ -50,10 +50,10 @@ class Streamed:
     def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
         """The records this process reads next, in order (the rest of the loader's pass), and the next
         epoch's: their units are downloaded ahead in that order, and unpinned once used (`advance`)."""
-        following = None
         if then is not None and len(then) and self.prefetch_next_epoch:
-            following = self._units_of(np.asarray(then, dtype=np.int64))
-        self._stream.schedule(self._units_of(np.asarray(order, dtype=np.int64)), following)
+            self._stream.schedule(self._units_of(order), self._units_of(then))
+        else:
+            self._stream.schedule(self._units_of(order))
 
     def advance(self, count: int) -> None:
         """``count`` more records of the schedule were delivered: unpin the units whose use is over."""
@@ -62,12 +62,10 @@ class Streamed:
     def close(self) -> None:
         """Stop downloading ahead (a download under way stops at its next range request) and unpin every
         unit; the files stay in the cache."""
-        stream = getattr(self, "_stream", None)
-        if stream is not None:
-            stream.close()
+        self._stream.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a reader whose __init__ raised has no stream to close
             self.close()
 
     def stats(self) -> dict[str, int]:

@@ -5,7 +5,9 @@ for again."""
 
 from __future__ import annotations
 
+import gc
 import pickle
+import sys
 import time
 
 import numpy as np
@@ -161,3 +163,29 @@ def test_a_pickled_reader_reads_the_same_rows_through_a_stream_of_its_own(s3g, t
     assert r.stats()["pinned"] == 1
     copy.close()
     r.close()
+
+
+def test_a_reader_whose_open_failed_says_nothing_more_when_collected(s3g, tmp_path, monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(ValueError, match="^shuffle_window=0: must be a positive number of row groups$"):
+        reader(s3g, tmp_path, shuffle_window=0)
+    gc.collect()
+    assert unraisable == []
+
+
+def test_each_row_groups_image_column_is_named_by_its_file_and_place_in_it(s3g, tmp_path):
+    s3g.client.put_object(
+        Bucket=BUCKET, Key="g/two.parquet", Body=s3g.client.get_object(Bucket=BUCKET, Key=KEY)["Body"].read()
+    )
+    r = open_dataset(
+        f"s3://{BUCKET}/g/{{one,two}}.parquet", storage_options={"endpoint_url": s3g.endpoint}, cache_dir=tmp_path / "c"
+    )
+    base = f"s3://{BUCKET}/g/"
+    assert [c.url for c in r.chunks] == [
+        f"{base}one.parquet#0",
+        f"{base}one.parquet#1",
+        f"{base}two.parquet#0",
+        f"{base}two.parquet#1",
+    ]
+    assert len({c.key() for c in r.chunks}) == 4

@@ -1,0 +1,84 @@
+"""The node cache's budget for remote Parquet row groups, against moto's S3 server: two shuffle windows of
+the largest row group per rank on the node, refused at open in one line that says how much to give."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+from builders import jpeg_bytes
+
+from dali_fast import open_dataset
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+s3fs = pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+BUCKET = "budget"  # moto keeps one store per process: a bucket of this file's own
+Usage = namedtuple("Usage", "total used free")
+GiB = 1 << 30
+
+
+@pytest.fixture
+def url(server, tmp_path, monkeypatch):
+    """One Parquet file of three row groups (the last the largest) on the server."""
+    server.start() if server._server is None else None  # noqa: SLF001
+    server.reset()
+    server.client.create_bucket(Bucket=BUCKET)
+    images = [jpeg_bytes(24 + 8 * i, 20 + 4 * i) for i in range(6)]
+    pq.write_table(pa.table({"image": images, "label": [0, 1] * 3}), tmp_path / "t.parquet", row_group_size=2)
+    server.client.put_object(Bucket=BUCKET, Key="b/one.parquet", Body=(tmp_path / "t.parquet").read_bytes())
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    yield f"s3://{BUCKET}/b/one.parquet"
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def opener(server, tmp_path):
+    so = {"endpoint_url": server.endpoint}
+    return lambda url, **kw: open_dataset(url, storage_options=so, cache_dir=tmp_path / "c", **kw)
+
+
+def refusal(open_, url, **kw) -> str:
+    with pytest.raises(ValueError) as e:
+        open_(url, **kw)
+    return str(e.value)
+
+
+def test_the_budget_is_two_windows_of_the_largest_row_group_per_rank(server, url, tmp_path, monkeypatch):
+    open_ = opener(server, tmp_path)
+    biggest = max(int(c.size) for c in open_(url, cache_limit=10 * GiB).chunks)
+    assert biggest > 0
+    assert len(open_(url, cache_limit=2 * biggest, shuffle_window=1)) == 6  # exactly enough
+    said = refusal(open_, url, cache_limit=2 * biggest - 1, shuffle_window=1)
+    assert said == (
+        f"cache_limit={2 * biggest - 1}: too small for 1 rank(s) on this node each reading shuffle windows of 1 "
+        f"row group(s) of up to {biggest} bytes; give a cache of >= {2 * biggest} bytes (--cache-limit, "
+        "cache_limit, or a larger disk) or a smaller shuffle_window"
+    )
+    said = refusal(open_, url, cache_limit=4 * biggest - 1, shuffle_window=2)
+    assert f"shuffle windows of 2 row group(s) of up to {biggest} bytes; give a cache of >= {4 * biggest} " in said
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # three ranks on this node share the cache
+    said = refusal(open_, url, cache_limit=6 * biggest - 1, shuffle_window=1)
+    assert said.startswith(f"cache_limit={6 * biggest - 1}: too small for 3 rank(s) on this node") and (
+        f">= {6 * biggest} bytes" in said
+    )
+    assert len(open_(url, cache_limit=6 * biggest, shuffle_window=1)) == 6
+
+
+def test_without_a_limit_the_refusal_names_the_cache_folder(server, url, tmp_path, monkeypatch):
+    open_ = opener(server, tmp_path)
+    biggest = max(int(c.size) for c in open_(url, cache_limit=10 * GiB).chunks)
+    real = shutil.disk_usage
+    folder = tmp_path / "c"
+
+    def usage(path):  # 40 GiB, of which 4 GiB are kept free: room for one row group
+        inside = os.path.abspath(path).startswith(os.path.abspath(folder))
+        return Usage(40 * GiB, 36 * GiB - biggest, 4 * GiB + biggest) if inside else real(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    said = refusal(open_, url, shuffle_window=1)
+    assert said.startswith(f"cache_dir {folder / 'shards'}: too small for 1 rank(s) on this node")
