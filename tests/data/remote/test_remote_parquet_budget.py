@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections import namedtuple
 
+import numpy as np
 import pytest
 from builders import jpeg_bytes
 
@@ -82,3 +84,36 @@ def test_without_a_limit_the_refusal_names_the_cache_folder(server, url, tmp_pat
     monkeypatch.setattr(shutil, "disk_usage", usage)
     said = refusal(open_, url, shuffle_window=1)
     assert said.startswith(f"cache_dir {folder / 'shards'}: too small for 1 rank(s) on this node")
+
+
+def test_settings_are_checked_at_open_and_default_as_the_shard_reader(server, url, tmp_path):
+    open_ = opener(server, tmp_path)
+    r = open_(url, cache_limit=10 * GiB)
+    assert (r.download_threads, r.store.retry_seconds, r.store.timeout) == (4, 60.0, 60.0)
+    for kw, said in (
+        ({"shuffle_window": 0}, "shuffle_window=0: must be a positive number of row groups"),
+        ({"shuffle_window": 1.5}, "shuffle_window=1.5: must be a positive number of row groups"),
+        ({"row_group_cache": -1}, "row_group_cache=-1: must be >= 0 bytes"),
+        ({"download_threads": 0}, "download_threads=0: must be a positive integer"),
+        ({"download_threads": 2.5}, "download_threads=2.5: must be a positive integer"),
+    ):
+        assert refusal(open_, url, cache_limit=10 * GiB, **kw) == said
+    r = open_(url, cache_limit=10 * GiB, row_group_cache=0, download_threads=1, shuffle_window=1)
+    assert r.download_threads == 1 and [r[i][1] for i in range(6)] == [0, 1] * 3  # no row group kept: still reads
+
+
+def test_a_download_that_fails_unexpectedly_names_its_row_group(server, url, tmp_path, monkeypatch):
+    r = opener(server, tmp_path)(url, cache_limit=10 * GiB, shuffle_window=1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the client broke")
+
+    monkeypatch.setattr(r.store, "download", broken)
+    r.schedule(np.arange(6))  # downloaded ahead: the failure is met by the stream's own thread
+    deadline = time.monotonic() + 20
+    while r.stats()["bad_row_groups"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    _, _, bad = r.read_batch_checked([0])
+    assert bad[0] == (f"unreadable: row group 0 of {url}: {url}#0: RuntimeError: the client broke"), bad[0]
+    r.close()
