@@ -96,10 +96,15 @@ def test_settings_are_checked_at_open_and_default_as_the_shard_reader(server, ur
         ({"row_group_cache": -1}, "row_group_cache=-1: must be >= 0 bytes"),
         ({"download_threads": 0}, "download_threads=0: must be a positive integer"),
         ({"download_threads": 2.5}, "download_threads=2.5: must be a positive integer"),
+        ({"retry_seconds": -1}, "retry_seconds must be >= 0, timeout and chunk_bytes > 0"),
+        ({"timeout": 0}, "retry_seconds must be >= 0, timeout and chunk_bytes > 0"),
+        ({"chunk_bytes": 0}, "retry_seconds must be >= 0, timeout and chunk_bytes > 0"),
     ):
         assert refusal(open_, url, cache_limit=10 * GiB, **kw) == said
-    r = open_(url, cache_limit=10 * GiB, row_group_cache=0, download_threads=1, shuffle_window=1)
-    assert r.download_threads == 1 and [r[i][1] for i in range(6)] == [0, 1] * 3  # no row group kept: still reads
+    r = open_(url, cache_limit=10 * GiB, download_threads=1, retry_seconds=0, timeout=0.5, chunk_bytes=1)
+    assert (r.download_threads, r.store.retry_seconds, r.store.timeout, r.store.chunk_bytes) == (1, 0, 0.5, 1)
+    r = open_(url, cache_limit=10 * GiB, row_group_cache=0, shuffle_window=1)
+    assert [r[i][1] for i in range(6)] == [0, 1] * 3  # no row group kept: still reads
 
 
 def test_a_download_that_fails_unexpectedly_names_its_row_group(server, url, tmp_path, monkeypatch):
