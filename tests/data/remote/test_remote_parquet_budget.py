@@ -122,3 +122,17 @@ def test_a_download_that_fails_unexpectedly_names_its_row_group(server, url, tmp
     _, _, bad = r.read_batch_checked([0])
     assert bad[0] == (f"unreadable: row group 0 of {url}: {url}#0: RuntimeError: the client broke"), bad[0]
     r.close()
+
+
+def test_where_the_cache_and_index_live_and_the_order_chosen(server, url, tmp_path, monkeypatch):
+    so = {"endpoint_url": server.endpoint}
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "home"))
+    r = open_dataset(url, storage_options=so)  # the defaults: all under $DALI_FAST_CACHE/remote
+    assert r.cache.folder == tmp_path / "home" / "remote" / "shards"
+    assert r.index_file.parent == tmp_path / "home" / "remote" / "parquet-index"
+    assert r.streaming is True
+    r = open_dataset(url, storage_options=so, index_dir=tmp_path / "idx", shuffle_window=2, streaming=None)
+    assert r.index_file.parent == tmp_path / "idx" and r.shuffle_window == 2 and r.streaming is True
+    r = open_dataset(url, storage_options=so, cache_dir=tmp_path / "c", streaming=False)
+    assert r.cache.folder == tmp_path / "c" / "shards" and r.streaming is False
+    assert r.index_file.parent == tmp_path / "c" / "parquet-index"
