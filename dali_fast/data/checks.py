@@ -110,7 +110,7 @@ def _check_jpeg(buf: bytes | memoryview) -> str | None:
     """
     n, pos = len(buf), 2
     size: tuple[int, int] | None = None  # (width, height) from the frame header
-    for _ in range(n):  # each segment moves on by 2 bytes or more: bounded, whatever the bytes say
+    while True:  # each turn moves on by 2 bytes or more, or returns: it ends, whatever the bytes say
         while pos + 1 < n and buf[pos] == 0xFF and buf[pos + 1] == 0xFF:
             pos += 1  # fill bytes
         if pos + 2 > n:
@@ -139,7 +139,6 @@ def _check_jpeg(buf: bytes | memoryview) -> str | None:
                 return "truncated JPEG (no end-of-image marker)"
             return too_many_pixels(*size, pixel_limit()) if size else None
         pos = end
-    return "truncated JPEG (no scan)"
 
 
 def _check_png(buf: bytes | memoryview) -> str | None:
