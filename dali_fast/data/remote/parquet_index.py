@@ -46,7 +46,7 @@ def list_parquet(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any
     a brace pattern, a ``*`` pattern (``s3://bucket/data/train-*.parquet``), or a folder (its own files or
     its ``data/`` folder's, of one split). Errors as `store.list_shards`'s."""
     fs, infos = list_shards(spec, storage_options, suffix=".parquet", folder=folder_files)
-    if not spec.rstrip("/").endswith(".parquet") and "*" not in spec and "{" not in spec:
+    if "*" not in spec and "{" not in spec:  # a folder (or one file: one split) is one split; a pattern is as given
         _one_split(infos, spec)
     return fs, infos
 

@@ -177,6 +177,21 @@ def test_a_folder_of_several_splits_names_them_with_other_files(s3e):
     )
 
 
+def test_a_pattern_or_a_file_is_taken_as_given_whatever_splits_it_names(s3e):
+    for key in ("p/train-00000-of-00001.parquet", "p/test-00000-of-00001.parquet", "p/extra.parquet"):
+        put(s3e, key, b"not read")
+    base = f"s3://{BUCKET}/p"
+    for spec, names in (
+        (f"{base}/{{train,test}}-00000-of-00001.parquet", ["test", "train"]),
+        (f"{base}/*-00000-of-00001.parquet", ["test", "train"]),
+        (f"{base}/test-00000-of-00001.parquet", ["test"]),
+        (f"{base}/*", ["extra.parquet", "test", "train"]),
+        (f"{base}/{{train-00000-of-00001.parquet,test-00000-of-00001.parquet}}", ["test", "train"]),
+    ):
+        _, infos = list_parquet(spec, so(s3e))
+        assert sorted(info.url.rsplit("/", 1)[1].split("-")[0] for info in infos) == names, spec
+
+
 # ---------------------------------------------------------------------------------------------- the index
 
 
