@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from .base import Reader
@@ -81,12 +82,12 @@ def open_dataset(
 
 
 def _remote_parquet(url: str, reader_kw: dict[str, object]) -> bool:
-    """Whether ``url`` names Parquet files: by its name, or for a folder (no .tar, no .parquet at its
-    end) by one listing of it."""
-    text = url.rstrip("/")
-    if text.endswith(".parquet"):
+    """Whether ``url`` names Parquet files: by the name it spells (a brace pattern's first choice), or for a
+    folder (neither .tar nor .parquet at its end) by one listing of it."""
+    name = re.sub(r"\{([^{},]*)[^{}]*\}", r"\1", url)  # {a.parquet,b.parquet} -> a.parquet
+    if name.endswith(".parquet"):
         return True
-    if text.endswith(".tar") or "{" in text:
+    if name.endswith(".tar") or name != url:
         return False
     from .remote.parquet_index import holds_parquet
 

@@ -203,6 +203,16 @@ def two_columns(tmp_path) -> tuple[list[bytes], list[bytes], list[int], list[int
     return images, thumbs, labels, other, parquet_bytes(table, tmp_path, row_group_size=4)
 
 
+def test_parquet_is_known_by_the_names_a_url_spells_or_by_a_listing(s3e, tmp_path):
+    _, _, labels, _, data = two_columns(tmp_path)
+    for key in ("q/a.parquet", "q/b.parquet"):
+        put(s3e, key, data)
+    base = f"s3://{BUCKET}/q"
+    for spec in (f"{base}/{{a,b}}.parquet", f"{base}/{{a.parquet,b.parquet}}", f"{base}/", base):
+        r = open_dataset(spec, storage_options=so(s3e), cache_dir=tmp_path / "cache")
+        assert type(r).__name__ == "RemoteParquetReader" and r.labels.tolist() == labels * 2, spec
+
+
 def test_explicit_image_and_label_columns_are_read(s3e, tmp_path, monkeypatch):
     images, thumbs, labels, other, data = two_columns(tmp_path)
     url = put(s3e, "c/one.parquet", data)
