@@ -213,6 +213,21 @@ def test_parquet_is_known_by_the_names_a_url_spells_or_by_a_listing(s3e, tmp_pat
         assert type(r).__name__ == "RemoteParquetReader" and r.labels.tolist() == labels * 2, spec
 
 
+def test_parquet_at_a_url_reads_classes_and_names_what_it_does_not_read_yet(s3e, tmp_path):
+    _, _, labels, _, data = two_columns(tmp_path)
+    url = put(s3e, "t/a.parquet", data)
+    kw = {"storage_options": so(s3e), "cache_dir": tmp_path / "cache"}
+    assert open_dataset(url, target="class", **kw).labels.tolist() == labels
+    said = (
+        f"{url}: multi-hot and float targets of Parquet at a URL are not read yet; copy the files to a local "
+        "folder and open that, or pack them (dali-fast pack --target) and open the pack"
+    )
+    for refused in ({"target": "multihot"}, {"target": "float"}, {"num_classes": 3}):
+        with pytest.raises(ValueError) as e:
+            open_dataset(url, **refused, **kw)
+        assert str(e.value) == said, refused
+
+
 def test_explicit_image_and_label_columns_are_read(s3e, tmp_path, monkeypatch):
     images, thumbs, labels, other, data = two_columns(tmp_path)
     url = put(s3e, "c/one.parquet", data)
