@@ -137,7 +137,8 @@ def source_rows(package: ModuleType, paths: dict[str, Path], batch: int, cache_b
         n = 0
         try:
             while True:
-                n += len(source()[0])
+                out = source()  # the images (a TensorList), or a tuple of them and more outputs
+                n += len(out[0] if isinstance(out, tuple) else out)
                 source.consume()
         except StopIteration:
             pass

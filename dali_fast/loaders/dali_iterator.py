@@ -202,12 +202,9 @@ class DALIIterator(LoaderBase):
                 images = out["images"]
                 if self.memory_format == torch.channels_last:
                     images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
-                yield (
-                    images,
-                    batch_targets(self._targets, fed.kept, out["labels"].reshape(-1)),
-                    fed.consumed,
-                    fed.batches,
-                )
+                # The labels of the records the batch holds, from the source (they skip the pipeline)
+                labels = torch.from_numpy(fed.labels).to(images.device, non_blocking=True)
+                yield images, batch_targets(self._targets, fed.kept, labels), fed.consumed, fed.batches
         finally:
             if ended:
                 self._kept = kept
@@ -258,7 +255,7 @@ class DALIIterator(LoaderBase):
         self.build_seconds += time.perf_counter() - started
         it = DALIGenericIterator(
             pipe,
-            ["images", "labels"],
+            ["images"],
             auto_reset=False,
             prepare_first_batch=False,
             last_batch_policy=LastBatchPolicy.PARTIAL,

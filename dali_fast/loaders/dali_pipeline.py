@@ -6,25 +6,36 @@ consumption (prefetch) and past the end of the epoch; since the list, not an
 ``iteration * batch_size`` formula, decides what comes next, prefetch depth and batch-size
 changes cannot duplicate or lose samples.
 
-DALI takes the source's arrays without a copy (``no_copy``: a packed set's records are views of its
-memory map), handed over as one ``TensorListCPU`` over the records' own memory (DALI's per-sample wrapping
-of a list of arrays cost the training thread more than reading them). The source also holds each batch's
-arrays until that batch is delivered (`BatchSource.consume`), by when DALI has read them and copied its
-outputs out.
+DALI calls the source on the training thread, so the source does as little there as it can:
+
+- only the encoded images (and the erasing boxes, when asked) go through the pipeline. A batch's labels
+  are the records it holds, which the source knows, so the iterator takes them from the source when the
+  batch is delivered (`BatchSource.consume`): DALI's feeding of a second input cost the training thread as
+  much as the images' own;
+- DALI takes the images without a copy (``no_copy``: a packed set's records are views of its memory map),
+  handed over as one ``TensorListCPU`` over the records' own memory (DALI's per-sample wrapping of a list
+  of arrays cost more than reading them). The source holds each batch's arrays until that batch is
+  delivered, by when DALI has read them and copied its outputs out;
+- a reader whose reads are views of a map (``reads_views``: a packed set; its reads are plain numpy on
+  read-only maps, safe from any thread) is read ahead on a helper thread (`_ReadAhead`), which also wraps
+  each batch's records in its TensorList: the training thread then only takes the next prepared batch.
+  Anything the helper raises is raised by the source's call for that batch, never dropped.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..data.base import Reader, batch_reader, read_checked
+from ..data.base import CheckedBatch, Reader, batch_reader, read_checked
 from ..data.checks import pillow_reason
 from ..transforms.dali import augment
 from ..transforms.recipe import Recipe
@@ -34,21 +45,107 @@ log = logging.getLogger(__name__)
 
 
 # Records read at once from a reader whose reads are views of a map (``reads_views``: a packed set): the
-# plan's batches are read in runs of at least this many records, then handed out one batch per call. DALI
-# calls the source on the training thread, where a read's fixed cost (numpy calls on caches that DALI's
-# decoding threads keep cold) was 5x what it is outside DALI: a run pays it once for several small batches,
-# and views hold no memory. Other readers (files, a cache's copies) read one batch per call.
+# plan's batches are read in runs of at least this many records, then handed out one batch per call. A
+# read's fixed cost (numpy calls on caches that DALI's decoding threads keep cold) is paid once for several
+# small batches, and views hold no memory. Other readers (files, a cache's copies) read one batch per call.
 READ_AHEAD_RECORDS = 512
+
+
+@dataclass
+class _Read:
+    """One plan batch as read: its indices, records, labels, ``{position: why}`` of its bad records, and
+    (prepared ahead, when none is bad) the TensorList DALI takes."""
+
+    indices: np.ndarray
+    datas: list
+    labels: np.ndarray
+    bad: dict[int, str]
+    jpegs: Any = None
+
+
+def _read_runs(
+    read: Callable[[np.ndarray], CheckedBatch], plan: Sequence[np.ndarray], at: int, run_records: int
+) -> tuple[list[_Read], int]:
+    """The plan's batches from ``at`` on, read at once until they hold ``run_records`` records (at least one
+    batch): (the batches, the plan position after them)."""
+    end, records = at, 0
+    while end < len(plan) and (end == at or records < run_records):
+        records += len(plan[end])
+        end += 1
+    parts = [np.asarray(b, dtype=np.int64) for b in plan[at:end]]
+    datas, labels, bad = read(np.concatenate(parts) if len(parts) > 1 else parts[0])
+    out, start = [], 0
+    for indices in parts:
+        n = len(indices)
+        own = {pos - start: why for pos, why in bad.items() if start <= pos < start + n} if bad else {}
+        out.append(_Read(indices, datas[start : start + n], labels[start : start + n], own))
+        start += n
+    return out, end
+
+
+class _ReadAhead:
+    """A helper thread that reads a plan's batches in order (in runs of `READ_AHEAD_RECORDS` records) and
+    wraps each batch without a bad record in its TensorList, a bounded number of batches ahead of the
+    caller. `take` returns the next one; an exception the helper met is raised by the `take` of the batch
+    it was reading. `stop` ends the thread; it holds no reference to the source, so a source that is
+    dropped stops it too."""
+
+    def __init__(self, read: Callable, plan: Sequence[np.ndarray], tensor_list: Callable, ahead: int) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=max(2, ahead))
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._work, args=(read, list(plan), tensor_list), name="dali_fast-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, read: Callable, plan: list[np.ndarray], tensor_list: Callable) -> None:
+        at = 0
+        try:
+            while at < len(plan) and not self._stopped.is_set():
+                batches, at = _read_runs(read, plan, at, READ_AHEAD_RECORDS)
+                for b in batches:
+                    if not b.bad and b.datas:
+                        b.jpegs = tensor_list(b.datas, None, False)
+                    if not self._put(b):
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+            self._put(e)
+
+    def _put(self, item: object) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def take(self) -> _Read:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        """End the thread (it exits at its next batch) and let go of what it had read."""
+        self._stopped.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
 
 
 class BatchSource:
     """A batch-mode external-source callable over a planned list of index batches.
 
-    Returns ``(encoded images, labels)`` per call: the images as one ``TensorListCPU`` over the records'
-    memory, the labels as one array (and the erasing boxes as a third, when asked). ``fed`` records, per batch handed to DALI,
-    how many planned samples it accounts for (skipped ones included), in order, so the
-    consumer can advance its cursor exactly by what it received. A packed set's batches are read in runs
-    of `READ_AHEAD_RECORDS` records; a bad record is named (or skipped) when its batch is handed out.
+    Returns the batch's encoded images as one ``TensorListCPU`` over the records' memory (with the erasing
+    boxes, ``(images, boxes)``, when asked). ``fed`` records, per batch handed to DALI, how many planned
+    samples it accounts for (skipped ones included), the records it kept and their labels, in order, so the
+    consumer advances its cursor exactly by what it received and yields the labels of the images it got. A
+    packed set's batches are read ahead in runs of `READ_AHEAD_RECORDS` records on a helper thread; a bad
+    record is named (or skipped) when its batch is handed out.
     """
 
     def __init__(
@@ -62,8 +159,8 @@ class BatchSource:
     ) -> None:
         self.reader = reader
         self._read = batch_reader(reader)  # what the reader provides, looked up once
-        self._run_records = READ_AHEAD_RECORDS if getattr(reader, "reads_views", False) else 1
-        self.boxes = boxes  # indices -> float32 (n, 4) rows (top, left, h, w) of their erasing boxes, a third output
+        self._views = bool(getattr(reader, "reads_views", False))  # read ahead on a helper thread
+        self.boxes = boxes  # indices -> float32 (n, 4) rows (top, left, h, w) of their erasing boxes, a second output
         self.plan = list(plan)
         self.on_error = on_error
         self.skips = skips
@@ -72,14 +169,20 @@ class BatchSource:
         self.stopped = False
         self.fed: deque[Fed] = deque()  # batches handed to DALI, not yet delivered
         self.tail_skipped: list[tuple[int, str]] = []
-        self._ahead: deque[tuple[np.ndarray, list, np.ndarray, dict[int, str]]] = deque()  # read, not handed out
+        self._ahead: _ReadAhead | None = None
         from nvidia.dali.tensors import TensorListCPU
 
         self._tensor_list = TensorListCPU
 
     def stop(self) -> None:
-        """Hand out nothing more (the consumer has left the epoch)."""
+        """Hand out nothing more (the consumer has left the epoch), and stop reading ahead."""
         self.stopped = True
+        self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.stop()
 
     def rearm(
         self,
@@ -90,6 +193,7 @@ class BatchSource:
         """Start handing out a new plan (the next epoch's, in a pipeline kept from the last one)."""
         if (boxes is None) != (self.boxes is None):
             raise ValueError("a kept pipeline's source cannot start or stop giving erasing boxes")
+        self._stop_reading()
         self.boxes = boxes
         self.plan = list(plan)
         self.exclude = exclude or {}
@@ -97,55 +201,48 @@ class BatchSource:
         self.stopped = False
         self.fed.clear()
         self.tail_skipped = []
-        self._ahead.clear()
 
-    def __call__(self) -> tuple:
+    def _take(self) -> _Read:
+        """The next plan batch, as read (ahead, for a packed set) but not yet handed out."""
+        if self._ahead is None:
+            if self._views:
+                ahead = max(1, -(-READ_AHEAD_RECORDS // max(1, len(self.plan[self.next]))))
+                self._ahead = _ReadAhead(self._read, self.plan[self.next :], self._tensor_list, 2 * ahead)
+            else:
+                return _read_runs(self._read, self.plan, self.next, 1)[0][0]
+        return self._ahead.take()
+
+    def __call__(self) -> Any:
         consumed = batches = 0
         skipped: list[tuple[int, str]] = []
         while not self.stopped and self.next < len(self.plan):
-            if not self._ahead:
-                self._read_ahead()
-            indices, datas, labels, bad = self._ahead.popleft()
+            b = self._take()
             self.next += 1
             batches += 1
-            consumed += len(indices)
+            consumed += len(b.indices)
+            bad = b.bad
             if self.exclude:  # records known to break the decoder (after a pipeline failure in skip mode)
-                bad.update((pos, self.exclude[i]) for pos, i in enumerate(indices.tolist()) if i in self.exclude)
-            kept = indices
+                bad = {**bad, **{pos: self.exclude[i] for pos, i in enumerate(b.indices.tolist()) if i in self.exclude}}
+            datas, labels, kept, jpegs = b.datas, b.labels, b.indices, b.jpegs
             if bad:
                 if self.on_error == "raise":
                     first = min(bad)
-                    raise BadRecordError(bad_record_message(self.reader, int(indices[first]), bad[first]))
-                skipped += [(int(indices[pos]), bad[pos]) for pos in sorted(bad)]
-                keep = [pos for pos in range(len(indices)) if pos not in bad]
-                datas, labels, kept = [datas[pos] for pos in keep], labels[keep], indices[keep]
+                    raise BadRecordError(bad_record_message(self.reader, int(kept[first]), bad[first]))
+                skipped += [(int(kept[pos]), bad[pos]) for pos in sorted(bad)]
+                keep = [pos for pos in range(len(kept)) if pos not in bad]
+                datas, labels, kept, jpegs = [datas[pos] for pos in keep], labels[keep], kept[keep], None
             if datas:
-                # One TensorList of the records (no copy): DALI then skips its own per-sample wrapping and
-                # checks of a list of arrays, which cost the training thread more than reading them.
-                jpegs = self._tensor_list(datas, None, False)
-                out = (jpegs, labels) if self.boxes is None else (jpegs, labels, self.boxes(kept))
-                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped, (datas, *out)))
+                if jpegs is None:
+                    # One TensorList of the records (no copy): DALI then skips its own per-sample wrapping and
+                    # checks of a list of arrays, which cost the training thread more than reading them.
+                    jpegs = self._tensor_list(datas, None, False)
+                out = jpegs if self.boxes is None else (jpegs, self.boxes(kept))
+                self.fed.append(Fed(consumed, kept.tolist(), batches, skipped, labels, (datas, out)))
                 return out
         self.tail_skipped += skipped  # the plan ended on records that were all skipped
         skipped = []
+        self._stop_reading()
         raise StopIteration
-
-    def _read_ahead(self) -> None:
-        """Read the next plan batch, or for a packed set the next batches of `READ_AHEAD_RECORDS` records
-        (or the plan's rest), at once."""
-        at, records, stop = self.next + len(self._ahead), 0, len(self.plan)
-        end = at
-        while end < stop and (end == at or records < self._run_records):
-            records += len(self.plan[end])
-            end += 1
-        parts = [np.asarray(b, dtype=np.int64) for b in self.plan[at:end]]
-        datas, labels, bad = self._read(np.concatenate(parts) if len(parts) > 1 else parts[0])
-        start = 0
-        for indices in parts:
-            n = len(indices)
-            own = {pos - start: why for pos, why in bad.items() if start <= pos < start + n} if bad else {}
-            self._ahead.append((indices, datas[start : start + n], labels[start : start + n], own))
-            start += n
 
     def finish(self) -> None:
         """The pipeline delivered everything: count the skipped records after its last batch."""
@@ -161,16 +258,23 @@ class BatchSource:
             self.skips.add(i, self.reader.source(i), reason)
         return fed
 
+    def __del__(self) -> None:
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:
+            ahead.stop()
+
 
 @dataclass
 class Fed:
     """One batch handed to DALI: planned samples and plan batches it accounts for, what it kept and skipped,
-    and what was handed over: the records' arrays, then the outputs (DALI reads the arrays in place)."""
+    the kept records' labels, and what was handed over: the records' arrays, then the output (DALI reads
+    the arrays in place)."""
 
     consumed: int
     kept: list[int]
     batches: int
     skipped: list[tuple[int, str]]
+    labels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     arrays: tuple = ()
 
 
@@ -236,21 +340,16 @@ def build_pipeline(
         import nvidia.dali.fn as fn
         import nvidia.dali.types as types
 
-        # no_copy: DALI reads the source's arrays where they are (the source keeps them until delivered)
+        # no_copy: DALI reads the source's arrays where they are (the source keeps them until delivered).
+        # The labels do not go through the pipeline: the iterator takes them from the source.
         if source.boxes is None:
-            jpegs, labels = fn.external_source(
-                source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64], no_copy=True
-            )
+            jpegs = fn.external_source(source=source, batch=True, dtype=types.UINT8, no_copy=True)
             erase = None
         else:
-            jpegs, labels, erase = fn.external_source(
-                source=source,
-                num_outputs=3,
-                batch=True,
-                dtype=[types.UINT8, types.INT64, types.FLOAT],
-                no_copy=True,
+            jpegs, erase = fn.external_source(
+                source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.FLOAT], no_copy=True
             )
-        images = augment(
+        return augment(
             jpegs,
             train=train,
             recipe=recipe,
@@ -260,9 +359,6 @@ def build_pipeline(
             erase=erase,
             decode=decode,
         )
-        if gpu:
-            labels = labels.gpu()
-        return images, labels
 
     p = pipe()
     p.build()

@@ -59,13 +59,16 @@ def test_a_packed_set_is_read_ahead_in_runs_and_handed_out_batch_by_batch(monkey
     ahead_reader = ViewsReader(reader)
     ahead = pipeline.BatchSource(ahead_reader, plan, "skip", SkipLog(), exclude={8: "breaks the decoder"})
     want, got = _drain(plain), _drain(ahead)
-    assert [out[1].tolist() for out in got] == [out[1].tolist() for out in want] == [[0, 1], [9, 3], [4, 6]]
-    assert [[bytes(d) for d in out[0]] for out in got] == [[bytes(d) for d in out[0]] for out in want]
-    fed = [(f.consumed, f.kept, f.batches, f.skipped) for f in (ahead.consume() for _ in got)]
-    assert fed == [(f.consumed, f.kept, f.batches, f.skipped) for f in (plain.consume() for _ in want)]
+    assert [[bytes(np.asarray(d)) for d in out] for out in got] == [[bytes(np.asarray(d)) for d in out] for out in want]
+    fed = [(f.consumed, f.kept, f.batches, f.skipped, f.labels.tolist()) for f in (ahead.consume() for _ in got)]
+    assert fed == [
+        (f.consumed, f.kept, f.batches, f.skipped, f.labels.tolist()) for f in (plain.consume() for _ in want)
+    ]
+    assert [f[1] for f in fed] == [f[4] for f in fed] == [[0, 1], [9, 3], [4, 6]]
     assert ahead_reader.calls == {1: [3, 2, 3, 2], 4: [5, 5], 512: [10]}[run]  # records per read
     raising = pipeline.BatchSource(ViewsReader(reader), plan[2:] + plan[:1], "raise", SkipLog())
-    assert raising()[1].tolist() == [9, 8, 3] and raising()[1].tolist() == [4, 6]  # read with record 2 already
+    raising(), raising()  # read with record 2 already
+    assert [f.labels.tolist() for f in raising.fed] == [[9, 8, 3], [4, 6]]
     with pytest.raises(BadRecordError, match=r"^record 2 \(mem://2.jpg\): truncated JPEG"):
         raising()
 
@@ -82,11 +85,11 @@ def test_the_source_keeps_what_it_hands_to_dali_until_the_batch_is_delivered(mon
     reader = IndexReader([jpeg_bytes(20, 16)] * 6)
     source = BatchSource(reader, [np.array([0, 1]), np.array([2, 3])], "raise", SkipLog())
     out = source()
-    records, *handed = source.fed[0].arrays
-    assert len(handed) == len(out) and all(a is b for a, b in zip(handed, out, strict=True))
+    records, handed = source.fed[0].arrays
+    assert handed is out
     # one TensorList over the records' own memory: DALI wraps nothing per sample, and nothing is copied
-    assert type(out[0]).__name__ == "TensorListCPU" and len(out[0]) == len(records) == 2
-    assert [np.asarray(t).ctypes.data for t in out[0]] == [r.ctypes.data for r in records]
+    assert type(out).__name__ == "TensorListCPU" and len(out) == len(records) == 2
+    assert [np.asarray(t).ctypes.data for t in out] == [r.ctypes.data for r in records]
     assert source.consume().arrays[0] is records and not source.fed
     seen = []
     real = fn.external_source
@@ -154,3 +157,139 @@ def test_dali_is_done_with_a_batch_s_arrays_when_it_is_delivered():
     assert len(reader.handed) == 20 and all(not a.any() for a in reader.handed)  # every record was zeroed after use
     clean = epochs(IndexReader(items), False)
     assert len(poisoned) == len(clean) == 8 and all(torch.equal(a, b) for a, b in zip(poisoned, clean, strict=True))
+
+
+def _read_ahead_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "dali_fast-read-ahead" and t.is_alive()]
+
+
+class ThreadNoting(ViewsReader):
+    """A views reader that notes the thread of each read, and fails the reads of ``fail`` with an OSError."""
+
+    def __init__(self, reader, fail=()):
+        super().__init__(reader)
+        self.threads: list[str] = []
+        self.fail = set(fail)
+
+    def read_batch_checked(self, indices):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        if self.fail & set(np.asarray(indices).tolist()):
+            raise OSError(f"cannot read records {sorted(self.fail)}")
+        return super().read_batch_checked(indices)
+
+
+def test_a_packed_set_is_read_and_wrapped_on_a_helper_thread_not_the_caller_s(monkeypatch):
+    """The training thread (DALI's caller) only takes prepared batches: the reads, and the TensorLists of
+    batches with no bad record, are made on the helper thread; other readers are read on the caller's."""
+    import threading
+
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 4)
+    made: list[str] = []
+    real = pipeline.BatchSource.__init__
+
+    def noting_init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        tensor_list = self._tensor_list
+
+        def wrap(*a):
+            made.append(threading.current_thread().name)
+            return tensor_list(*a)
+
+        self._tensor_list = wrap
+
+    monkeypatch.setattr(pipeline.BatchSource, "__init__", noting_init)
+    items = [jpeg_bytes(20, 16)] * 12
+    plan = [np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([6, 7, 8]), np.array([9, 10, 11])]
+    views = ThreadNoting(IndexReader(items))
+    source = pipeline.BatchSource(views, plan, "raise", SkipLog())
+    got = _drain(source)
+    assert [f.kept for f in (source.consume() for _ in got)] == [p.tolist() for p in plan]
+    assert set(views.threads) == set(made) == {"dali_fast-read-ahead"} and len(made) == 4
+    assert views.calls == [6, 6]  # runs of at least 4 records
+    assert not _read_ahead_threads()  # the plan is done: the helper has ended
+    made.clear()
+    plain = ThreadNoting(IndexReader(items))
+    plain.reads_views = False
+    _drain(pipeline.BatchSource(plain, plan, "raise", SkipLog()))
+    assert set(plain.threads) == set(made) == {threading.current_thread().name}
+
+
+def test_an_error_of_the_helper_is_raised_by_the_call_of_its_batch_and_nothing_hangs(monkeypatch):
+    """A read that raises on the helper thread is raised, as it was, by the source's call for the first
+    batch of that read; the batches read before it come first, and the helper is gone."""
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 2)
+    plan = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5])]
+    source = pipeline.BatchSource(
+        ThreadNoting(IndexReader([jpeg_bytes(20, 16)] * 6), fail=[3]), plan, "skip", SkipLog()
+    )
+    source()
+    with pytest.raises(OSError, match=r"^cannot read records \[3\]$"):
+        source()
+    assert [f.kept for f in source.fed] == [[0, 1]]
+    source.stop()
+    assert not _read_ahead_threads()
+
+
+def test_stop_rearm_and_a_dropped_source_end_the_helper_and_a_new_plan_gets_no_stale_batch(monkeypatch):
+    import gc
+
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 1)
+    reader = ViewsReader(IndexReader([jpeg_bytes(20, 16)] * 40))
+    plan = [np.array([i, i + 1]) for i in range(0, 40, 2)]
+    source = pipeline.BatchSource(reader, plan, "raise", SkipLog())
+    source()
+    assert len(_read_ahead_threads()) == 1  # reading ahead of the caller, a bounded number of batches
+    source.rearm([np.array([7, 3]), np.array([5])])  # mid-plan, as a kept pipeline's next epoch is
+    assert not _read_ahead_threads()
+    got = _drain(source)
+    assert [f.kept for f in source.fed] == [[7, 3], [5]] and len(got) == 2
+    source.rearm(plan)
+    source()
+    source.stop()
+    assert not _read_ahead_threads()
+    with pytest.raises(StopIteration):
+        source()  # stopped: nothing more, and no helper started again
+    assert not _read_ahead_threads()
+    source.rearm(plan)
+    source()
+    assert len(_read_ahead_threads()) == 1
+    del source
+    gc.collect()
+    assert not _read_ahead_threads()  # a source dropped mid-plan stops its helper
+
+
+def test_only_the_images_and_erasing_boxes_go_through_the_pipeline(monkeypatch):
+    """The labels stay with the source (the iterator takes them from it): the external source has one
+    output, or two with erasing boxes; the iterator still yields each batch's labels."""
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.fn as fn
+
+    from dali_fast import DALIIterator
+    from dali_fast.transforms.recipe import Recipe
+
+    real = fn.external_source
+    items = [jpeg_bytes(20 + i, 16) for i in range(7)]
+    for recipe, outputs in ((Recipe(image_size=8), [None]), (Recipe(image_size=8, random_erasing=0.5), [2])):
+        seen: list[dict] = []
+
+        def external_source(*args, seen=seen, **kwargs):
+            seen.append(kwargs)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(fn, "external_source", external_source)
+        loader = DALIIterator(IndexReader(items), 3, recipe=recipe, device="cpu", num_threads=1, seed=2)
+        labels = [(y.tolist(), loader.last_indices.tolist()) for _, y in loader]
+        loader.close()
+        assert [kw.get("num_outputs") for kw in seen] == outputs
+        assert sorted(i for _, idx in labels for i in idx) == list(range(7))
+        assert all(y == idx for y, idx in labels)  # IndexReader: record i has label i

@@ -28,17 +28,20 @@ def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
     with pytest.raises(StopIteration):
         while True:
             outputs.append(source())
-    assert [out[1].tolist() for out in outputs] == [[0, 1], [9, 3], [4, 6]]
-    for datas, labels, rows in outputs:
-        assert [bytes(d) for d in datas] == [bytes(reader.items[i]) for i in labels.tolist()]
-        assert labels.dtype == np.int64 and rows.dtype == np.float32 and np.array_equal(rows, boxes(labels))
     fed = [source.consume() for _ in outputs]
+    assert [f.labels.tolist() for f in fed] == [[0, 1], [9, 3], [4, 6]]  # labels i for record i: the kept ones
+    for out, f in zip(outputs, fed, strict=True):
+        datas, rows = out  # the images and their boxes; the labels stay with the source
+        assert [bytes(np.asarray(d)) for d in datas] == [bytes(reader.items[i]) for i in f.kept]
+        assert f.labels.dtype == np.int64 and rows.dtype == np.float32 and np.array_equal(rows, boxes(f.labels))
+        assert f.arrays[1] is out  # kept, with the records, until the batch is delivered
     assert [(f.consumed, f.kept, f.batches) for f in fed] == [(3, [0, 1], 1), (5, [9, 3], 2), (2, [4, 6], 1)]
     assert [i for f in fed for i, _ in f.skipped] == [2, 5, 7, 8]
     assert dict(fed[1].skipped)[8] == "breaks the decoder" and source.skips.count == 4
     raising = BatchSource(reader, plan[2:] + plan[:1], "raise", SkipLog())
     first = raising()
-    assert first[1].tolist() == [9, 8, 3] and len(first) == 2
+    assert type(first).__name__ == "TensorListCPU" and len(first) == 3  # no boxes: the images alone
+    assert raising.fed[-1].labels.tolist() == [9, 8, 3]
     raising()
     with pytest.raises(BadRecordError) as e:
         raising()
