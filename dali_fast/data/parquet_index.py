@@ -35,7 +35,7 @@ import numpy as np
 from ..files import atomic_write
 from ..text import plural
 from .base import read_parallel
-from .shards import expand_braces
+from .shards import SHARD_SUFFIXES, expand_braces
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,30 @@ def _folder_files(folder: Path) -> list[Path]:
 
 def is_parquet(path: str | os.PathLike) -> bool:
     """Whether ``path`` names Parquet files: a name or pattern ending in ``.parquet``, or a folder holding
-    .parquet files (directly or in its ``data/`` folder)."""
+    .parquet files (directly or in its ``data/`` folder). A folder that also holds WebDataset shards is
+    refused in one line (`refuse_mixed_folder`), as it is at a URL."""
     text = str(path)
     if text.endswith(".parquet"):
         return True
     p = Path(text)
-    return p.is_dir() and bool(_folder_files(p))
+    if not p.is_dir():
+        return False
+    found = _folder_files(p)
+    if found:
+        refuse_mixed_folder(text, sorted(e.name for e in p.iterdir() if e.name.endswith(SHARD_SUFFIXES)), found)
+    return bool(found)
+
+
+def refuse_mixed_folder(folder: str, shards: Sequence[str], parquet: Sequence[Any]) -> None:
+    """A folder holding both WebDataset shards (names) and Parquet files is one line naming one of each:
+    which of them is the data set is not for a reader to guess."""
+    if shards and parquet:
+        first = str(parquet[0]).rstrip("/").rsplit("/", 1)[-1]
+        raise ValueError(
+            f"{folder}: holds both WebDataset shards ({plural(len(shards), 'shard')}: {shards[0]}, ...) and "
+            f"Parquet files ({plural(len(parquet), 'file')}: {first}, ...); a data set is one or the other: "
+            "move one kind into a folder of its own, or name its files (a pattern)"
+        )
 
 
 def expand_parquet(spec: str | os.PathLike) -> list[Path]:

@@ -2,18 +2,23 @@
 
 - `S3Server`: moto's S3 server (``moto[server]``, the server s3fs's own tests run against), serving
   in a thread of the test process on a free port of 127.0.0.1, so its data survives `stop()`/`start()`.
-- `RangeHTTPServer`: a plain HTTP/1.1 file server with HEAD, ETag and ``Range`` requests (206); over TLS
-  with a certificate of `self_signed_certificate` when asked, and refusing (403) the objects in ``deny``.
+- `RangeHTTPServer`: a plain HTTP/1.1 file server with HEAD, ETag and ``Range`` requests (206), and an
+  index page for a folder (as ``python -m http.server`` serves, a 301 to the folder's URL with its slash
+  first); over TLS with a certificate of `self_signed_certificate` when asked, refusing (403) the objects
+  in ``deny``, and ignoring ``Range`` (200 and the whole file, as ``python -m http.server`` does) when
+  ``ranges`` is False.
 
-Both count, per object, the requests and the body bytes they served, so a test can tell how many times
-a shard was downloaded by looking at the server, not at the client. `stop()` closes the listening
-socket and every open connection (clients see "connection refused" until `start()`), and `stall`
-makes the next GETs of an object hang for a while (a slow server).
+Both count, per object, the requests and the body bytes they served (objects only: not bucket listings
+nor folder index pages), so a test can tell how many times a shard was downloaded by looking at the
+server, not at the client; `RangeHTTPServer.redirects` lists the folders it redirected. `stop()` closes
+the listening socket and every open connection (clients see "connection refused" until `start()`), and
+`stall` makes the next GETs of an object hang for a while (a slow server).
 """
 
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import re
 import socket
@@ -24,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 
 def free_port() -> int:
@@ -42,11 +47,13 @@ class _Counts:
         self.bytes: dict[str, int] = defaultdict(int)
         self.stall: dict[str, tuple[float, int]] = {}  # object -> (seconds, how many GETs more)
         self.released = threading.Event()
+        self.redirects: list[str] = []  # the paths answered with a redirect (a folder named without its slash)
 
     def reset(self) -> None:
         with self.lock:
             self.gets.clear()
             self.bytes.clear()
+            self.redirects.clear()
 
     def served(self, key: str, n: int) -> None:
         with self.lock:
@@ -253,16 +260,27 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
 
 
 class RangeHTTPServer(_Server):
-    """Serves the files under ``root`` at ``self.url``: HEAD, GET, ``Range: bytes=a-b`` (206), ETag. With
-    ``tls`` (certificate and key files) it speaks HTTPS; the objects named in ``deny`` get 403 Forbidden."""
+    """Serves the files under ``root`` at ``self.url``: HEAD, GET, ``Range: bytes=a-b`` (206), ETag; a
+    folder as an HTML index page of one ``<a href="name">`` per entry (a folder's with its slash), and a
+    folder named without its slash as a 301 to the URL with it, as ``python -m http.server`` does. With
+    ``tls`` (certificate and key files) it speaks HTTPS; the objects named in ``deny`` get 403 Forbidden;
+    with ``ranges`` False it ignores ``Range`` and answers 200 with the whole file (``python -m
+    http.server``)."""
 
-    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None, *, ranges: bool = True) -> None:
         super().__init__()
         self.root = Path(root)
         self.tls = tls
+        self.ranges = ranges
         self.deny: set[str] = set()
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.start()
+
+    @property
+    def redirects(self) -> list[str]:
+        """The paths answered with a 301 since the last reset (folders named without their slash)."""
+        with self.counts.lock:
+            return list(self.counts.redirects)
 
     def _make(self):
         owner, root, counts = self, self.root, self.counts
@@ -286,12 +304,42 @@ class RangeHTTPServer(_Server):
                 p = root / key
                 return key, (p if p.is_file() else None)
 
+            def _folder(self, key: str, body: bool) -> bool:
+                """Answer for the folder ``key`` (its index page, or a 301 to its URL with the slash);
+                False when ``key`` names no folder."""
+                p = root / key
+                if not p.is_dir():
+                    return False
+                path = urlsplit(self.path).path
+                if not path.endswith("/"):
+                    with counts.lock:
+                        counts.redirects.append(path)
+                    self.send_response(301)
+                    self.send_header("Location", f"{path}/")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return True
+                links = [
+                    f'<a href="{html.escape(quote(e.name + "/" if e.is_dir() else e.name))}">{html.escape(e.name)}</a>'
+                    for e in sorted(p.iterdir(), key=lambda e: e.name)
+                ]
+                page = ("<!DOCTYPE HTML>\n<html><body><ul>\n" + "".join(f"<li>{a}</li>\n" for a in links)).encode()
+                page += b"</ul></body></html>\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(page)
+                return True
+
             def _head(self, p: Path, status: int, length: int, extra: dict[str, str]) -> None:
                 st = p.stat()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/x-tar")
                 self.send_header("Content-Length", str(length))
-                self.send_header("Accept-Ranges", "bytes")
+                if owner.ranges:
+                    self.send_header("Accept-Ranges", "bytes")
                 self.send_header("ETag", f'"{st.st_mtime_ns:x}-{st.st_size:x}"')
                 for k, v in extra.items():
                     self.send_header(k, v)
@@ -307,11 +355,15 @@ class RangeHTTPServer(_Server):
                 if key in owner.deny:
                     return self._missing(403)
                 if p is None:
+                    if self._folder(key, body=False):
+                        return None
                     return self._missing()
                 self._head(p, 200, p.stat().st_size, {})
 
             def do_GET(self) -> None:
                 key, p = self._file()
+                if p is None and key not in owner.deny and self._folder(key, body=True):
+                    return  # a listing, not an object: not counted
                 if counts.hold(key):
                     self.send_response(503)
                     self.send_header("Content-Length", "0")
@@ -323,7 +375,7 @@ class RangeHTTPServer(_Server):
                     return self._missing()
                 data = p.read_bytes()
                 m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", "") or "")
-                if m is None:
+                if m is None or not owner.ranges:
                     self._head(p, 200, len(data), {})
                     body = data
                 else:

@@ -41,6 +41,10 @@ NO_BUCKET = "no bucket named {bucket} on the server; check the bucket's name (an
 NO_SHARD = "no such shard on the server; check the URL and pattern"
 BAD_OPTIONS = "the storage options ({keys}) do not suit {scheme}:// ({reason}); check their names and values"
 FAILED = "the object store failed ({reason}); check the URL and the storage options"
+RANGE_IGNORED = (
+    "the server sent {got} bytes for a range of {asked}: it does not answer range requests; serve the files "
+    "from a server that does (nginx, S3, ...) or download them and open the local copy"
+)
 GLOB = (
     "a URL takes no wildcards (* ? [ ]); name the shards with a brace pattern such as {example}, or give "
     "their folder, {folder}"
@@ -55,10 +59,10 @@ class RemoteDataError(Exception):
     ``PermissionError``; ``EndpointUnreachableError`` (refused, or a host name that does not resolve) and
     ``TLSError`` are ``ConnectionError``; ``NoSuchBucketError`` and ``NoSuchShardError`` are
     ``FileNotFoundError``; ``URLPatternError`` (a wildcard in a URL) and ``StorageOptionsError`` are
-    ``ValueError``; ``MissingExtraError`` is ``ImportError``. ``StoreFailedError`` (any other failure
-    of the store at open, with the backend's own words) and ``CacheDiskFullError`` (the shard cache's
-    disk filled up) are none of them: the latter stops a run instead of making every later sample a
-    bad record.
+    ``ValueError``; ``MissingExtraError`` is ``ImportError``. ``RangeIgnoredError`` (a server that
+    answers a range request with the whole file), ``StoreFailedError`` (any other failure of the store
+    at open, with the backend's own words) and ``CacheDiskFullError`` (the shard cache's disk filled
+    up) are none of them: the latter stops a run instead of making every later sample a bad record.
 
     A DataLoader worker re-raises it with the worker's traceback as its message; its one line is then the
     last line of that traceback (`str` gives it)."""
@@ -105,6 +109,11 @@ class NoSuchShardError(RemoteDataError, FileNotFoundError):
 
 class StorageOptionsError(RemoteDataError, ValueError):
     """Storage options the backend does not take (a misspelt name, a value of the wrong type)."""
+
+
+class RangeIgnoredError(RemoteDataError):
+    """The server ignores ``Range`` (it sends the whole file with 200, as ``python -m http.server`` does):
+    Parquet, and shards of more than one download chunk, cannot be read from it. No retry mends it."""
 
 
 class StoreFailedError(RemoteDataError):

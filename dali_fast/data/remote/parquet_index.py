@@ -20,9 +20,9 @@ import numpy as np
 from ...files import atomic_write
 from ...text import plural
 from ..base import read_parallel
-from ..parquet_index import HF_SHARD, Columns, find_columns, load_or_build, pyarrow_parquet
+from ..parquet_index import HF_SHARD, Columns, find_columns, load_or_build, pyarrow_parquet, refuse_mixed_folder
 from .errors import RemoteDataError, StoreFailedError, classify
-from .store import ShardDownloader, ShardInfo, list_shards
+from .store import ShardDownloader, ShardInfo, list_shards, range_ignored
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +52,20 @@ def list_parquet(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any
 
 
 def holds_parquet(url: str, storage_options: dict[str, Any] | None) -> bool:
-    """Whether the folder ``url`` holds Parquet files (its own or its ``data/`` folder's) and no .tar
-    shards: one listing; a listing that fails says False (the shards' reader then names the cause)."""
-    from .store import url_to_fs
+    """Whether the folder ``url`` holds Parquet files (its own or its ``data/`` folder's): one listing; a
+    listing that fails says False (the shards' reader then names the cause). A folder that also holds
+    .tar shards is refused in one line, as a local one is (`refuse_mixed_folder`)."""
+    from .store import folder_path, url_to_fs
 
     try:
-        fs, root = url_to_fs(url, storage_options)
-        root = root.rstrip("/")  # an https:// folder keeps its slash
+        fs, _ = url_to_fs(url, storage_options)
+        root = folder_path(fs, url)  # over HTTP with its slash: its index page's own URL
         found = fs.find(root)
     except Exception:  # noqa: BLE001 - named by the reader that opens it
         return False
-    if any(p.endswith(".tar") for p in found):
-        return False
-    return bool(folder_files(root, [p for p in found if p.endswith(".parquet")]))
+    parquet = folder_files(root.rstrip("/"), [p for p in found if p.endswith(".parquet")])
+    refuse_mixed_folder(url, sorted(p.rsplit("/", 1)[-1] for p in found if p.endswith(".tar")), parquet)
+    return bool(parquet)
 
 
 def _one_split(infos: list[ShardInfo], spec: str) -> None:
@@ -154,6 +155,8 @@ def fetch_tail(store: ShardDownloader, k: int) -> bytes:
 def _get(store: ShardDownloader, info: ShardInfo, start: int, end: int) -> bytes:
     try:
         data = store.get_range(info.path, start, end)
+    except RemoteDataError:  # named already (a server that ignores ranges)
+        raise
     except Exception as e:
         why = classify(e, info.url, store.storage_options)
         if why is not None:
@@ -283,4 +286,7 @@ class RemoteIndex:
             if why is not None:
                 raise why from e
             return {}
+        for (_, n), d in zip(spans, datas, strict=True):
+            if len(d) > n:  # the whole file: no later range read would fare better
+                raise range_ignored(info.url, len(d), n)
         return {a: bytes(d) for (a, n), d in zip(spans, datas, strict=True) if len(d) == n}

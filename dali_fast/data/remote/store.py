@@ -23,11 +23,13 @@ from .errors import (
     BAD_OPTIONS,
     FAILED,
     NO_SHARD,
+    RANGE_IGNORED,
     AccessDeniedError,
     CredentialsRejectedError,
     MissingCredentialsError,
     MissingExtraError,
     NoSuchShardError,
+    RangeIgnoredError,
     RemoteDataError,
     StorageOptionsError,
     StoreFailedError,
@@ -54,7 +56,13 @@ class ShardChanged(ShardError):
     """A shard whose bytes on the server are no longer the ones its index describes."""
 
 
-PERMANENT = (MissingCredentialsError, CredentialsRejectedError, AccessDeniedError, TLSError)  # no retry mends them
+PERMANENT = (  # no retry mends them
+    MissingCredentialsError,
+    CredentialsRejectedError,
+    AccessDeniedError,
+    TLSError,
+    RangeIgnoredError,
+)
 
 
 class DownloadCancelled(Exception):
@@ -170,7 +178,7 @@ def _list_shards(
     if folder is not None and any("*" in u for u in urls):  # http:// was refused by the caller
         urls = _globbed(fs, urls, spec, storage_options)
     if len(urls) == 1 and not urls[0].endswith(suffix):
-        root = fs._strip_protocol(urls[0])  # noqa: SLF001 - fsspec's own URL-to-path rule
+        root = folder_path(fs, urls[0])
         try:
             found = sorted(p for p in fs.find(root) if p.endswith(suffix))
         except FileNotFoundError as e:
@@ -214,6 +222,14 @@ def _list_shards(
     return fs, shards
 
 
+def folder_path(fs: Any, url: str) -> str:
+    """The path of ``fs`` to list the folder ``url`` at. Over HTTP, the folder's URL with its slash: the
+    listing is its index page, whose links are relative to that URL (a server answers the URL without
+    the slash with a redirect at best, a 404 at worst); elsewhere the path without it."""
+    path = fs._strip_protocol(url).rstrip("/")  # noqa: SLF001 - fsspec's own URL-to-path rule
+    return f"{path}/" if url.lower().startswith(("http://", "https://")) else path
+
+
 def _globbed(fs: Any, urls: list[str], spec: str, storage_options: dict[str, Any] | None) -> list[str]:
     """``urls`` with each ``*`` pattern replaced by the objects it matches (sorted); one that matches none
     is a `NoSuchShardError`."""
@@ -238,6 +254,12 @@ def _raise_cause(error: BaseException, url: str, storage_options: dict[str, Any]
     why = classify(error, url, storage_options)
     if why is not None:
         raise why from error
+
+
+def range_ignored(url: str, got: int, asked: int) -> RangeIgnoredError:
+    """The error for ``got`` bytes of ``url`` in answer to a range request of ``asked`` (fewer): a server
+    that ignores ``Range`` and sent the whole file. (Fewer bytes than asked is a file cut short instead.)"""
+    return RangeIgnoredError(f"{url}: {RANGE_IGNORED.format(got=got, asked=asked)}")
 
 
 def write_at(fd: int, data: bytes, offset: int) -> None:
@@ -287,12 +309,18 @@ class ShardDownloader:
         return self._fs
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` of the object at ``path`` (every range read goes through here); a
+        server that sends more, the whole file, raises `RangeIgnoredError`."""
         fs = self.fs
         if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             from fsspec.asyn import sync
 
-            return sync(fs.loop, fs._cat_file, path, start=start, end=end, timeout=self.timeout)  # noqa: SLF001
-        return fs.cat_file(path, start=start, end=end)
+            data = sync(fs.loop, fs._cat_file, path, start=start, end=end, timeout=self.timeout)  # noqa: SLF001
+        else:
+            data = fs.cat_file(path, start=start, end=end)
+        if len(data) > end - start:
+            raise range_ignored(fs.unstrip_protocol(path), len(data), end - start)
+        return data
 
     def changed(self, s: int) -> str | None:
         """Why shard ``s`` on the server is no longer the indexed one, or None (same, or unknown now)."""
@@ -331,7 +359,7 @@ class ShardDownloader:
                     raise ShardError(f"{info.url}: no longer on the server (deleted?)") from e
                 except Exception as e:  # noqa: BLE001 - network and server errors of every backend: retried
                     cause = classify(e, info.url, self.storage_options)
-                    if isinstance(cause, PERMANENT):  # credentials, access, TLS: no retry mends them
+                    if isinstance(cause, PERMANENT):  # credentials, access, TLS, ranges ignored: no retry mends them
                         cause.__cause__ = e
                         raise ShardError(str(cause)) from cause
                     # Is it the object that changed? Asked once per stretch of failures (an unreachable

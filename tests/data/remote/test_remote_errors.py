@@ -204,6 +204,63 @@ def test_http_403_is_access_denied(tmp_path, capsys):
         srv.stop()
 
 
+def test_a_server_that_ignores_ranges_is_named_at_open(tmp_path, capsys):
+    """A web server that answers a range request with the whole file (200, as ``python -m http.server``
+    does): Parquet (its footer, label columns and row groups read by ranges) and a shard of several
+    download chunks are refused in one line, never retried; a shard fetched in one request, whose whole
+    body is the range asked, reads as from any server."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    www = tmp_path / "www"
+    www.mkdir()
+    images = [jpeg_bytes(20 + i, 16) for i in range(7)]
+    table = pa.table({"image": images, "label": [i % 3 for i in range(7)]})
+    pq.write_table(table, www / "train-0.parquet", row_group_size=3)
+    shard = shard_bytes()
+    (www / "train-000000.tar").write_bytes(shard)
+    size = (www / "train-0.parquet").stat().st_size
+    first = pq.ParquetFile(www / "train-0.parquet").metadata.row_group(0).column(1)  # the label column's
+    asked = first.total_compressed_size  # first read by range: row group 0's label chunk
+    assert first.path_in_schema == "label" and size > asked
+    srv = RangeHTTPServer(www, ranges=False)
+    try:
+        url = f"{srv.url}/train-0.parquet"
+        message = refused(
+            lambda: open_dataset(url, cache_dir=tmp_path / "c"), errors.RangeIgnoredError, ["inspect", url], capsys
+        )
+        assert message == (
+            f"{url}: the server sent {size} bytes for a range of {asked}: it does not answer range requests; serve "
+            "the files from a server that does (nginx, S3, ...) or download them and open the local copy"
+        )
+        tar = f"{srv.url}/train-000000.tar"
+        r = open_dataset(tar, cache_dir=tmp_path / "c")  # one download chunk (8 MiB): the whole file, asked for
+        assert [(bytes(r[i][0]), r[i][1]) for i in range(len(r))] == [(jpeg_bytes(20 + i, 20), i) for i in range(4)]
+        r.close()
+        srv.counts.reset()
+        message = refused(
+            lambda: open_dataset(tar, cache_dir=tmp_path / "c2", chunk_bytes=1024, retry_seconds=60),
+            errors.RangeIgnoredError,
+            None,
+            capsys,
+        )
+        assert message == f"{tar}: {errors.RANGE_IGNORED.format(got=len(shard), asked=1024)}"
+        assert srv.gets == {"train-000000.tar": 1}  # not retried
+        srv.ranges = True  # indexed through a server that answers ranges, read through one that no longer does
+        r = open_dataset(url, cache_dir=tmp_path / "c3", retry_seconds=60)
+        assert len(r) == 7
+        srv.ranges = False
+        srv.counts.reset()
+        _, _, bad = r.read_batch_checked([3])  # row 3: row group 1, its image column by range
+        images = pq.ParquetFile(www / "train-0.parquet").metadata.row_group(1).column(0).total_compressed_size
+        assert bad == {
+            0: f"unreadable: row group 1 of {url}: {url}: {errors.RANGE_IGNORED.format(got=size, asked=images)}"
+        }
+        assert srv.gets == {"train-0.parquet": 1}  # not retried
+        r.close()
+    finally:
+        srv.stop()
+
+
 # --------------------------------------------------------------------------------------------- the endpoint
 
 
