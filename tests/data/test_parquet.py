@@ -3,7 +3,6 @@ exactly; the index from the footers, cached and never reused for changed bytes; 
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from builders import jpeg_bytes, one_line, png_bytes
+from builders import hf_table, jpeg_bytes, one_line, png_bytes
 
 from dali_fast import open_dataset
 
@@ -30,17 +29,6 @@ FILES, PER_FILE, GROUP = 3, 7, 3  # 21 rows: 3 files of 7 rows, row groups of 3,
 def sample(i: int) -> bytes:
     """Row ``i``'s image: distinct bytes, a PNG every fifth row."""
     return png_bytes(20 + i, 10 + i % 7, "RGB") if i % 5 == 0 else jpeg_bytes(30 + i, 20 + i % 7)
-
-
-def hf_table(images: list, labels: list, names: list[str] | None = NAMES) -> pa.Table:
-    """The Hugging Face layout: ``image: struct<bytes, path>``, ``label: int64`` with a ClassLabel feature."""
-    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    rows = [None if b is None else {"bytes": b, "path": f"img{k}.jpg"} for k, b in enumerate(images)]
-    features = {"image": {"decode": True, "_type": "Image"}}
-    if names is not None:
-        features["label"] = {"names": names, "_type": "ClassLabel"}
-    table = pa.table({"image": pa.array(rows, image_type), "label": pa.array(labels, pa.int64())})
-    return table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
 def write_hf(root: Path, split: str = "train", *, bad: dict | None = None, names=NAMES) -> list[tuple[bytes, int]]:
@@ -227,7 +215,7 @@ def test_the_index_is_cached_and_never_reused_for_changed_bytes(tmp_path, cache,
     f1 = tmp_path / "snap" / "data" / "train-00001-of-00003.parquet"
     stat = f1.stat()
     relabelled = [i % 4 for i in range(7, 14)][::-1]
-    pq.write_table(hf_table([sample(i) for i in range(7, 14)], relabelled), f1, row_group_size=GROUP)
+    pq.write_table(hf_table([sample(i) for i in range(7, 14)], relabelled, NAMES), f1, row_group_size=GROUP)
     assert f1.stat().st_size == stat.st_size
     os.utime(f1, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     monkeypatch.undo()

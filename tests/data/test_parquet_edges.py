@@ -120,7 +120,7 @@ def test_files_with_other_columns_bad_arguments_and_no_rows_are_refused_in_one_l
     listed = ParquetReader([str(f) for f in files[:2]])
     assert len(listed) == 14 and listed.path == files[0].parent
     empty = tmp_path / "empty.parquet"
-    pq.write_table(hf_table([], []), empty)
+    pq.write_table(hf_table([], [], NAMES), empty)
     with pytest.raises(ValueError) as e:
         open_dataset(empty)
     assert one_line(e) == f"{empty}: no rows in 1 Parquet file"
@@ -134,7 +134,7 @@ def test_files_with_other_columns_bad_arguments_and_no_rows_are_refused_in_one_l
         ParquetReader(tmp_path / "d")
     (tmp_path / "mixed").mkdir()
     for name in ("train-00000-of-00001.parquet", "extra.parquet"):
-        pq.write_table(hf_table([sample(0)], [0]), tmp_path / "mixed" / name)
+        pq.write_table(hf_table([sample(0)], [0], NAMES), tmp_path / "mixed" / name)
     with pytest.raises(ValueError) as e:
         open_dataset(tmp_path / "mixed")
     assert one_line(e).startswith(
@@ -253,7 +253,7 @@ def test_labels_stored_as_a_dictionary_patterns_of_patterns_and_files_that_lack_
     assert one_line(e).startswith(f"{lacking}: label_column='label' is not a column; the columns are image: binary")
     (tmp_path / "two").mkdir()
     for name in ("a.parquet", "b.parquet", "train-00000-of-00001.parquet"):
-        pq.write_table(hf_table([sample(0)], [0]), tmp_path / "two" / name)
+        pq.write_table(hf_table([sample(0)], [0], NAMES), tmp_path / "two" / name)
     with pytest.raises(ValueError, match=r"several splits: \(other\) \(2 files\), train \(1 file\);"):
         open_dataset(tmp_path / "two")
 

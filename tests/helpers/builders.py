@@ -1,5 +1,6 @@
 """What tests build their data from: small encoded images, image folders, in-memory readers, WebDataset
-shards, the JPEG markers of hand-made records, and two small checks (a pass's first batch, a one-line error)."""
+shards, Parquet tables in the Hugging Face layout, the JPEG markers of hand-made records, and two small checks
+(a pass's first batch, a one-line error)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,19 @@ def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90,
     out = io.BytesIO()
     Image.fromarray(arr).save(out, "JPEG", quality=quality, **save)
     return out.getvalue()
+
+
+def hf_table(images: list, labels: list, names: list[str] | None):
+    """The Hugging Face layout as a pyarrow table: ``image: struct<bytes, path>`` (None: a null image),
+    ``label: int64`` with a ClassLabel feature of ``names`` in the schema's metadata (None: no ClassLabel)."""
+    pa = pytest.importorskip("pyarrow")
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    rows = [None if b is None else {"bytes": b, "path": f"img{k}.jpg"} for k, b in enumerate(images)]
+    features = {"image": {"decode": True, "_type": "Image"}}
+    if names is not None:
+        features["label"] = {"names": names, "_type": "ClassLabel"}
+    table = pa.table({"image": pa.array(rows, image_type), "label": pa.array(labels, pa.int64())})
+    return table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
 def png_bytes(w: int = 40, h: int = 30, mode: str = "RGBA") -> bytes:

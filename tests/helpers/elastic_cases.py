@@ -1,13 +1,17 @@
 """Elastic resume as the tests run it: old ranks in lockstep take a few batches, rank 0's state resumes on
-another number of ranks; each sample of the epoch once, equal batch counts, the next epoch plain."""
+another number of ranks; each sample of the epoch once, equal batch counts, the next epoch plain. And the
+local Parquet set those tests read (`write_hf_parquet`)."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
+from builders import hf_table
 from contract import each_once
 
 from dali_fast.loaders.order import kept_global_batch
@@ -26,10 +30,28 @@ def loader_maker(backend: str, reader):
     return lambda bs, **kw: TorchIterator(reader, bs, image_size=16, device="cpu", seed=4, num_workers=0, **kw)
 
 
-def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, taken: int = 2) -> None:
+def write_hf_parquet(
+    out: Path, images: list[bytes], labels: list[int], names: list[str], files: int, group: int
+) -> Path:
+    """``images`` and ``labels``, in their order, as ``out/data/train-0000k-of-0000F.parquet``: ``files``
+    files of about equal rows, each cut into row groups of ``group`` rows, in the Hugging Face layout
+    (``image: struct<bytes, path>``, ``label: int64`` with a ClassLabel of ``names``). Returns ``out``."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    (out / "data").mkdir(parents=True)
+    per = -(-len(images) // files)
+    for k in range(files):
+        rows = range(k * per, min(len(images), (k + 1) * per))
+        table = hf_table([images[i] for i in rows], [labels[i] for i in rows], names)
+        pq.write_table(table, out / "data" / f"train-{k:05d}-of-{files:05d}.parquet", row_group_size=group)
+    return out
+
+
+def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, taken: int = 2) -> int:
     """``old`` ranks in lockstep take ``taken`` batches of 3 of ``epoch``; rank 0's state (through JSON, as a
     checkpoint keeps it) resumes on ``new`` ranks: each sample once over the epoch, equal batch counts, the
-    labels those of the samples named, the global batch kept where it divides; then the next epoch plain."""
+    labels those of the samples named, the global batch kept where it divides; then the next epoch plain.
+    Returns how many repeats the old ranks had taken (their order's own padding, which only the streaming
+    order can reach this early: see the end)."""
     before = []
     olds = [make(3, rank=r, world_size=old) for r in range(old)]
     for loader in olds:
@@ -60,5 +82,18 @@ def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, ta
         assert plain == make(3, rank=r, world_size=new).order.indices(epoch + 1).tolist()  # the next epoch: plain
         loader.close()
     assert len(set(batches)) == 1 and len({len(x) for x in rest}) == 1  # equal on every new rank
-    assert not set(before) & {i for x in rest for i in x}
-    each_once(before + [i for x in rest for i in x], range(len(labels)), padding=new - 1)
+    after = [i for x in rest for i in x]
+    assert not set(before) & set(after)  # nothing an old rank had taken comes again
+    # The repeats of the epoch: the new ranks' padding (at most new - 1), and those the old ranks had taken
+    # before the resume. The random-access order pads at its ranks' last places, which 2 batches do not
+    # reach; the streaming order shuffles its padding into the last rank's windows, so an old rank can have
+    # taken a repeat already. Such a repeat counts against the old order: only a sample that order itself
+    # deals twice in the epoch, at most old - 1 of them; with none, this is each sample once but new - 1.
+    old_epoch = Counter(i for loader in olds for i in loader.order.indices(epoch).tolist())
+    early = Counter(before)
+    early.subtract(set(before))  # each sample's repeats among what the old ranks took
+    early = +early
+    assert set(early) <= {i for i, c in old_epoch.items() if c > 1} and early.total() <= old - 1, early
+    each_once(after, set(after), padding=new - 1, what="the rest of the epoch")
+    each_once(before + after, range(len(labels)), padding=new - 1 + early.total())
+    return early.total()

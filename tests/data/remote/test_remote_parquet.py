@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from builders import jpeg_bytes, one_line, png_bytes
+from builders import hf_table, jpeg_bytes, one_line, png_bytes
 from contract import each_once, run_save_load_state
 
 from dali_fast import open_dataset
@@ -35,15 +35,6 @@ def sample(i: int) -> bytes:
     return png_bytes(20 + i, 10 + i % 7, "RGB") if i % 5 == 0 else jpeg_bytes(30 + i, 20 + i % 7)
 
 
-def hf_table(images: list, labels: list) -> pa.Table:
-    """The Hugging Face layout: ``image: struct<bytes, path>``, ``label: int64`` with a ClassLabel feature."""
-    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    rows = [None if b is None else {"bytes": b, "path": f"img{k}.jpg"} for k, b in enumerate(images)]
-    features = {"image": {"decode": True, "_type": "Image"}, "label": {"names": NAMES, "_type": "ClassLabel"}}
-    table = pa.table({"image": pa.array(rows, image_type), "label": pa.array(labels, pa.int64())})
-    return table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
-
-
 def upload(server, local: Path, *, bad: dict | None = None, split: str = "train") -> list[tuple[bytes, int]]:
     """``local/data/{split}-0000k-of-00003.parquet``, written and put under ``data/`` in the bucket; ``bad``:
     {row: (image, label)} overrides. Returns (image, label) of every row, in order."""
@@ -54,7 +45,7 @@ def upload(server, local: Path, *, bad: dict | None = None, split: str = "train"
     for k in range(FILES):
         part = rows[k * PER_FILE : (k + 1) * PER_FILE]
         name = f"data/{split}-{k:05d}-of-{FILES:05d}.parquet"
-        pq.write_table(hf_table([r[0] for r in part], [r[1] for r in part]), local / name, row_group_size=GROUP)
+        pq.write_table(hf_table([r[0] for r in part], [r[1] for r in part], NAMES), local / name, row_group_size=GROUP)
         server.client.put_object(Bucket=BUCKET, Key=name, Body=(local / name).read_bytes())
     return rows
 
@@ -141,7 +132,7 @@ def test_a_file_changed_on_the_server_is_indexed_again_and_never_read_with_the_o
     upload(s3pq, tmp_path / "local")
     before = open_dataset(SPEC, **opts(s3pq, tmp_path))
     assert before.labels.tolist()[:7] == [i % 4 for i in range(7)]
-    changed = hf_table([sample(100 + i) for i in range(5)], [3] * 5)  # another file: 5 rows, all "fox"
+    changed = hf_table([sample(100 + i) for i in range(5)], [3] * 5, NAMES)  # another file: 5 rows, all "fox"
     name = "data/train-00000-of-00003.parquet"
     pq.write_table(changed, tmp_path / "changed.parquet", row_group_size=2)
     s3pq.client.put_object(Bucket=BUCKET, Key=name, Body=(tmp_path / "changed.parquet").read_bytes())
