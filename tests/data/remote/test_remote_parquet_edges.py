@@ -157,7 +157,13 @@ def test_which_folders_hold_parquet_files(s3e, tmp_path):
     o = so(s3e)
     assert holds_parquet(f"s3://{BUCKET}/X", o) and holds_parquet(f"s3://{BUCKET}/X/", o)
     assert holds_parquet(f"s3://{BUCKET}/hf", o)  # a snapshot: its data/ folder
-    assert not holds_parquet(f"s3://{BUCKET}/both", o)  # .tar shards there: not a Parquet folder
+    with pytest.raises(ValueError) as e:  # .tar shards beside them: which is the data set is not guessed
+        holds_parquet(f"s3://{BUCKET}/both/", o)
+    assert one_line(e) == (
+        f"s3://{BUCKET}/both/: holds both WebDataset shards (1 shard: d.tar, ...) and Parquet files (1 file: "
+        "c.parquet, ...); a data set is one or the other: move one kind into a folder of its own, or name its "
+        "files (a pattern)"
+    )
     assert not holds_parquet(f"s3://{BUCKET}/tars", o)
     assert not holds_parquet("s3://nobucket/X", o)  # the listing fails: the shards' reader names why
     assert [i.url for i in list_parquet(f"s3://{BUCKET}/X", o)[1]] == [f"s3://{BUCKET}/X/a.parquet"]
