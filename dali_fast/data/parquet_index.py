@@ -35,7 +35,7 @@ import numpy as np
 from ..files import atomic_write
 from ..text import plural
 from .base import read_parallel
-from .shards import SHARD_SUFFIXES, expand_braces
+from .shards import SHARD_SUFFIXES, expand_braces, refuse_mixed_folder
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,6 @@ def is_parquet(path: str | os.PathLike) -> bool:
     if found:
         refuse_mixed_folder(text, sorted(e.name for e in p.iterdir() if e.name.endswith(SHARD_SUFFIXES)), found)
     return bool(found)
-
-
-def refuse_mixed_folder(folder: str, shards: Sequence[str], parquet: Sequence[Any]) -> None:
-    """A folder holding both WebDataset shards (names) and Parquet files is one line naming one of each:
-    which of them is the data set is not for a reader to guess."""
-    if shards and parquet:
-        first = str(parquet[0]).rstrip("/").rsplit("/", 1)[-1]
-        raise ValueError(
-            f"{folder}: holds both WebDataset shards ({plural(len(shards), 'shard')}: {shards[0]}, ...) and "
-            f"Parquet files ({plural(len(parquet), 'file')}: {first}, ...); a data set is one or the other: "
-            "move one kind into a folder of its own, or name its files (a pattern)"
-        )
 
 
 def expand_parquet(spec: str | os.PathLike) -> list[Path]:

@@ -16,9 +16,10 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -359,3 +360,15 @@ def is_webdataset(path: str | os.PathLike) -> bool:
             )
         return bool(shards)
     return False
+
+
+def refuse_mixed_folder(folder: str, shards: Sequence[str], parquet: Sequence[Any]) -> None:
+    """A folder holding both WebDataset shards (names) and Parquet files is one line naming one of each:
+    which of them is the data set is not for a reader to guess."""
+    if shards and parquet:
+        first = str(parquet[0]).rstrip("/").rsplit("/", 1)[-1]
+        raise ValueError(
+            f"{folder}: holds both WebDataset shards ({plural(len(shards), 'shard')}: {shards[0]}, ...) and "
+            f"Parquet files ({plural(len(parquet), 'file')}: {first}, ...); a data set is one or the other: "
+            "move one kind into a folder of its own, or name its files (a pattern)"
+        )
