@@ -41,13 +41,14 @@ test-ray: $(STAMP)
 	$(PY) -c "import ray.data, ray.train.torch"
 	$(PY) -m pytest -q -rs tests/train/test_ray.py
 
-# Mutation testing of the core (not part of `make test`; about 10-20 minutes on 2 cores). One OpenMP thread:
+# Mutation testing of the core (not part of `make test`; about an hour on 2 cores). One OpenMP thread:
 # mutmut forks a process per mutant, and torch's thread pool does not survive a fork (see tests/conftest.py).
 # The scope and test selection are in pyproject.toml [tool.mutmut]; the report goes to build/mutation/.
 mutate: $(STAMP)
 	$(PIP) install --quiet -e '.[dev,mutate]'
-	# mutmut's first, clean pass (its stats) sometimes fails in mutmut's own call-stack bookkeeping
-	# ("'Pass' and 'int'", or a ContextVar LookupError), whatever the code: up to three tries from nothing.
+	# mutmut's first, clean pass (its stats) failed in mutmut's own call-stack bookkeeping ("'Pass' and
+	# 'int'", or a ContextVar LookupError) when the cycle collector ran a finalizer mid-call; tests/conftest.py
+	# makes that unread stack a no-op. Should the pass still fail: up to three tries from nothing.
 	ok=1; for try in 1 2 3; do \
 	  rm -rf mutants; \
 	  if OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(or $(JOBS),2) > build-mutmut.log 2>&1; then ok=0; break; fi; \

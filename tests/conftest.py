@@ -14,6 +14,18 @@ if "mutmut" in sys.modules:
     import torch
 
     torch.set_num_threads(1)
+    # mutmut 3.8.1's clean pass keeps a ContextVar stack of callers around every call of a mutated function,
+    # even with caller tracking off (pyproject.toml: track_dependencies = false), when nothing reads it. A
+    # finalizer that the cycle collector runs in the middle of such a call can reset it out of order
+    # (LookupError, or "'Pass' and 'int'" in its trampoline), and the pass failed 2 runs in 3. Unread, the
+    # stack is made a no-op: which tests reach which function is recorded all the same.
+    try:
+        from mutmut.core import MutmutCallStack
+    except ImportError:  # another mutmut: its own bookkeeping
+        pass
+    else:
+        MutmutCallStack.set = classmethod(lambda cls, value: None)  # type: ignore[method-assign]
+        MutmutCallStack.reset = classmethod(lambda cls, token: None)  # type: ignore[method-assign]
 
 
 @pytest.fixture
