@@ -3,7 +3,9 @@
 Reads every mutant's status from `mutmut results --all true`, and the mutants that cannot change
 behaviour from tests/equivalent_mutants.txt (one per line: the mutant's name, then why). Writes
 report.md (a table per module and the diff of each survivor) and report.json; exits 1 when a
-mutant survived that is not listed as equivalent, or a listed one no longer exists.
+mutant survived that is not listed as equivalent, or a listed one no longer exists or is killed by a
+test (mutmut renumbers a function's mutants when it changes, so a listed name can come to mean another
+mutant: its line must then go, or name the equivalent under its new number).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> int:
             if status not in ("killed", "timeout", "not checked"):
                 survivors.append(name)
     stale = sorted(set(equiv) - set(statuses))
+    killed_listed = sorted(n for n in equiv if statuses.get(n) in ("killed", "timeout"))
     rows = []
     total = Counter()
     for mod in sorted(per):
@@ -99,13 +102,19 @@ def main() -> int:
             lines += [f"### `{name}` ({statuses[name]})", "", "```diff", mutmut("show", name).strip(), "```", ""]
     if stale:
         lines += ["## Listed as equivalent but no longer generated", ""] + [f"- `{n}`" for n in stale]
+    if killed_listed:
+        lines += ["", "## Listed as equivalent but killed by a test", ""] + [f"- `{n}`" for n in killed_listed]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "report.json").write_text(json.dumps({"modules": table, "survivors": survivors, "stale": stale}, indent=1))
+    report = {"modules": table, "survivors": survivors, "stale": stale, "killed_listed": killed_listed}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
     print("\n".join(lines[: len(rows) + 4]))
-    print(f"\n{len(survivors)} survivors; wrote {out / 'report.md'}")
-    return 1 if survivors or stale else 0
+    print(
+        f"\n{len(survivors)} survivors, {len(stale)} listed names no longer generated, {len(killed_listed)} listed "
+        f"names killed; wrote {out / 'report.md'}"
+    )
+    return 1 if survivors or stale or killed_listed else 0
 
 
 if __name__ == "__main__":
