@@ -121,20 +121,32 @@ class _ReadAhead:
         return False
 
     def take(self) -> _Read:
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        """The next batch, waiting for it; an error of the helper's is raised here. Never waits on a helper
+        that was stopped or has ended without a batch: that raises instead."""
+        while True:
+            if self._stopped.is_set():
+                raise RuntimeError("the source's read-ahead was stopped; start a new pass over the loader")
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the source's read-ahead ended without a batch; start a new pass") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
 
     def stop(self) -> None:
-        """End the thread (it exits at its next batch) and let go of what it had read."""
+        """End the thread (it exits at its next batch) and let go of what it had read. Called on the thread
+        itself (a source finalized by a collection that ran there), it ends it without waiting for it."""
         self._stopped.set()
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
 
 class BatchSource:

@@ -293,3 +293,52 @@ def test_only_the_images_and_erasing_boxes_go_through_the_pipeline(monkeypatch):
         assert [kw.get("num_outputs") for kw in seen] == outputs
         assert sorted(i for _, idx in labels for i in idx) == list(range(7))
         assert all(y == idx for y, idx in labels)  # IndexReader: record i has label i
+
+
+def test_a_source_finalized_on_its_own_helper_thread_ends_it_without_waiting_for_itself(monkeypatch):
+    """The cycle collector may finalize a source on any thread, its helper's too: stopping from there must
+    not join the running thread (which raises), the helper then ends, and a caller still asking for a
+    batch is told so instead of waiting forever."""
+    import threading
+
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 1)
+    made: list = []
+    real_init = pipeline._ReadAhead.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(self)  # before its thread starts
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline._ReadAhead, "__init__", init)
+    errors: list[BaseException] = []
+    first_taken = threading.Event()
+
+    class StopsOnTheHelper(ViewsReader):
+        def read_batch_checked(self, indices):
+            if int(indices[0]) == 4 and threading.current_thread().name == "dali_fast-read-ahead":
+                first_taken.wait(10)
+                try:
+                    made[0].stop()  # as BatchSource.__del__ would, run here by a collection
+                except BaseException as e:  # noqa: BLE001 - what the test looks for
+                    errors.append(e)
+            return super().read_batch_checked(indices)
+
+    plan = [np.array([i, i + 1]) for i in range(0, 12, 2)]
+    source = pipeline.BatchSource(StopsOnTheHelper(IndexReader([jpeg_bytes(20, 16)] * 12)), plan, "raise", SkipLog())
+    source()
+    first_taken.set()
+    made[0]._thread.join(timeout=10)
+    assert errors == [] and not made[0]._thread.is_alive() and not _read_ahead_threads()
+    with pytest.raises(RuntimeError, match=r"^the source's read-ahead was stopped; start a new pass"):
+        source()
+
+
+def test_a_caller_is_never_left_waiting_on_a_helper_that_ended_without_a_batch(monkeypatch):
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    ahead = pipeline._ReadAhead(lambda indices: ([], np.zeros(0, np.int64), {}), [], None, 2)  # nothing to read
+    ahead._thread.join(timeout=10)
+    with pytest.raises(RuntimeError, match=r"^the source's read-ahead ended without a batch; start a new pass$"):
+        ahead.take()
