@@ -29,9 +29,10 @@ PIXELS_ENV = "DALI_FAST_MAX_PIXELS"  # the dali-fast command's pixel limit (`app
 def pixel_limit() -> int | None:
     """The most pixels an image may have: twice ``PIL.Image.MAX_IMAGE_PIXELS`` (178,956,970 by default),
     where Pillow refuses an image as a possible decompression bomb, so that every decoder stops where
-    Pillow does; None when it is None (no limit). Read at each call: a script may change it."""
-    pil = sys.modules.get("PIL.Image")  # not imported: nobody changed it
-    most = pil.MAX_IMAGE_PIXELS if pil is not None else PILLOW_MAX_IMAGE_PIXELS
+    Pillow does; None when it is None (no limit). Read at each call: a script may change it. Pillow not
+    imported (nobody changed it), or being imported on another thread right now (its module is there,
+    the attribute not yet): Pillow's default."""
+    most = getattr(sys.modules.get("PIL.Image"), "MAX_IMAGE_PIXELS", PILLOW_MAX_IMAGE_PIXELS)
     return None if most is None else 2 * int(most)
 
 

@@ -24,7 +24,14 @@ from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
 from .batch_targets import batch_targets
-from .dali_pipeline import BatchSource, build_pipeline, derive_seed, shutdown_pipeline, undecodable
+from .dali_pipeline import (
+    BatchSource,
+    ReadAheadError,
+    build_pipeline,
+    derive_seed,
+    shutdown_pipeline,
+    undecodable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +209,10 @@ class DALIIterator(LoaderBase):
                 images = out["images"]
                 if self.memory_format == torch.channels_last:
                     images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
-                # The labels of the records the batch holds, from the source (they skip the pipeline)
-                labels = torch.from_numpy(fed.labels).to(images.device, non_blocking=True)
-                yield images, batch_targets(self._targets, fed.kept, labels), fed.consumed, fed.batches
+                # The labels (or target rows) of the records the batch holds, from the source: they skip the
+                # pipeline, and go to the images' device once
+                targets = batch_targets(self._targets, fed.kept, torch.from_numpy(fed.labels))
+                yield images, targets.to(images.device, non_blocking=True), fed.consumed, fed.batches
         finally:
             if ended:
                 self._kept = kept
@@ -325,9 +333,9 @@ _NOISE = ("Critical error in pipeline", "Critical error when building pipeline",
 
 
 def from_dali(error: BaseException) -> bool:
-    """True for an error a DALI pipeline raised (run or build), False for others (e.g. the source's own
-    `BadRecordError`, which names its record already)."""
-    if isinstance(error, BadRecordError):
+    """True for an error a DALI pipeline raised (run or build), False for others (the source's own: a
+    `BadRecordError`, which names its record already, or a `ReadAheadError`)."""
+    if isinstance(error, BadRecordError | ReadAheadError):
         return False
     return isinstance(error, RuntimeError | MemoryError) or "Critical error" in str(error)
 

@@ -83,6 +83,11 @@ def _read_runs(
     return out, end
 
 
+class ReadAheadError(RuntimeError):
+    """The source was asked for a batch its read-ahead will never bring (stopped, or ended): the source's
+    own failure, not DALI's."""
+
+
 class _ReadAhead:
     """A helper thread that reads a plan's batches in order (in runs of `READ_AHEAD_RECORDS` records) and
     wraps each batch without a bad record in its TensorList, a bounded number of batches ahead of the
@@ -125,12 +130,12 @@ class _ReadAhead:
         that was stopped or has ended without a batch: that raises instead."""
         while True:
             if self._stopped.is_set():
-                raise RuntimeError("the source's read-ahead was stopped; start a new pass over the loader")
+                raise ReadAheadError("the source's read-ahead was stopped; start a new pass over the loader")
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the source's read-ahead ended without a batch; start a new pass") from None
+                    raise ReadAheadError("the source's read-ahead ended without a batch; start a new pass") from None
                 continue
             if isinstance(item, BaseException):
                 raise item
@@ -138,15 +143,17 @@ class _ReadAhead:
 
     def stop(self) -> None:
         """End the thread (it exits at its next batch) and let go of what it had read. Called on the thread
-        itself (a source finalized by a collection that ran there), it ends it without waiting for it."""
+        itself (a source finalized by a collection that ran there, perhaps inside the queue's own put), it
+        only tells the thread to end: it neither waits for itself nor takes the queue's lock."""
         self._stopped.set()
+        if threading.current_thread() is self._thread:
+            return
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._thread.join()
 
 
 class BatchSource:

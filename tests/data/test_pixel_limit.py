@@ -68,6 +68,24 @@ def test_the_limit_follows_pillows_setting(huge_png, monkeypatch):
     assert check_encoded(bilevel_png(50, 41)).startswith("50x41 pixels (2,050), over the limit of 2,000 ")
 
 
+def test_the_limit_is_pillow_s_default_when_pillow_is_not_there_yet_or_half_imported(monkeypatch):
+    """Packed records are checked on the loader's read-ahead thread, which may run while the training thread
+    imports Pillow for the first time: its module is in sys.modules, MAX_IMAGE_PIXELS not yet set."""
+    import sys
+    import types
+
+    from dali_fast.data.checks import PILLOW_MAX_IMAGE_PIXELS, pixel_limit
+
+    monkeypatch.setitem(sys.modules, "PIL.Image", types.ModuleType("PIL.Image"))  # mid-import
+    assert pixel_limit() == 2 * PILLOW_MAX_IMAGE_PIXELS
+    monkeypatch.delitem(sys.modules, "PIL.Image")  # not imported at all
+    assert pixel_limit() == 2 * PILLOW_MAX_IMAGE_PIXELS
+    monkeypatch.setitem(sys.modules, "PIL.Image", types.SimpleNamespace(MAX_IMAGE_PIXELS=None))
+    assert pixel_limit() is None
+    monkeypatch.setitem(sys.modules, "PIL.Image", types.SimpleNamespace(MAX_IMAGE_PIXELS=10))
+    assert pixel_limit() == 20
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_pack_leaves_it_out_with_the_same_words(tmp_path, huge_png, workers):
     src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(), huge_png], "b": [jpeg_bytes(30, 20)]})

@@ -55,21 +55,23 @@ def make_folder(root: Path, per_class: dict[str, list[bytes]], ext: str = ".jpg"
 
 
 class IndexReader:
-    """A data set whose label is the record's index, so a batch of labels names its records."""
+    """A data set whose label is the record's index, so a batch of labels names its records; or, with
+    ``reversed_labels``, record i of n has label n - 1 - i (a test then tells labels from indices)."""
 
-    def __init__(self, items: list[bytes], classes: int | None = None):
+    def __init__(self, items: list[bytes], classes: int | None = None, reversed_labels: bool = False):
         self.items = [np.frombuffer(b, np.uint8) for b in items]
         self.classes = [str(i) for i in range(classes or len(items))]
+        self._labels = np.arange(len(items), dtype=np.int64)[:: -1 if reversed_labels else 1].copy()
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, i):
-        return self.items[i], int(i)
+        return self.items[i], int(self._labels[i])
 
     @property
     def labels(self):
-        return np.arange(len(self.items), dtype=np.int64)
+        return self._labels.copy()
 
     def source(self, i):
         return f"mem://{i}.jpg"

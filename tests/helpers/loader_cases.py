@@ -44,14 +44,15 @@ def take_then_save(loader, batches):
     raise AssertionError(f"the epoch had fewer than {batches} batches")
 
 
-def bad_reader():
-    """Ten JPEGs labelled by index, of which 2 (truncated), 5 (random bytes) and 7 (empty) are bad."""
+def bad_reader(reversed_labels: bool = False):
+    """Ten JPEGs labelled by index (or 9 - index), of which 2 (truncated), 5 (random bytes) and 7 (empty) are
+    bad."""
     good = [jpeg_bytes(32, 24, (i * 20, 100, 50)) for i in range(10)]
     items = list(good)
     items[2] = good[2][: len(good[2]) // 2]  # truncated JPEG
     items[5] = bytes(np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8))  # random bytes
     items[7] = b""  # empty record
-    return IndexReader(items)
+    return IndexReader(items, reversed_labels=reversed_labels)
 
 
 def loader(backend, reader, batch_size=8, **kw):

@@ -53,7 +53,7 @@ def test_a_packed_set_is_read_ahead_in_runs_and_handed_out_batch_by_batch(monkey
     import dali_fast.loaders.dali_pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", run)
-    reader = bad_reader()  # records 2, 5 and 7 are bad
+    reader = bad_reader(reversed_labels=True)  # records 2, 5 and 7 are bad; record i has label 9 - i
     plan = [np.array([0, 1, 2]), np.array([5, 7]), np.array([9, 8, 3]), np.array([4, 6])]
     plain = pipeline.BatchSource(reader, plan, "skip", SkipLog(), exclude={8: "breaks the decoder"})
     ahead_reader = ViewsReader(reader)
@@ -64,11 +64,11 @@ def test_a_packed_set_is_read_ahead_in_runs_and_handed_out_batch_by_batch(monkey
     assert fed == [
         (f.consumed, f.kept, f.batches, f.skipped, f.labels.tolist()) for f in (plain.consume() for _ in want)
     ]
-    assert [f[1] for f in fed] == [f[4] for f in fed] == [[0, 1], [9, 3], [4, 6]]
+    assert [f[1] for f in fed] == [[0, 1], [9, 3], [4, 6]] and [f[4] for f in fed] == [[9, 8], [0, 6], [5, 3]]
     assert ahead_reader.calls == {1: [3, 2, 3, 2], 4: [5, 5], 512: [10]}[run]  # records per read
     raising = pipeline.BatchSource(ViewsReader(reader), plan[2:] + plan[:1], "raise", SkipLog())
     raising(), raising()  # read with record 2 already
-    assert [f.labels.tolist() for f in raising.fed] == [[9, 8, 3], [4, 6]]
+    assert [f.labels.tolist() for f in raising.fed] == [[0, 1, 6], [5, 3]]
     with pytest.raises(BadRecordError, match=r"^record 2 \(mem://2.jpg\): truncated JPEG"):
         raising()
 
@@ -120,10 +120,12 @@ class FreshCopies(IndexReader):
         return datas, np.asarray(indices, dtype=np.int64), {}
 
 
-def test_dali_is_done_with_a_batch_s_arrays_when_it_is_delivered():
+@pytest.mark.parametrize("views", [False, True], ids=["read-by-the-caller", "read-ahead"])
+def test_dali_is_done_with_a_batch_s_arrays_when_it_is_delivered(views):
     """Each batch's encoded bytes are overwritten with zeros the moment the loader hands the batch over (its
     arrays consumed): the images stay those of an untouched run, batch after batch, over prefetching and two
-    epochs. DALI had read them (in place) and its outputs owe nothing to them any more."""
+    epochs. DALI had read them (in place) and its outputs owe nothing to them any more; TensorLists made
+    on the read-ahead thread too."""
     pytest.importorskip("nvidia.dali")
     import dali_fast.loaders.dali_pipeline as pipeline
     from dali_fast import DALIIterator
@@ -153,10 +155,33 @@ def test_dali_is_done_with_a_batch_s_arrays_when_it_is_delivered():
         return out
 
     reader = FreshCopies(items)
+    reader.reads_views = views
     poisoned = epochs(reader, True)
     assert len(reader.handed) == 20 and all(not a.any() for a in reader.handed)  # every record was zeroed after use
     clean = epochs(IndexReader(items), False)
     assert len(poisoned) == len(clean) == 8 and all(torch.equal(a, b) for a, b in zip(poisoned, clean, strict=True))
+
+
+def within(seconds: float, call):
+    """``call()`` on a thread: its result, or its exception raised here. A call still waiting after
+    ``seconds`` fails the test instead of hanging the suite."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - raised again on the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 def _read_ahead_threads() -> list:
@@ -232,7 +257,7 @@ def test_an_error_of_the_helper_is_raised_by_the_call_of_its_batch_and_nothing_h
     )
     source()
     with pytest.raises(OSError, match=r"^cannot read records \[3\]$"):
-        source()
+        within(10, source)
     assert [f.kept for f in source.fed] == [[0, 1]]
     source.stop()
     assert not _read_ahead_threads()
@@ -287,12 +312,13 @@ def test_only_the_images_and_erasing_boxes_go_through_the_pipeline(monkeypatch):
             return real(*args, **kwargs)
 
         monkeypatch.setattr(fn, "external_source", external_source)
-        loader = DALIIterator(IndexReader(items), 3, recipe=recipe, device="cpu", num_threads=1, seed=2)
+        reader = ViewsReader(IndexReader(items, reversed_labels=True))  # read ahead on the helper thread
+        loader = DALIIterator(reader, 3, recipe=recipe, device="cpu", num_threads=1, seed=2)
         labels = [(y.tolist(), loader.last_indices.tolist()) for _, y in loader]
         loader.close()
         assert [kw.get("num_outputs") for kw in seen] == outputs
         assert sorted(i for _, idx in labels for i in idx) == list(range(7))
-        assert all(y == idx for y, idx in labels)  # IndexReader: record i has label i
+        assert all(y == [6 - i for i in idx] for y, idx in labels)  # record i has label 6 - i
 
 
 def test_a_source_finalized_on_its_own_helper_thread_ends_it_without_waiting_for_itself(monkeypatch):
@@ -331,8 +357,8 @@ def test_a_source_finalized_on_its_own_helper_thread_ends_it_without_waiting_for
     first_taken.set()
     made[0]._thread.join(timeout=10)
     assert errors == [] and not made[0]._thread.is_alive() and not _read_ahead_threads()
-    with pytest.raises(RuntimeError, match=r"^the source's read-ahead was stopped; start a new pass"):
-        source()
+    with pytest.raises(pipeline.ReadAheadError, match=r"^the source's read-ahead was stopped; start a new pass"):
+        within(10, source)
 
 
 def test_a_caller_is_never_left_waiting_on_a_helper_that_ended_without_a_batch(monkeypatch):
@@ -340,5 +366,44 @@ def test_a_caller_is_never_left_waiting_on_a_helper_that_ended_without_a_batch(m
 
     ahead = pipeline._ReadAhead(lambda indices: ([], np.zeros(0, np.int64), {}), [], None, 2)  # nothing to read
     ahead._thread.join(timeout=10)
-    with pytest.raises(RuntimeError, match=r"^the source's read-ahead ended without a batch; start a new pass$"):
-        ahead.take()
+    with pytest.raises(
+        pipeline.ReadAheadError, match=r"^the source's read-ahead ended without a batch; start a new pass$"
+    ):
+        within(10, ahead.take)
+    from dali_fast.loaders.dali_iterator import from_dali
+
+    assert not from_dali(pipeline.ReadAheadError("x"))  # the source's own failure, not DALI's
+
+
+def test_a_stop_run_on_the_helper_while_it_holds_the_queue_s_lock_does_not_deadlock(monkeypatch):
+    """A collection can run a finalizer on the helper thread inside the queue's put, which holds the queue's
+    lock: stopping there must not take that lock again (a thread cannot), so the helper still ends."""
+    import queue
+    import threading
+
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 1)
+    made: list = []
+    real_init = pipeline._ReadAhead.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline._ReadAhead, "__init__", init)
+    real_put, stopped = queue.Queue._put, []
+
+    def put(self, item):  # runs with the queue's lock held, as a finalizer inside put would
+        if threading.current_thread().name == "dali_fast-read-ahead" and not stopped and len(made):
+            stopped.append(True)
+            made[0].stop()
+        real_put(self, item)
+
+    monkeypatch.setattr(queue.Queue, "_put", put)
+    plan = [np.array([i, i + 1]) for i in range(0, 12, 2)]
+    source = pipeline.BatchSource(ViewsReader(IndexReader([jpeg_bytes(20, 16)] * 12)), plan, "raise", SkipLog())
+    with pytest.raises(pipeline.ReadAheadError, match=r"^the source's read-ahead was stopped"):
+        within(10, source)
+    made[0]._thread.join(timeout=10)
+    assert stopped and not made[0]._thread.is_alive()

@@ -16,7 +16,7 @@ def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
     from dali_fast.loaders.dali_pipeline import BatchSource
     from dali_fast.transforms.draws import erasing_boxes
 
-    reader = bad_reader()  # records 2, 5 and 7 are bad
+    reader = bad_reader(reversed_labels=True)  # records 2, 5 and 7 are bad; record i has label 9 - i
     recipe = Recipe(image_size=16, random_erasing=0.5)
     plan = [np.array([0, 1, 2]), np.array([5, 7]), np.array([9, 8, 3]), np.array([4, 6])]
 
@@ -29,11 +29,12 @@ def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
         while True:
             outputs.append(source())
     fed = [source.consume() for _ in outputs]
-    assert [f.labels.tolist() for f in fed] == [[0, 1], [9, 3], [4, 6]]  # labels i for record i: the kept ones
+    assert [f.kept for f in fed] == [[0, 1], [9, 3], [4, 6]]
+    assert [f.labels.tolist() for f in fed] == [[9, 8], [0, 6], [5, 3]]  # the kept records' own labels
     for out, f in zip(outputs, fed, strict=True):
         datas, rows = out  # the images and their boxes; the labels stay with the source
         assert [bytes(np.asarray(d)) for d in datas] == [bytes(reader.items[i]) for i in f.kept]
-        assert f.labels.dtype == np.int64 and rows.dtype == np.float32 and np.array_equal(rows, boxes(f.labels))
+        assert f.labels.dtype == np.int64 and rows.dtype == np.float32 and np.array_equal(rows, boxes(np.array(f.kept)))
         assert f.arrays[1] is out  # kept, with the records, until the batch is delivered
     assert [(f.consumed, f.kept, f.batches) for f in fed] == [(3, [0, 1], 1), (5, [9, 3], 2), (2, [4, 6], 1)]
     assert [i for f in fed for i, _ in f.skipped] == [2, 5, 7, 8]
@@ -41,7 +42,7 @@ def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
     raising = BatchSource(reader, plan[2:] + plan[:1], "raise", SkipLog())
     first = raising()
     assert type(first).__name__ == "TensorListCPU" and len(first) == 3  # no boxes: the images alone
-    assert raising.fed[-1].labels.tolist() == [9, 8, 3]
+    assert raising.fed[-1].labels.tolist() == [0, 1, 6]
     raising()
     with pytest.raises(BadRecordError) as e:
         raising()

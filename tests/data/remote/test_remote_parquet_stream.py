@@ -98,6 +98,20 @@ def test_the_next_epochs_first_row_groups_are_downloaded_ahead(s3g, tmp_path):
     r.close()
 
 
+def test_this_pass_s_row_groups_come_first_and_only_the_next_epoch_s_stay_pinned_after_it(s3g, tmp_path):
+    """The rest of this pass reads row group 0, the next epoch starts in row group 1: both are downloaded
+    ahead, and once the pass's four records are delivered its group is unpinned, the next epoch's kept."""
+    r = reader(s3g, tmp_path, shuffle_window=1)
+    r.schedule(np.arange(4), then=np.arange(4, 8))
+    wait_for(lambda: r.stats()["downloads"] == 2)
+    assert cached(r) == [True, True] and r.stats()["pinned"] == 2
+    r.advance(3)
+    assert r.stats()["pinned"] == 2  # record 3 of row group 0 is still to come
+    r.advance(1)
+    assert r.stats()["pinned"] == 1  # the pass is done with row group 0; row group 1 waits for the next epoch
+    r.close()
+
+
 def test_downloads_ahead_never_go_over_a_full_budget_and_stop_at_close(s3g, tmp_path):
     r = reader(s3g, tmp_path, shuffle_window=1, cache_limit=100_000)
     fd = fill(r, tmp_path)
