@@ -366,7 +366,7 @@ def refuse_mixed_folder(folder: str, shards: Sequence[str], parquet: Sequence[An
     """A folder holding both WebDataset shards (names) and Parquet files is one line naming one of each:
     which of them is the data set is not for a reader to guess."""
     if shards and parquet:
-        first = str(parquet[0]).rstrip("/").rsplit("/", 1)[-1]
+        first = str(parquet[0]).rstrip("/").rpartition("/")[2]
         raise ValueError(
             f"{folder}: holds both WebDataset shards ({plural(len(shards), 'shard')}: {shards[0]}, ...) and "
             f"Parquet files ({plural(len(parquet), 'file')}: {first}, ...); a data set is one or the other: "

@@ -65,7 +65,7 @@ def holds_parquet(url: str, storage_options: dict[str, Any] | None) -> bool:
     except Exception:  # noqa: BLE001 - named by the reader that opens it
         return False
     parquet = folder_files(root.rstrip("/"), [p for p in found if p.endswith(".parquet")])
-    refuse_mixed_folder(url, sorted(p.rsplit("/", 1)[-1] for p in found if p.endswith(".tar")), parquet)
+    refuse_mixed_folder(url, sorted(p.rpartition("/")[2] for p in found if p.endswith(".tar")), parquet)
     return bool(parquet)
 
 
