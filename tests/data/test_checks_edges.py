@@ -27,3 +27,13 @@ def test_the_limit_counts_pixels_as_they_are():
     assert too_many_pixels(1, 10, 10) is None and too_many_pixels(10, 1, 10) is None
     assert too_many_pixels(0, 10, 10) is None and too_many_pixels(11, 1, 10).startswith("11x1 pixels (11), over")
     assert too_many_pixels(10**6, 10**6, None) is None
+
+
+def test_markers_without_a_length_in_the_headers_are_walked_past_to_the_scan():
+    """TEM and RST markers carry no length: the walk steps over them and goes on to the scan, so a cut
+    after them is still found (it did not stop at them and call the record whole)."""
+    for standalone in (b"\xff\x01", b"\xff\xd0", b"\xff\xd7"):
+        whole = SOI + APP0 + standalone + frame(10, 10) + SOS + b"\x12"
+        assert check_encoded(whole + EOI) is None
+        assert check_encoded(whole) == "truncated JPEG (no end-of-image marker)"
+        assert check_encoded(SOI + standalone + b"\x00\x00") == "corrupt JPEG (no marker at byte 4)"

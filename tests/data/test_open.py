@@ -55,3 +55,27 @@ def test_a_brace_pattern_that_matches_no_file_is_named(tmp_path, pattern):
     with pytest.raises(FileNotFoundError) as e:
         open_dataset(tmp_path / pattern)
     assert one_line(e).startswith(f"{tmp_path / pattern}: the pattern matches no file (none of ")
+
+
+def test_a_url_is_routed_by_the_name_it_spells_and_only_a_folder_is_listed(monkeypatch):
+    """A URL ending in .tar or .parquet (or a brace pattern's first choice doing so) says what it names;
+    a brace pattern of other names is shards; only a bare folder costs a listing (`holds_parquet`), with the
+    storage options given."""
+    from dali_fast.data.open import _remote_parquet
+    from dali_fast.data.remote import parquet_index
+
+    listed: list[tuple] = []
+    monkeypatch.setattr(parquet_index, "holds_parquet", lambda url, so: listed.append((url, so)) or url.endswith("pq"))
+    kw = {"storage_options": {"anon": True}}
+    named = {
+        "s3://b/train-000000.tar": False,
+        "s3://b/train-{000000..000009}.tar": False,
+        "s3://b/{a,b}.tar": False,
+        "s3://b/train-{0..1}": False,  # a pattern names shards
+        "s3://b/x.parquet": True,
+        "s3://b/{a.parquet,b.parquet}": True,
+        "gs://b/data/train-{00000..00001}-of-00002.parquet": True,
+    }
+    assert {url: _remote_parquet(url, kw) for url in named} == named and listed == []
+    assert _remote_parquet("s3://b/folder-pq", kw) is True and _remote_parquet("s3://b/shards/", kw) is False
+    assert listed == [("s3://b/folder-pq", {"anon": True}), ("s3://b/shards/", {"anon": True})]

@@ -53,3 +53,6 @@ def test_a_listed_name_that_is_gone_or_killed_fails_the_report(report):
     assert code == 1 and got["stale"] == ["m.x_f__mutmut_9"] and got["killed_listed"] == []
     code, got = report(results, {"m.x_f__mutmut_2": "why", "m.x_f__mutmut_1": "why"})
     assert code == 1 and got["stale"] == [] and got["killed_listed"] == ["m.x_f__mutmut_1"]
+    slow = {**results, "m.x_f__mutmut_1": "timeout"}  # an equivalent mutant past the limit on a busy machine
+    code, got = report(slow, {"m.x_f__mutmut_2": "why", "m.x_f__mutmut_1": "why"})
+    assert code == 0 and got["killed_listed"] == [] and got["modules"]["m"]["timeout"] == 1
