@@ -58,20 +58,22 @@ class IndexReader:
     """A data set whose label is the record's index, so a batch of labels names its records; or, with
     ``reversed_labels``, record i of n has label n - 1 - i (a test then tells labels from indices)."""
 
+    reversed_labels = False  # a subclass that sets its own items keeps the index labels
+
     def __init__(self, items: list[bytes], classes: int | None = None, reversed_labels: bool = False):
         self.items = [np.frombuffer(b, np.uint8) for b in items]
         self.classes = [str(i) for i in range(classes or len(items))]
-        self._labels = np.arange(len(items), dtype=np.int64)[:: -1 if reversed_labels else 1].copy()
+        self.reversed_labels = reversed_labels
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, i):
-        return self.items[i], int(self._labels[i])
+        return self.items[i], int(self.labels[i])
 
     @property
     def labels(self):
-        return self._labels.copy()
+        return np.arange(len(self.items), dtype=np.int64)[:: -1 if self.reversed_labels else 1].copy()
 
     def source(self, i):
         return f"mem://{i}.jpg"
