@@ -4,8 +4,10 @@ memory, and the processes it may outlive or must die with. torch is imported ins
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import platform
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -21,6 +23,54 @@ def available_cpus() -> int:
 def cpus_per_local_rank() -> int:
     """This process's share of the CPUs when torchrun starts LOCAL_WORLD_SIZE processes on the node."""
     return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def tame_malloc(arenas: int | None = 2, mmap_threshold: int = 1 << 20) -> bool:
+    """Keep a long-lived process's heap from growing and shrinking epoch after epoch (glibc only).
+
+    glibc raises its mmap threshold after each large free (up to 32 MiB), so later large buffers (a
+    decoded image, a batch) come from the heap instead, which then fragments; extra arenas, one per
+    thread that allocates, multiply it. A fixed threshold (buffers above it are mapped, and returned
+    whole when freed) keeps the resident set flat (benchmarks/worker_rss.py), and so do fewer arenas.
+
+    Args:
+        arenas: the most malloc arenas (None: leave glibc's default, 8 per core).
+        mmap_threshold: bytes from which an allocation is mapped on its own; the heap is trimmed above
+            twice that.
+
+    Returns:
+        Whether the settings were applied (False off glibc).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = True if arenas is None else mallopt(_M_ARENA_MAX, arenas) == 1
+    ok &= mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
+    return bool(ok)
+
+
+_process_malloc_tamed = False
+
+
+def tame_process_malloc() -> None:
+    """`tame_malloc`'s mmap threshold, once, in a process whose heap is the user's (the training process,
+    where DALI's threads free and allocate large buffers every batch): glibc's moving threshold otherwise
+    lets its resident set step up and down by hundreds of MiB over epochs. The arenas are left as they
+    are. ``DALI_FAST_MALLOC=keep`` leaves malloc alone."""
+    global _process_malloc_tamed
+    if _process_malloc_tamed or os.environ.get("DALI_FAST_MALLOC", "").strip().lower() == "keep":
+        return
+    _process_malloc_tamed = True
+    if tame_malloc(arenas=None):
+        log.debug("malloc: mmap threshold fixed at 1 MiB (DALI_FAST_MALLOC=keep leaves it)")
 
 
 def read_proc_kib(path: str, key: str) -> int | None:

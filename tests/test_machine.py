@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from malloc_probe import GLIBC, large_allocation_after_free
 
 from dali_fast.machine import available_cpus, cpus_per_local_rank, read_proc_kib
 
@@ -149,3 +150,27 @@ def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeyp
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert system.local_device_index() == 0  # no LOCAL_WORLD_SIZE: rank 3 still cannot be device 3 of 1
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_tame_malloc_keeps_large_buffers_mapped_after_a_larger_free():
+    """glibc alone raises its mmap threshold after a large free, so the next large buffer comes from the
+    heap (which then fragments: the resident set steps up over epochs); `tame_malloc` keeps it mapped."""
+    assert large_allocation_after_free() == "heap"
+    tamed = "from dali_fast.machine import tame_malloc\nassert tame_malloc(arenas=None)"
+    assert large_allocation_after_free(tamed) == "mapped"
+    assert large_allocation_after_free(tamed.replace("arenas=None", "arenas=2")) == "mapped"
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_tame_process_malloc_applies_once_unless_kept():
+    once = "from dali_fast.machine import tame_process_malloc\ntame_process_malloc()"
+    assert large_allocation_after_free(once) == "mapped"
+    assert large_allocation_after_free(once, env={"DALI_FAST_MALLOC": "keep"}) == "heap"
+
+
+def test_tame_malloc_says_false_off_glibc(monkeypatch):
+    import dali_fast.machine as machine
+
+    monkeypatch.setattr(machine.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert machine.tame_malloc() is False

@@ -12,6 +12,7 @@ import torch
 from builders import IndexReader, jpeg_bytes
 from fakes import ScriptedController
 from loader_cases import epoch_labels, loader_class
+from malloc_probe import GLIBC, large_allocation_after_free
 
 from dali_fast.transforms.recipe import IMAGENET_STD, Recipe
 
@@ -460,3 +461,18 @@ def test_dali_over_a_folder_keeps_its_threads_over_epochs(tmp_path):
         assert sorted(labels) == list(range(13)) and sizes == [4, 4, 4, 1]
     assert threading.active_count() == before
     loader.close()
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_dali_iterator_fixes_its_process_mmap_threshold(tmp_path):
+    """The training process's RSS stepped by hundreds of MiB over 30 epochs under glibc's moving
+    threshold (benchmarks/worker_rss.py); a DALIIterator fixes it, and DALI_FAST_MALLOC=keep does not."""
+    pytest.importorskip("nvidia.dali")
+    from dali_fast import make_synthetic
+
+    root = make_synthetic(tmp_path / "data", images=4, classes=2, progress=False)
+    make = (
+        f"from dali_fast import DALIIterator, open_dataset\nDALIIterator(open_dataset({str(root)!r}), 2, device='cpu')"
+    )
+    assert large_allocation_after_free(make) == "mapped"
+    assert large_allocation_after_free(make, env={"DALI_FAST_MALLOC": "keep"}) == "heap"

@@ -62,18 +62,6 @@ def test_erasing_boxes_and_policies_come_back_per_sample(index_reader):
     assert not torch.equal(ring.buffer[0], plain_ring.buffer[0])  # the policy changed pixels
 
 
-def test_tame_malloc_applies_on_glibc():
-    """In a process of its own: the settings are per process, and this one runs the other tests."""
-    import platform
-    import subprocess
-    import sys
-
-    code = "from dali_fast.loaders.torch_worker import tame_malloc; print(tame_malloc())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert out.strip() == str(glibc)
-
-
 class BatchReadCounter(IndexReader):
     """An `IndexReader` that reads whole batches, and counts how it was read."""
 
