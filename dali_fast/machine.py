@@ -29,7 +29,7 @@ def cpus_per_local_rank() -> int:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 
-def tame_malloc(arenas: int | None = 2, mmap_threshold: int = 1 << 20) -> bool:
+def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
     """Keep a long-lived process's heap from growing and shrinking epoch after epoch (glibc only).
 
     glibc raises its mmap threshold after each large free (up to 32 MiB), so later large buffers (a
@@ -38,7 +38,7 @@ def tame_malloc(arenas: int | None = 2, mmap_threshold: int = 1 << 20) -> bool:
     whole when freed) keeps the resident set flat (benchmarks/worker_rss.py), and so do fewer arenas.
 
     Args:
-        arenas: the most malloc arenas (None: leave glibc's default, 8 per core).
+        arenas: the most malloc arenas.
         mmap_threshold: bytes from which an allocation is mapped on its own; the heap is trimmed above
             twice that.
 
@@ -51,26 +51,10 @@ def tame_malloc(arenas: int | None = 2, mmap_threshold: int = 1 << 20) -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    ok = True if arenas is None else mallopt(_M_ARENA_MAX, arenas) == 1
+    ok = mallopt(_M_ARENA_MAX, arenas) == 1
     ok &= mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
     ok &= mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
     return bool(ok)
-
-
-_process_malloc_tamed = False
-
-
-def tame_process_malloc() -> None:
-    """`tame_malloc`'s mmap threshold, once, in a process whose heap is the user's (the training process,
-    where DALI's threads free and allocate large buffers every batch): glibc's moving threshold otherwise
-    lets its resident set step up and down by hundreds of MiB over epochs. The arenas are left as they
-    are. ``DALI_FAST_MALLOC=keep`` leaves malloc alone."""
-    global _process_malloc_tamed
-    if _process_malloc_tamed or os.environ.get("DALI_FAST_MALLOC", "").strip().lower() == "keep":
-        return
-    _process_malloc_tamed = True
-    if tame_malloc(arenas=None):
-        log.debug("malloc: mmap threshold fixed at 1 MiB (DALI_FAST_MALLOC=keep leaves it)")
 
 
 def read_proc_kib(path: str, key: str) -> int | None:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ..data.base import Reader
-from ..machine import local_device_index, tame_process_malloc
-from ..transforms.dali import default_num_threads
+from ..machine import local_device_index
+from ..transforms.dali import default_num_threads, pool_host_buffers
 from ..transforms.decode_choice import choose_train_decode, jpeg_engine, requested_train_decode
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
@@ -50,8 +50,8 @@ class DALIIterator(LoaderBase):
     nothing in flight. With a resolution schedule (``Recipe(resolution=...)``), an epoch whose size
     changed builds one pipeline for it; an epoch of the same size keeps the pipeline. ``close()`` shuts
     the kept pipeline down. Augmentation is reproducible for a run with the same history; it continues
-    the kept pipeline's random stream across epochs. It fixes glibc's mmap threshold in its process, which
-    keeps the resident set flat over epochs (`tame_process_malloc`; ``DALI_FAST_MALLOC=keep``: not).
+    the kept pipeline's random stream across epochs. Its host buffers of 2 MiB and more come from DALI's
+    pool, which keeps the process's resident set flat over epochs (`pool_host_buffers`).
 
     Args:
         dataset: a reader (`open_dataset`): ``len``, ``reader[i] -> (bytes, label)``, ``classes``.
@@ -99,7 +99,7 @@ class DALIIterator(LoaderBase):
                 "DALIIterator needs NVIDIA DALI: pip install nvidia-dali-cuda120 (Linux), "
                 "or use dali_fast.TorchIterator / make_loader(backend='auto')"
             ) from e
-        tame_process_malloc()
+        pool_host_buffers()  # before the process's first pipeline
         self.device_id = local_device_index() if self.gpu else None
         engine = jpeg_engine(self.device_id) if self.gpu and requested == "auto" else None
         self.train_decode = choose_train_decode(self.gpu, engine, requested)  # "whole" or "roi"

@@ -7,6 +7,8 @@ DALI is imported inside the functions, so importing this module needs no DALI.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +18,35 @@ import torch
 from ..machine import cpus_per_local_rank
 from .decode_choice import HW_DECODER_LOAD, choose_train_decode
 from .recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+# DALI allocates host buffers above this size from its own pool, below it with malloc (its
+# DALI_MALLOC_POOL_THRESHOLD; DALI's default is 32 MiB, glibc's highest mmap threshold).
+HOST_POOL_THRESHOLD = "2M"
+_MALLOC_SETTINGS = ("DALI_MALLOC_POOL_THRESHOLD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_")
+
+
+def pool_host_buffers() -> bool:
+    """Have DALI's host pool, not malloc, serve the per-batch host buffers of 2 MiB and more.
+
+    Below DALI's default threshold (32 MiB) those buffers come from malloc, whose moving mmap threshold
+    then maps and unmaps them or carves them from a heap that fragments: a CPU-mode training process's
+    resident set stepped between 570 and 864 MiB over 30 epochs, and its page faults cost system time.
+    With 2 MiB it stays within a few MiB, in less CPU time (benchmarks/worker_rss.py, docs/loaders.md).
+    DALI reads the setting when it first allocates, so this must run before the process's first
+    pipeline. A setting of the user's (``DALI_MALLOC_POOL_THRESHOLD``, or malloc's own
+    ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_MMAP_MAX_``, from which DALI derives it) is kept.
+
+    Returns:
+        Whether the setting was made here.
+    """
+    if any(name in os.environ for name in _MALLOC_SETTINGS):
+        return False
+    os.environ["DALI_MALLOC_POOL_THRESHOLD"] = HOST_POOL_THRESHOLD
+    log.debug("DALI_MALLOC_POOL_THRESHOLD=%s: DALI's pool serves host buffers from that size", HOST_POOL_THRESHOLD)
+    return True
+
 
 # nvJPEG preallocates, for the `mixed` decoder, one device buffer and two pinned host buffers per
 # thread (DALI's decoders.image* docstring). Per-thread sizes are what DALI's ImageNet examples use,

@@ -22,17 +22,17 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 SETUP
-big = libc.malloc(8 << 20)
-libc.free(big)  # glibc's own rule: the threshold rises to 8 MiB after this free
+big = libc.malloc(16 << 20)
+libc.free(big)  # glibc's own rule: the threshold rises to 16 MiB after this free
 before = libc.mallinfo2().hblkhd
-p = libc.malloc(2 << 20)
-print("mapped" if libc.mallinfo2().hblkhd - before >= 2 << 20 else "heap")
+p = libc.malloc(6 << 20)
+print("mapped" if libc.mallinfo2().hblkhd - before >= 6 << 20 else "heap")
 """
 
 
 def large_allocation_after_free(setup: str = "", env: dict[str, str] | None = None) -> str:
-    """Run ``setup`` in a fresh interpreter, then free an 8 MiB buffer and allocate 2 MiB: "mapped" when
-    the 2 MiB got a mapping of its own, "heap" when it came from the heap."""
+    """Run ``setup`` in a fresh interpreter, then free a 16 MiB buffer and allocate 6 MiB: "mapped" when
+    the 6 MiB got a mapping of its own, "heap" when it came from the heap."""
     out = subprocess.run(
         [sys.executable, "-c", _PROBE.replace("SETUP", setup)],
         capture_output=True,

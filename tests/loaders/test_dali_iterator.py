@@ -4,6 +4,9 @@ pipeline kept between epochs, and what its failures say."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import numpy as np
 import odd_images
@@ -12,7 +15,6 @@ import torch
 from builders import IndexReader, jpeg_bytes
 from fakes import ScriptedController
 from loader_cases import epoch_labels, loader_class
-from malloc_probe import GLIBC, large_allocation_after_free
 
 from dali_fast.transforms.recipe import IMAGENET_STD, Recipe
 
@@ -463,16 +465,47 @@ def test_dali_over_a_folder_keeps_its_threads_over_epochs(tmp_path):
     loader.close()
 
 
-@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_dali_iterator_fixes_its_process_mmap_threshold(tmp_path):
-    """The training process's RSS stepped by hundreds of MiB over 30 epochs under glibc's moving
-    threshold (benchmarks/worker_rss.py); a DALIIterator fixes it, and DALI_FAST_MALLOC=keep does not."""
+POOL_SETTINGS = ("DALI_MALLOC_POOL_THRESHOLD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_")
+
+
+def test_dali_pools_the_host_buffers_of_2_mib_and_more_unless_the_user_chose(monkeypatch):
+    """Host buffers from 2 MiB come from DALI's pool (malloc's moving threshold made the training process's
+    RSS step by hundreds of MiB over 30 epochs); a setting of the user's, DALI's or malloc's, is kept."""
+    cls = loader_class("dali")
+    for name in POOL_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    cls(IndexReader([jpeg_bytes(8, 8)]), 1, device="cpu")
+    assert os.environ["DALI_MALLOC_POOL_THRESHOLD"] == "2M"
+    monkeypatch.setenv("DALI_MALLOC_POOL_THRESHOLD", "8M")
+    cls(IndexReader([jpeg_bytes(8, 8)]), 1, device="cpu")
+    assert os.environ["DALI_MALLOC_POOL_THRESHOLD"] == "8M"
+    monkeypatch.delenv("DALI_MALLOC_POOL_THRESHOLD")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")  # DALI derives its threshold from it
+    cls(IndexReader([jpeg_bytes(8, 8)]), 1, device="cpu")
+    assert "DALI_MALLOC_POOL_THRESHOLD" not in os.environ
+
+
+def test_dali_reads_the_pool_setting_after_the_iterator_is_made(tmp_path):
+    """The setting is made early enough: in a fresh process DALI reads it at the first pipeline, after
+    DALIIterator() (a value DALI refuses, put in between, is what the first epoch fails on)."""
     pytest.importorskip("nvidia.dali")
     from dali_fast import make_synthetic
 
     root = make_synthetic(tmp_path / "data", images=4, classes=2, progress=False)
-    make = (
-        f"from dali_fast import DALIIterator, open_dataset\nDALIIterator(open_dataset({str(root)!r}), 2, device='cpu')"
+    code = (
+        "import os\n"
+        "from dali_fast import DALIIterator, open_dataset\n"
+        f"loader = DALIIterator(open_dataset({str(root)!r}), 2, device='cpu')\n"
+        "print(os.environ['DALI_MALLOC_POOL_THRESHOLD'])\n"
+        "os.environ['DALI_MALLOC_POOL_THRESHOLD'] = 'x'\n"
+        "try:\n"
+        "    next(iter(loader))\n"
+        "except Exception as e:\n"
+        "    print(e)\n"
     )
-    assert large_allocation_after_free(make) == "mapped"
-    assert large_allocation_after_free(make, env={"DALI_FAST_MALLOC": "keep"}) == "heap"
+    env = {k: v for k, v in os.environ.items() if k not in POOL_SETTINGS}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "2M"
+    assert "DALI_MALLOC_POOL_THRESHOLD must be a number" in lines[-1]
