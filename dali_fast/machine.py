@@ -4,10 +4,8 @@ memory, and the processes it may outlive or must die with. torch is imported ins
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import platform
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -23,38 +21,6 @@ def available_cpus() -> int:
 def cpus_per_local_rank() -> int:
     """This process's share of the CPUs when torchrun starts LOCAL_WORLD_SIZE processes on the node."""
     return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-
-
-def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
-    """Keep a long-lived process's heap from growing and shrinking epoch after epoch (glibc only).
-
-    glibc raises its mmap threshold after each large free (up to 32 MiB), so later large buffers (a
-    decoded image, a batch) come from the heap instead, which then fragments; extra arenas, one per
-    thread that allocates, multiply it. A fixed threshold (buffers above it are mapped, and returned
-    whole when freed) keeps the resident set flat (benchmarks/worker_rss.py), and so do fewer arenas.
-
-    Args:
-        arenas: the most malloc arenas.
-        mmap_threshold: bytes from which an allocation is mapped on its own; the heap is trimmed above
-            twice that.
-
-    Returns:
-        Whether the settings were applied (False off glibc).
-    """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = mallopt(_M_ARENA_MAX, arenas) == 1
-    ok &= mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-    ok &= mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
-    return bool(ok)
 
 
 def read_proc_kib(path: str, key: str) -> int | None:

@@ -5,7 +5,6 @@ import logging
 
 import pytest
 import torch
-from malloc_probe import GLIBC, large_allocation_after_free
 
 from dali_fast.machine import available_cpus, cpus_per_local_rank, read_proc_kib
 
@@ -150,19 +149,3 @@ def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeyp
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert system.local_device_index() == 0  # no LOCAL_WORLD_SIZE: rank 3 still cannot be device 3 of 1
-
-
-@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_tame_malloc_keeps_large_buffers_mapped_after_a_larger_free():
-    """glibc alone raises its mmap threshold after a large free, so the next large buffer comes from the
-    heap (which then fragments: a decode worker's resident set steps up); `tame_malloc` keeps it mapped."""
-    assert large_allocation_after_free() == "heap"
-    tamed = "from dali_fast.machine import tame_malloc\nassert tame_malloc()"
-    assert large_allocation_after_free(tamed) == "mapped"
-
-
-def test_tame_malloc_says_false_off_glibc(monkeypatch):
-    import dali_fast.machine as machine
-
-    monkeypatch.setattr(machine.platform, "libc_ver", lambda: ("musl", "1.2"))
-    assert machine.tame_malloc() is False

@@ -12,8 +12,10 @@ process's side (the slots, the tasks, the outputs) is `torch_slots`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import logging
+import platform
 import time
 from typing import Any
 
@@ -22,7 +24,6 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.base import Reader, read_batch_checked
-from ..machine import tame_malloc
 from ..transforms.autoaugment import apply_policy
 from ..transforms.decode import Decoder
 from ..transforms.draws import SampleDraws, crop_draws, sample_erasing_box, sample_rng
@@ -31,6 +32,30 @@ from ..transforms.resize import BadImage, decode_crop
 from .torch_slots import IDLE, Task
 
 log = logging.getLogger(__name__)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
+    """Keep a long-lived decode process's heap from growing epoch after epoch (glibc only).
+
+    Varying image sizes make glibc raise its mmap threshold after each large free, so later large
+    buffers come from the heap, which then fragments, and extra arenas multiply it. A fixed threshold
+    (buffers above it are mapped and returned whole) and two arenas keep the resident set flat
+    (benchmarks/worker_rss.py). Returns whether the settings were applied.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_ARENA_MAX, arenas) == 1
+    ok &= mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
+    return bool(ok)
 
 
 def worker_init(_worker_id: int) -> None:

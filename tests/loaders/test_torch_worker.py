@@ -3,7 +3,10 @@ listed, the reader's own batch read."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
+import pytest
 import torch
 from builders import IndexReader, jpeg_bytes
 
@@ -60,6 +63,52 @@ def test_erasing_boxes_and_policies_come_back_per_sample(index_reader):
     plain, plain_ring = maker(index_reader, recipe=Recipe(image_size=16))
     plain.make(Task(0, [(i, 2) for i in range(8)]))
     assert not torch.equal(ring.buffer[0], plain_ring.buffer[0])  # the policy changed pixels
+
+
+_HEAP_PROBE = """
+import ctypes
+libc = ctypes.CDLL(None)
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+SETUP
+libc.free(libc.malloc(16 << 20))  # glibc's own rule: its mmap threshold rises to 16 MiB after this free
+before = libc.mallinfo2().hblkhd
+p = libc.malloc(6 << 20)
+print("mapped" if libc.mallinfo2().hblkhd - before >= 6 << 20 else "heap")
+"""
+
+
+def large_allocation_after_free(setup: str = "") -> str:
+    """In a fresh interpreter (malloc's settings are per process): ``setup``, then free 16 MiB and allocate
+    6 MiB; "mapped" when the 6 MiB got a mapping of its own, "heap" when it was carved from the heap."""
+    import subprocess
+    import sys
+
+    code = _HEAP_PROBE.replace("SETUP", setup)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_tame_malloc_keeps_large_buffers_mapped_after_a_larger_free():
+    """glibc alone raises its mmap threshold after a large free, so the next large buffer comes from the
+    heap (which then fragments: a decode worker's resident set steps up); `tame_malloc` keeps it mapped."""
+    assert large_allocation_after_free() == "heap"
+    tamed = "from dali_fast.loaders.torch_worker import tame_malloc\nassert tame_malloc()"
+    assert large_allocation_after_free(tamed) == "mapped"
+
+
+def test_tame_malloc_says_false_off_glibc(monkeypatch):
+    import dali_fast.loaders.torch_worker as worker
+
+    monkeypatch.setattr(worker.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert worker.tame_malloc() is False
 
 
 class BatchReadCounter(IndexReader):
