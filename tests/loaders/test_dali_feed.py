@@ -321,6 +321,22 @@ def test_only_the_images_and_erasing_boxes_go_through_the_pipeline(monkeypatch):
         assert all(y == [6 - i for i in idx] for y, idx in labels)  # record i has label 6 - i
 
 
+def read_aheads_made(monkeypatch) -> list:
+    """Read-aheads of one record a run, each listed as it is made (before its thread starts)."""
+    import dali_fast.loaders.dali_pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 1)
+    made: list = []
+    real_init = pipeline._ReadAhead.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline._ReadAhead, "__init__", init)
+    return made
+
+
 def test_a_source_finalized_on_its_own_helper_thread_ends_it_without_waiting_for_itself(monkeypatch):
     """The cycle collector may finalize a source on any thread, its helper's too: stopping from there must
     not join the running thread (which raises), the helper then ends, and a caller still asking for a
@@ -329,15 +345,7 @@ def test_a_source_finalized_on_its_own_helper_thread_ends_it_without_waiting_for
 
     import dali_fast.loaders.dali_pipeline as pipeline
 
-    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 1)
-    made: list = []
-    real_init = pipeline._ReadAhead.__init__
-
-    def init(self, *args, **kwargs):
-        made.append(self)  # before its thread starts
-        real_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(pipeline._ReadAhead, "__init__", init)
+    made = read_aheads_made(monkeypatch)
     errors: list[BaseException] = []
     first_taken = threading.Event()
 
@@ -383,15 +391,7 @@ def test_a_stop_run_on_the_helper_while_it_holds_the_queue_s_lock_does_not_deadl
 
     import dali_fast.loaders.dali_pipeline as pipeline
 
-    monkeypatch.setattr(pipeline, "READ_AHEAD_RECORDS", 1)
-    made: list = []
-    real_init = pipeline._ReadAhead.__init__
-
-    def init(self, *args, **kwargs):
-        made.append(self)
-        real_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(pipeline._ReadAhead, "__init__", init)
+    made = read_aheads_made(monkeypatch)
     real_put, stopped = queue.Queue._put, []
 
     def put(self, item):  # runs with the queue's lock held, as a finalizer inside put would
