@@ -181,7 +181,7 @@ def chunk_range(md: Any, group: int, leaf: str) -> tuple[int, int]:
     """(first byte, length) of column ``leaf``'s chunk in row group ``group`` (its dictionary page, if any,
     then its data pages)."""
     rg = md.row_group(group)
-    c = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf)  # from the schema
+    c = next(c for c in map(rg.column, range(rg.num_columns)) if c.path_in_schema == leaf)  # from the schema
     starts = [c.data_page_offset]
     if c.dictionary_page_offset:  # None without one; 0 from some writers: no such page
         starts.append(c.dictionary_page_offset)
