@@ -27,6 +27,7 @@ from ..data.base import Reader, read_batch_checked
 from ..transforms.autoaugment import apply_policy
 from ..transforms.decode import Decoder
 from ..transforms.draws import SampleDraws, crop_draws, sample_erasing_box, sample_rng
+from ..transforms.opencv import single_threaded_worker, split_channels
 from ..transforms.recipe import AUGMENT_SALT, Recipe
 from ..transforms.resize import BadImage, decode_crop
 from .torch_slots import IDLE, Task
@@ -66,6 +67,7 @@ def worker_init(_worker_id: int) -> None:
         faulthandler.disable()  # enabled before the fork, it would now be DataLoader's handler's, not ours
         faulthandler.enable()  # the stack, then the signal's default: DataLoader reports the worker dead
     tame_malloc()
+    single_threaded_worker()
 
 
 IDLE_WAIT = 0.001  # seconds a worker waits on an idle task, so that a run of them costs little CPU
@@ -86,13 +88,14 @@ class BatchMaker(Dataset):
         self.buffer, self.layout = buffer, layout
         self._decoder: Decoder | None = None
         self._tmp: torch.Tensor | None = None
+        self._mirrored: np.ndarray | None = None  # a mirrored image on its way into the slot
 
     def __len__(self) -> int:
         return len(self.reader)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_decoder"], state["_tmp"] = None, None  # per process, made on first use
+        state["_decoder"], state["_tmp"], state["_mirrored"] = None, None, None  # per process, made on first use
         return state
 
     def __getitems__(self, task: Task) -> dict[str, Any]:
@@ -107,6 +110,7 @@ class BatchMaker(Dataset):
             self._decoder = Decoder()
             S = self.recipe.image_size
             self._tmp = torch.empty((S, S, 3), dtype=torch.uint8)
+            self._mirrored = np.empty((S, S, 3), dtype=np.uint8)
         keys = task.keys
         if keys and len(keys[0]) > 2:  # read (and checked) in the main process, through its cache
             datas = [key[2] for key in keys]
@@ -179,8 +183,10 @@ class BatchMaker(Dataset):
             if recipe.random_erasing > 0:
                 box = sample_erasing_box(recipe, self.seed, epoch, index)
         src = image.numpy()
+        if self.layout == "CHW" and split_channels(src, out, flip, self._mirrored):
+            return None, box
         src = src[:, ::-1] if flip else src
-        # CHW: numpy's transposing copy is the cheaper one here, mirrored or not
+        # without OpenCV, numpy's transposing copy is the cheaper one here (CHW), mirrored or not
         np.copyto(out, src.transpose(2, 0, 1) if self.layout == "CHW" else src)
         return None, box
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .opencv import normalize_into
 from .recipe import ERASING_FILL_255, IMAGENET_MEAN, IMAGENET_STD, Recipe
 
 
@@ -53,10 +54,12 @@ def finish_batch(
     with the mean pixel (0 when normalized, ``fill`` when not: `Recipe.erasing_fill`'s rule);
     written into ``out`` when given (of that shape, dtype and format, e.g. reused by the caller), else new.
 
-    Batched ops on the tensor's device, with no host synchronization. On the CPU the conversion and the
-    two normalizing passes run a few images at a time, so the second and third passes read what the
+    Batched ops on the tensor's device, with no host synchronization. On the CPU, float32 in contiguous
+    memory is one OpenCV multiply-add per pixel (`.opencv.normalize_into`); otherwise the conversion and
+    the two normalizing passes run a few images at a time, so the second and third passes read what the
     first just wrote from the core's cache instead of memory (measured: a quarter less CPU time in the
-    main process). The result never shares memory with ``images`` (a slot is reused right after).
+    main process than whole-batch passes). The result never shares memory with ``images`` (a slot is
+    reused right after).
     """
     if mean is None or std is None:
         x = images.to(dtype, memory_format=memory_format, copy=True) if out is None else out.copy_(images)
@@ -69,6 +72,8 @@ def finish_batch(
         x = x if out is None else out.copy_(x)
     else:
         x = torch.empty(images.shape, dtype=dtype, memory_format=memory_format) if out is None else out
+        if dtype == torch.float32 and images.dtype == torch.uint8 and normalize_into(images.numpy(), x.numpy(), mean, std):
+            return x if boxes is None else erase_boxes(x, boxes)  # OpenCV: one pass (contiguous arrays)
         per_image = 4 * images[0].numel() if len(images) else 1
         step = max(1, _CACHE_CHUNK // per_image)
         work = x if dtype == torch.float32 else torch.empty((min(step, len(images)), *images.shape[1:]))

@@ -9,13 +9,12 @@ does not:
   (``_upsample_bilinear2d_aa``), which computes Pillow's filter (a triangle whose support widens with
   the shrink factor) within a few hundredths of a level on average; a plain bilinear would alias on
   such a shrink (it reads 2 of every 3 or more source pixels);
-- a shrink under 2x (on both sides) is plain bilinear interpolation (torch's non-antialiased uint8
-  kernel, ``upsample_bilinear2d``), in less time: each output pixel reads its 2x2 source neighbours,
-  which skips no source pixel, so nothing aliases. Pillow widens its triangle there too, a little: on
-  photos the two differ by under a level on average (``benchmarks/resize_filters.py``); on pixel-sized
-  noise, by more. (OpenCV's ``INTER_LINEAR`` computes the same within a level, a little faster, but its
-  thread pool does not mix with forked workers: ``cv2.setNumThreads`` in a decode worker forked after
-  the main process had used OpenCV hung.)
+- a shrink under 2x (on both sides) is plain bilinear interpolation (OpenCV's ``INTER_LINEAR``, read
+  from the crop where it lies; torch's non-antialiased uint8 kernel, ``upsample_bilinear2d``, where
+  OpenCV is missing: the two within a level of each other and of the definition; `.opencv`), in less
+  time: each output pixel reads its 2x2 source neighbours, which skips no source pixel, so nothing
+  aliases. Pillow widens its triangle there too, a little: on photos the two differ by under a level on
+  average (``benchmarks/resize_filters.py``); on pixel-sized noise, by more.
 
 ``bicubic`` is always Pillow's antialiased bicubic (torch's ``_upsample_bicubic2d_aa``), ``nearest``
 Pillow's centre-sampling nearest neighbour (torch's ``nearest-exact``); ``lanczos`` has no torch
@@ -36,6 +35,7 @@ import torch
 from ..data.checks import pillow_reason
 from .decode import CorruptJpeg, Decoder
 from .draws import SampleDraws
+from .opencv import resize_plain_bilinear
 from .recipe import Recipe
 
 PIL_RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST", "lanczos": "LANCZOS"}
@@ -100,13 +100,16 @@ def resize_into(src: np.ndarray, out: torch.Tensor, interpolation: str = "biline
         im = Image.fromarray(np.ascontiguousarray(src)).resize((width, height), Image.LANCZOS)
         out.copy_(torch.from_numpy(np.asarray(im).copy()))
         return
+    plain = interpolation == "bilinear" and plain_bilinear(src.shape[:2], (height, width))
+    if plain and resize_plain_bilinear(src, out.numpy()):  # OpenCV's kernel reads the crop where it lies
+        return
     # A crop view (rows apart in memory) is copied whole first: torch's uint8 kernels read a contiguous
     # image faster, which more than pays for the copy (on photos, side by side: about a tenth less time
     # per crop at 224 px, a third less at 112, half on 2x+ shrinks; benchmarks/resize_filters.py).
     contiguous = src.flags.c_contiguous and src.flags.writeable
     x = _nchw(torch.from_numpy(src if contiguous else np.array(src, order="C")))
     o = _nchw(out)
-    if interpolation == "bilinear" and plain_bilinear(src.shape[:2], (height, width)):
+    if plain:
         torch.ops.aten.upsample_bilinear2d.out(x, [height, width], False, None, None, out=o)
     elif interpolation == "bilinear":
         torch.ops.aten._upsample_bilinear2d_aa.out(x, [height, width], False, None, None, out=o)

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "default_output.json"
-PACKAGES = ("numpy", "pillow", "torch", "nvidia-dali-cuda120", "simplejpeg")  # simplejpeg: TorchIterator's JPEG path
+# simplejpeg and OpenCV: TorchIterator's JPEG decoder and some of its kernels
+PACKAGES = ("numpy", "pillow", "torch", "nvidia-dali-cuda120", "simplejpeg", "opencv-python-headless")
 
 
 def versions() -> dict[str, str]:
@@ -62,7 +63,21 @@ class ListReader:
 
 
 def fingerprint(backend: str, train: bool, **kw) -> str:
-    """sha256 over every batch (images and labels) of two epochs at image size 32, seed 3."""
+    """sha256 over every batch (images and labels) of two epochs at image size 32, seed 3. Backend
+    ``torch-no-opencv``: TorchIterator with ``DALI_FAST_OPENCV=0`` (torch's and numpy's kernels only)."""
+    import os
+
+    if backend == "torch-no-opencv":
+        from dali_fast.transforms.opencv import ENV, opencv
+
+        before = os.environ.get(ENV)
+        os.environ[ENV] = "0"
+        opencv.cache_clear()
+        try:
+            return fingerprint("torch", train, **kw)
+        finally:
+            os.environ.pop(ENV) if before is None else os.environ.update({ENV: before})
+            opencv.cache_clear()
     import torch
 
     from dali_fast import DALIIterator, TorchIterator
@@ -81,7 +96,7 @@ def fingerprint(backend: str, train: bool, **kw) -> str:
     return h.hexdigest()
 
 
-CASES = {f"{b}-{'train' if t else 'eval'}": (b, t) for b in ("torch", "dali") for t in (True, False)}
+CASES = {f"{b}-{'train' if t else 'eval'}": (b, t) for b in ("torch", "torch-no-opencv", "dali") for t in (True, False)}
 
 
 def main() -> None:

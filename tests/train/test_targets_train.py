@@ -183,7 +183,9 @@ def test_train_multihot_the_loss_falls_and_the_map_rises(tags, loader):
     assert all("val_acc" not in r for r in rows)
     losses, maps = [r["train_loss"] for r in rows], [r["val_map"] for r in rows]
     assert losses[-1] < 0.85 * losses[0], losses
-    assert maps[-1] > maps[0] + 0.1 and maps[-1] > 0.75, maps  # chance is about the share of positives, 0.4
+    # chance is about the share of positives, 0.4; on 32 held-out images one epoch's mAP moves by several
+    # hundredths when the pixels move by a level, so the rise is read over the last two epochs
+    assert sum(maps[-2:]) / 2 > maps[0] + 0.1 and maps[-1] > 0.75, maps
 
 
 def test_train_float_targets_with_mse(tags, tmp_path):

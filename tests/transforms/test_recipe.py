@@ -87,14 +87,15 @@ def test_erased_boxes_hold_the_mean_pixel_in_every_loader(backend, normalized):
     assert erased >= 8  # random_erasing=1.0: nearly every sample has a box that fits
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch-no-opencv"])
 def test_default_recipe_output_is_bit_identical_to_before(backend):
     """The default recipe's bytes must not change unnoticed. DALI's fingerprints were taken before recipes
     existed; TorchIterator's when its crop and flip came from counter-based draws (`crop_draws`), after its
     shrinks under 2x became plain bilinear, the rest of its resize torch's antialiased kernels, after
     libjpeg-turbo (held to Pillow and to bilinear interpolation's definition by
-    test_torch_iterator.py::test_train_output_is_pillows_within_stated_levels).
-    tests/helpers/default_output.py takes them, on the versions they name."""
+    test_torch_iterator.py::test_train_output_is_pillows_within_stated_levels), and again after OpenCV's
+    kernels took its shrinks under 2x and its float conversion; without OpenCV (``torch-no-opencv``) its
+    bytes are those from before that. tests/helpers/default_output.py takes them, on the versions they name."""
     if backend == "dali":
         pytest.importorskip("nvidia.dali")
     golden = json.loads(GOLDEN.read_text())
