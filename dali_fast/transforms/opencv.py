@@ -40,7 +40,7 @@ def opencv() -> ModuleType | None:
     except ImportError as e:
         log.info(
             "OpenCV does not import (%s): TorchIterator resizes, splits channels and normalizes with torch's "
-            "kernels, about 15 % more CPU per image; pip install opencv-python-headless",
+            "kernels, about 15 %% more CPU per image; pip install opencv-python-headless",
             e,
         )
         return None
