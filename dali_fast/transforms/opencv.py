@@ -5,7 +5,7 @@ and the uint8 → float32 normalizing conversion of a batch.
 Each kernel is SIMD code that works in one pass over strided memory: OpenCV resizes a crop without copying
 it out of the decoded image first, splits channels with vector shuffles (numpy's and torch's transposing
 copies move one byte at a time), and normalizes with one multiply-add per pixel where torch makes three
-passes. Measured on 2 cores (docs/bench.md): 13 % less CPU per image in `TorchIterator`'s processes.
+passes. Measured on 2 cores (docs/bench.md): 9-13 % less CPU per image in `TorchIterator`'s processes.
 
 OpenCV (``opencv-python-headless``, or any wheel that provides ``cv2``) is a dependency; where it does not
 import, or ``DALI_FAST_OPENCV=0`` is set, each function returns False and the caller does the step with torch
@@ -40,7 +40,7 @@ def opencv() -> ModuleType | None:
     except ImportError as e:
         log.info(
             "OpenCV does not import (%s): TorchIterator resizes, splits channels and normalizes with torch's "
-            "kernels, about 15 %% more CPU per image; pip install opencv-python-headless",
+            "kernels, 10-15 %% more CPU per image; pip install opencv-python-headless",
             e,
         )
         return None
