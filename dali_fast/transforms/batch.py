@@ -72,8 +72,8 @@ def finish_batch(
         x = x if out is None else out.copy_(x)
     else:
         x = torch.empty(images.shape, dtype=dtype, memory_format=memory_format) if out is None else out
-        if dtype == torch.float32 and images.dtype == torch.uint8 and normalize_into(images.numpy(), x.numpy(), mean, std):
-            return x if boxes is None else erase_boxes(x, boxes)  # OpenCV: one pass (contiguous arrays)
+        if normalize_into(images.numpy(), x.numpy(), mean, std):  # OpenCV: uint8 to float32, contiguous
+            return x if boxes is None else erase_boxes(x, boxes)
         per_image = 4 * images[0].numel() if len(images) else 1
         step = max(1, _CACHE_CHUNK // per_image)
         work = x if dtype == torch.float32 else torch.empty((min(step, len(images)), *images.shape[1:]))

@@ -93,9 +93,9 @@ def split_channels(src: np.ndarray, out: np.ndarray, mirror: bool, scratch: np.n
 def normalize_into(images: np.ndarray, out: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> bool:
     """``out`` = (``images`` − ``mean``) / ``std`` per channel: uint8 (N, C, H, W) to float32 (N, C, H, W),
     both contiguous, one multiply-add per pixel. False, with ``out`` untouched, where OpenCV is missing or
-    an array is not contiguous."""
+    the arrays are not those (other dtypes or shapes, not contiguous)."""
     cv2 = opencv()
-    if cv2 is None or images.shape != out.shape or out.dtype != np.float32:
+    if cv2 is None or images.shape != out.shape or images.dtype != np.uint8 or out.dtype != np.float32:
         return False
     if not (images.flags.c_contiguous and out.flags.c_contiguous):
         return False

@@ -1,4 +1,4 @@
-"""What tests build their data from: small encoded images, image folders, in-memory readers, WebDataset
+"""What tests build their data from: small encoded images, a photo-like pixel array, image folders, in-memory readers, WebDataset
 shards, Parquet tables in the Hugging Face layout, the JPEG markers of hand-made records, and two small checks
 (a pass's first batch, a one-line error)."""
 
@@ -33,6 +33,14 @@ def hf_table(images: list, labels: list, names: list[str] | None):
         features["label"] = {"names": names, "_type": "ClassLabel"}
     table = pa.table({"image": pa.array(rows, image_type), "label": pa.array(labels, pa.int64())})
     return table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+
+
+def photo(h: int = 370, w: int = 470, seed: int = 0) -> np.ndarray:
+    """uint8 (h, w, 3) pixels: gradients plus uniform noise of +-50 levels per pixel, deterministic."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 // (w - 1), y * 255 // (h - 1), (x * y) % 256], -1)
+    return np.clip(base + rng.integers(-50, 50, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
 def png_bytes(w: int = 40, h: int = 30, mode: str = "RGBA") -> bytes:

@@ -65,18 +65,17 @@ class ListReader:
 def fingerprint(backend: str, train: bool, **kw) -> str:
     """sha256 over every batch (images and labels) of two epochs at image size 32, seed 3. Backend
     ``torch-no-opencv``: TorchIterator with ``DALI_FAST_OPENCV=0`` (torch's and numpy's kernels only)."""
-    import os
-
     if backend == "torch-no-opencv":
+        import os
+        from unittest import mock
+
         from dali_fast.transforms.opencv import ENV, opencv
 
-        before = os.environ.get(ENV)
-        os.environ[ENV] = "0"
         opencv.cache_clear()
         try:
-            return fingerprint("torch", train, **kw)
+            with mock.patch.dict(os.environ, {ENV: "0"}):
+                return fingerprint("torch", train, **kw)
         finally:
-            os.environ.pop(ENV) if before is None else os.environ.update({ENV: before})
             opencv.cache_clear()
     import torch
 

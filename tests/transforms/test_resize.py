@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from bilinear import plain_reference
-from builders import jpeg_bytes
+from builders import jpeg_bytes, photo
 from PIL import Image
 
 from dali_fast.transforms.recipe import Recipe
@@ -23,13 +23,6 @@ from dali_fast.transforms.resize import (
     resize,
     resize_into,
 )
-
-
-def photo(h: int = 370, w: int = 470, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([x * 255 // (w - 1), y * 255 // (h - 1), (x * y) % 256], -1)
-    return np.clip(base + rng.integers(-50, 50, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
 def pillow(src: np.ndarray, box: tuple[int, int, int, int], size: int, interpolation: str) -> np.ndarray:
