@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,3 +25,15 @@ def progress_bar(total: int, desc: str, unit: str, *, enabled: bool = True, leav
     if enabled and not drawn:
         log.info("%s: %s ...", desc, plural(total, {"img": "image"}.get(unit, unit)))
     return tqdm(total=total, desc=desc, unit=unit, leave=leave, disable=not drawn)
+
+
+def by_reason(pairs: Sequence[tuple[str, str]], shown: int = 3) -> str:
+    """(where, why) pairs as one line, counted by reason in the order each reason first comes, with the
+    first ``shown`` places of each: ``2 x why (first: a, b); 1 x other (first: c)``."""
+    groups: dict[str, list[str]] = {}
+    for where, why in pairs:
+        groups.setdefault(why, []).append(where)
+    return "; ".join(
+        f"{len(places)} x {why} (first: {', '.join(places[:shown])}{', ...' if len(places) > shown else ''})"
+        for why, places in groups.items()
+    )

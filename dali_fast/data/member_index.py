@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..text import plural
+from ..text import by_reason, plural
 from .checks import check_index
-from .shards import shard_classes
+from .classes import class_map
+from .shards import describe_ignored, shard_classes
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,10 @@ class MemberIndexReader:
     _target_values: np.ndarray
     _target_ends: np.ndarray
 
-    def _index_done(self, kind: str = "shard") -> None:
+    def _index_done(self, kind: str = "shard", classes: Sequence[str] | None = None) -> None:
         """Say once what indexing left out (samples, and damaged shards apart: the samples a damaged shard
         cost are not counted, so no count understates them), refuse an index without a sample, and name
-        the classes."""
+        the classes: the declared ``classes`` (which name the labels), else "0" .. the largest label."""
         if self.damaged:
             log.warning(
                 "%d of %s damaged; the samples lost with %s cannot be counted (first: %s: %s)",
@@ -58,16 +59,23 @@ class MemberIndexReader:
             )
         if self.skipped:
             log.warning(
-                "%s left out of %s (first: %s: %s)",
+                "%s left out of %s: %s",
                 plural(len(self.skipped), "sample"),
                 plural(len(self.shards), kind),
-                *self.skipped[0],
+                by_reason(self.skipped),
             )
         if not len(self._labels):
+            found = f"; left out: {by_reason(self.skipped)}" if self.skipped else ""
+            other = getattr(self, "ignored", None)
+            found += f"; not read: {describe_ignored(other)}" if other else ""
             raise ValueError(
                 f"{self.shards[0]}: no samples with an image and a label in {plural(len(self.shards), kind)}"
+                + (found or "; the shards hold no member")
             )
-        self.classes = shard_classes(self._labels, self.source)
+        if classes is None:
+            self.classes = shard_classes(self._labels, self.source)
+        else:
+            self.classes, _ = class_map(None, self._labels, classes, where=str(self.shards[0]), source=self.source)
 
     def __len__(self) -> int:
         return len(self._labels)

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from ..text import plural
+from .classes import classes_of_labels
+from .tar import scan_tar
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 LABEL_EXTENSIONS = ("cls", "json")
@@ -33,7 +35,6 @@ SPARSE_LABELS = 100  # classes without a sample, beyond which a label range with
 
 log = logging.getLogger(__name__)
 _MISSING = object()
-_BLOCK = 512
 
 
 def expand_shards(spec: str | os.PathLike) -> list[Path]:
@@ -71,96 +72,39 @@ def expand_braces(text: str) -> list[str]:
     return [s for p in parts for s in expand_braces(head + p + tail)]
 
 
-def _octal(field: bytes) -> int:
-    text = field.rstrip(b"\0 ").strip()
-    if not text:
-        return 0
-    if field[0] & 0x80:  # GNU base-256 for large sizes
-        return int.from_bytes(field[1:], "big")
-    return int(text, 8)
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta: members it passes over (``__key__`` files)
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: key . extension(s)
+
+# Why members form no sample (one text per rule, so that a warning can count them by rule).
+NO_KEY = "no key: WebDataset's rule reads a name as key.extension, and this one has no dot in its file name"
+DOTTED = (
+    "a dot in the key's file name: WebDataset's rule ends a key at the file name's first dot, so the rest "
+    "(such as 001.jpg) is the extension, and names no image or label; write keys without dots (img_001, not img.001)"
+)
+NO_IMAGE = "a label without an image: no .jpg/.jpeg/.png member under its key"
+NO_LABEL = "no label (.cls, or .json with the label key)"
+OTHER_ONLY = "members of other extensions only: no image and no label under its key"
 
 
-def _header_ok(header: bytes) -> bool:
-    """Whether a 512-byte block is a tar header: its checksum (unsigned, or signed as old tars wrote it)
-    and its size field hold."""
-    try:
-        stored = int(header[148:156].rstrip(b"\0 ").strip() or b"-1", 8)
-        _octal(header[124:136])
-    except ValueError:
-        return False
-    rest = header[:148] + b" " * 8 + header[156:]
-    return stored == sum(rest) or stored == sum(rest) - 256 * sum(b > 127 for b in rest)
+def split_key(name: str) -> tuple[str, str] | None:
+    """WebDataset's rule: (key, extension) of a member name, the key ending at the file name's first dot and
+    the extension lowercased; None for a name without one (webdataset passes over such a member)."""
+    m = _KEY_EXT.match(name)
+    return None if m is None else (m.group(1), m.group(2).lower())
 
 
-def scan_tar(path: Path) -> tuple[list[tuple[str, int, int]], str | None]:
-    """(name, data offset, size) of each regular member of an uncompressed tar, and what is known of the
-    damage when the walk stopped early (a truncated or damaged shard: where it ends, and that whatever
-    followed is lost, however much that was), or None."""
-    size = path.stat().st_size
-    members: list[tuple[str, int, int]] = []
-    if size == 0:
-        return members, "empty file: any samples it held are lost"
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(data)
-    pos, long_name = 0, None
-
-    def after() -> str:
-        return f" after member {members[-1][0]}" if members else " before any member"
-
-    while pos + _BLOCK <= size:
-        header = bytes(buf[pos : pos + _BLOCK])
-        if header == b"\0" * _BLOCK:
-            return members, None  # the end-of-archive blocks
-        length = _octal(header[124:136]) if _header_ok(header) else -1
-        if length < 0:
-            return members, f"damaged: no tar header at byte {pos}{after()}; any samples after it are lost"
-        kind = header[156:157]
-        start = pos + _BLOCK
-        if start + length > size:
-            if kind in (b"x", b"g", b"L", b"K"):  # the extended header of the member that would follow
-                return (
-                    members,
-                    f"truncated: the file ends inside a member's header{after()}; any samples after it are lost",
-                )
-            name = long_name or header[:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
-            return members, (
-                f"truncated: the file ends inside member {name} (at byte {size} of the {start + length} it needs); "
-                "that sample and any after it are lost"
-            )
-        if kind == b"L":  # GNU long name: the next member's name is this member's data
-            long_name = bytes(buf[start : start + length]).rstrip(b"\0").decode("utf-8", "surrogateescape")
-        elif kind in (b"0", b"\0", b"7"):
-            name = long_name
-            if name is None:
-                name = header[:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
-                prefix = header[345:500].rstrip(b"\0").decode("utf-8", "surrogateescape")
-                if prefix and header[257:262] == b"ustar":
-                    name = f"{prefix}/{name}"
-            members.append((name, start, length))
-            long_name = None
-        else:  # directories, links, pax headers: not samples
-            long_name = None if kind != b"x" else long_name
-        pos = start + (length + _BLOCK - 1) // _BLOCK * _BLOCK
-    if pos < size and any(buf[pos:size]):
-        return members, f"truncated: the file ends inside a member's header{after()}; any samples after it are lost"
-    if pos >= size:  # a tar ends with zero blocks; a copy cut at a member's end has none
-        return members, f"truncated: no end-of-archive blocks{after()}; any samples after it are lost"
-    return members, None
-
-
-def _split_key(name: str) -> tuple[str, str]:
-    """WebDataset's rule: the key is everything before the first dot of the file name."""
-    folder, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
+def _dotted(ext: str) -> bool:
+    """Whether an extension is a dotted key's: ``001.jpg`` (more dots, the last part an image or label)."""
+    return "." in ext and ext.rpartition(".")[2] in IMAGE_EXTENSIONS + LABEL_EXTENSIONS
 
 
 @dataclass
 class ShardIndex:
     """One shard's samples, in the shard's order: each image's offset and size in the shard, its label and
     name (``key.ext``); the samples left out (``skipped``: (shard:key, why)), what is known of damage to
-    the shard itself (``damaged``: (shard, what); the samples it cost cannot be counted), and the other
-    members, by extension."""
+    the shard itself (``damaged``: (shard, what); the samples it cost cannot be counted), and the members
+    read by no sample although they belong to one, by extension (a caption's ``.txt``; ``(metadata)`` for
+    ``__meta__`` files, ``(symbolic link)`` and such for what is not a regular file)."""
 
     offsets: np.ndarray
     sizes: np.ndarray
@@ -196,20 +140,25 @@ def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip",
     offsets, sizes, labels = [], [], []
     with open(path, "rb") as f:
         # WebDataset's grouping: a sample is a run of consecutive members with one key, so a key that comes
-        # back later in the shard is another sample (the webdataset package yields both; so do we).
-        samples: list[tuple[str, dict[str, tuple[int, int]], list[str]]] = []
-        for name, offset, size in members:
-            key, ext = _split_key(name)
-            if ext not in IMAGE_EXTENSIONS and ext not in LABEL_EXTENSIONS:
-                out.ignored[ext or "(none)"] += 1
+        # back later in the shard is another sample (the webdataset package yields both; so do we). Like
+        # webdataset, it sees regular files only, and passes over ``__meta__`` members.
+        samples: list[tuple[str, dict[str, tuple[int, int]], list[str], str]] = []
+        for member in members:
+            if member.kind != "file" or _META.match(member.name):
+                out.ignored["(metadata)" if member.kind == "file" else f"({member.kind})"] += 1
                 continue
+            split = split_key(member.name)
+            if split is None:
+                bad(f"{path}:{member.name}", NO_KEY)
+                continue
+            key, ext = split
             if not samples or samples[-1][0] != key:
-                samples.append((key, {}, []))
+                samples.append((key, {}, [], member.name))
             parts, twice = samples[-1][1], samples[-1][2]
-            if ext in parts:
+            if ext in parts and ext in IMAGE_EXTENSIONS + LABEL_EXTENSIONS:
                 twice.append(ext)
-            parts[ext] = (offset, size)
-        for k, (key, parts, twice) in enumerate(samples):
+            parts[ext] = (member.offset, member.size)
+        for k, (key, parts, twice, first) in enumerate(samples):
             where = f"{path}:{key}"
             # In a damaged shard the last sample may have lost members to the damage: if it is incomplete,
             # it is among the samples the damage cost (said once, with the shard), not a sample left out.
@@ -219,9 +168,19 @@ def index_shard(path: Path, *, label_key: str = "label", on_error: str = "skip",
                 fail(where, f"two .{twice[0]} members under one key, one after the other; keep one of them")
                 continue
             image = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
-            if image is None:
-                fail(where, "no .jpg/.jpeg/.png member")
+            known = [e for e in parts if e in IMAGE_EXTENSIONS + LABEL_EXTENSIONS]
+            if not known:
+                images = [e for e in parts if _dotted(e) and e.rpartition(".")[2] in IMAGE_EXTENSIONS]
+                if images:  # each dotted image is a sample its writer meant: named one by one
+                    for e in images:
+                        fail(f"{path}:{key}.{e}", DOTTED)
+                else:
+                    fail(f"{path}:{first}", DOTTED if any(_dotted(e) for e in parts) else OTHER_ONLY)
                 continue
+            if image is None:
+                fail(where, NO_IMAGE)
+                continue
+            out.ignored.update(e for e in parts if e not in IMAGE_EXTENSIONS + LABEL_EXTENSIONS)
             target = _target_list(f, parts, where, fail) if lists else None
             if lists and target is None:
                 continue
@@ -277,7 +236,7 @@ def _label(
     bad: Callable[[str, str], None],
 ) -> int | None:
     if "cls" not in parts and "json" not in parts:
-        bad(where, "no label (.cls, or .json with the label key)")
+        bad(where, NO_LABEL)
         return None
     try:
         if "cls" in parts:
@@ -305,24 +264,30 @@ def _label(
 
 
 def shard_classes(labels: np.ndarray, source: Callable[[int], str]) -> list[str]:
-    """The class names of shards' ``labels`` ("0" .. the largest label), with a warning naming the largest
-    label and the sample that carries it when most of that range has no sample (a stray .cls of 99999
-    would otherwise make 100,000 classes in silence). ``source(i)`` names sample ``i``."""
-    if not len(labels):
-        return []
-    top = int(labels.max())
+    """The class names of shards' ``labels`` ("0" .. the largest label; refused above `classes.MAX_CLASSES`),
+    with a warning naming the largest label and the sample that carries it when most of that range has no
+    sample (a stray .cls of 99999 would otherwise make 100,000 classes in silence). ``source(i)`` names
+    sample ``i``."""
+    names = classes_of_labels(labels, source)
+    if not names:
+        return names
     used = len(np.unique(labels))
-    unused = top + 1 - used
+    unused = len(names) - used
     if unused >= SPARSE_LABELS and unused > used:
         log.warning(
             "the largest label is %d (%s): %d classes, of which %s; check that label, or ignore this if "
             "the shards hold a subset of a larger label set",
-            top,
+            len(names) - 1,
             source(int(np.argmax(labels))),
-            top + 1,
+            len(names),
             plural(used, "has samples", "have samples"),
         )
-    return [str(i) for i in range(top + 1)]
+    return names
+
+
+def describe_ignored(ignored: Counter[str]) -> str:
+    """The members no sample reads, by extension: ``400 .txt, 2 (symbolic link)``."""
+    return ", ".join(f"{n} {e}" if e.startswith("(") else f"{n} .{e}" for e, n in sorted(ignored.items()))
 
 
 def refuse_compressed(path: Path) -> None:
@@ -344,7 +309,7 @@ def is_webdataset(path: str | os.PathLike) -> bool:
     (an ImageFolder); one holding both is refused in one line, naming one of each."""
     text = str(path)
     p = Path(text)
-    if "{" in text and not p.exists() and len(expand_braces(text)) > 1:
+    if "{" in text and not p.exists() and expand_braces(text) != [text]:  # one shard's pattern too
         return True
     if p.is_file():
         return p.name.endswith(SHARD_SUFFIXES)

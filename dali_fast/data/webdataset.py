@@ -34,8 +34,8 @@ from .targets import attach_targets, check_target
 log = logging.getLogger(__name__)
 
 # 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards;
-# 5: target lists
-INDEX_VERSION = 5
+# 5: target lists; 6: tarfile's names (PAX, GNU long names, UTF-8), every member grouped, no-sample rules
+INDEX_VERSION = 6
 
 
 class WebDatasetReader(MemberIndexReader):
@@ -46,7 +46,8 @@ class WebDatasetReader(MemberIndexReader):
     lists damaged shards with what is known of them (``damaged``: a truncated shard, where it ends);
     ``"raise"`` refuses either in one line naming the shard and member. ``target="multihot"`` (with
     ``num_classes``) or ``"float"`` reads each sample's target list from its ``.json`` (the list, or an
-    object's ``"labels"``; `shards.index_shard`).
+    object's ``"labels"``; `shards.index_shard`). ``classes``: the class names, in label order (the
+    training set's, for a validation set: `classes.class_map`); a label beyond them is refused in one line.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class WebDatasetReader(MemberIndexReader):
         cache_dir: str | os.PathLike | None = None,
         target: str | None = None,
         num_classes: int | None = None,
+        classes: Sequence[str] | None = None,
     ) -> None:
         check_target(target, num_classes)
         self.lists = target not in (None, "class")
@@ -79,7 +81,7 @@ class WebDatasetReader(MemberIndexReader):
             self._build_index()
             self._save_index()
         self._maps: list[np.memmap | None] = [None] * len(self.shards)
-        self._index_done()
+        self._index_done(classes=classes)
         attach_targets(self, target, num_classes)
 
     # ------------------------------------------------------------------ index

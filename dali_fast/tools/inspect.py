@@ -18,10 +18,11 @@ from ..data.base import Reader, read_record
 from ..data.checks import check_label
 from ..data.open import open_dataset
 from ..data.packed import MemmapReader
+from ..data.shards import describe_ignored
 from ..data.targets import reader_targets
 from ..data.verify import verdict
 from ..machine import available_cpus, die_with_parent
-from ..text import plural, progress_bar
+from ..text import by_reason, plural, progress_bar
 
 VERIFY_CHUNK = 64  # records per task handed to a verify worker
 VERIFY_SMALL = 256  # below this many records, verify in this process (starting workers costs more)
@@ -64,7 +65,9 @@ def inspect_dataset(
         for shard, what in getattr(reader, "damaged", []):  # each: the samples it cost cannot be counted
             emit(f"damaged:  {shard}: {what}")
         if getattr(reader, "skipped", None):
-            emit(f"skipped:  {len(reader.skipped)} (first: {reader.skipped[0][0]}: {reader.skipped[0][1]})")
+            emit(f"skipped:  {len(reader.skipped)}: {by_reason(reader.skipped)}")
+        if getattr(reader, "ignored", None):  # shards: members that belong to a sample but are not read
+            emit(f"not read: {describe_ignored(reader.ignored)}")
         if hasattr(reader, "label_problems"):  # Parquet: its files and columns, and the rows with a bad label
             _parquet_lines(reader, emit)
     labels = np.asarray(reader.labels, dtype=np.int64)
