@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,11 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
     ``*_dataloader`` hooks, after Lightning has started the process group, so each rank gets its shard.
     ``target`` and ``num_classes`` open every path as `open_dataset` does: with ``target="multihot"`` or
     ``"float"`` the batches' second tensor is float32 target rows (a Reader given is used as it was opened).
+
+    One class map serves every split: ``classes`` (a list of names, as `open_dataset` takes it), else
+    the training set's own classes (else the first split given's), declared for the others when they are
+    opened; so a validation split that lacks a class numbers the others as training does. A Reader given
+    with other classes than that map is refused in one line.
     """
 
     def __init__(
@@ -84,6 +90,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         eval_batch_size: int | None = None,
         target: str | None = None,
         num_classes: int | None = None,
+        classes: Sequence[str] | None = None,
         **loader_kw: Any,
     ) -> None:
         super().__init__()
@@ -104,6 +111,7 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         self.controller = controller
         self.loader_kw = loader_kw
         self.open_kw = {"target": target, "num_classes": num_classes}  # how paths are opened
+        self.classes = None if classes is None else list(classes)  # the class map, once known
         self._readers: dict[str, Reader] = {}
         self._made: list[LoaderBase] = []  # closed at teardown: worker pools and pipelines end with the stage
 
@@ -112,7 +120,21 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         if source is None:
             raise ValueError(f"DaliFastDataModule has no {split} data set; pass {split}=PATH")
         if split not in self._readers:
-            self._readers[split] = source if isinstance(source, Reader) else open_dataset(source, **self.open_kw)
+            first = next(s for s, given in self.paths.items() if given is not None)
+            if self.classes is None and split != first:
+                self.classes = list(self._reader(first).classes)  # the map, derived once from the first split
+            if isinstance(source, Reader):
+                if self.classes is not None and list(source.classes) != self.classes:
+                    raise ValueError(
+                        f"DaliFastDataModule: the {split} reader's classes ({len(source.classes)}: "
+                        f"{', '.join(source.classes[:3])}, ...) are not the {first} set's; open it with "
+                        f"open_dataset(path, classes=<the {first} set's classes>), or pass its path"
+                    )
+                reader = source
+            else:
+                reader = open_dataset(source, **self.open_kw, classes=self.classes)
+            self.classes = list(reader.classes) if self.classes is None else self.classes
+            self._readers[split] = reader
         return self._readers[split]
 
     def _loader(self, split: str) -> LoaderBase:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from .base import Reader
@@ -21,6 +22,7 @@ def open_dataset(
     *,
     target: str | None = None,
     num_classes: int | None = None,
+    classes: Sequence[str] | None = None,
     **reader_kw: object,
 ) -> Reader:
     """Open a packed data set (folder with ``index.bin``), WebDataset shards (``a.tar``, a folder of .tar
@@ -42,9 +44,14 @@ def open_dataset(
             column (``label_column=``: a list of ints for multihot, a list of numbers for float), or from a
             pack made from any of them. None: the data set's own kind ("class", or what a pack was made with).
         num_classes: K, the number of classes of ``target="multihot"`` (a pack knows its own).
+        classes: the class names in label order, for every split alike: a named class (a folder, a
+            ``ClassLabel`` or string label, a pack's class) gets its name's index there; bare integer
+            labels keep theirs, and the list names them. None: the data set's own classes. Give a
+            validation set its training set's ``classes``, or a validation split that lacks a class numbers
+            the others differently (`classes.class_map`; `classes.read_classes_file` reads a list from a file).
         **reader_kw: keywords of `WebDatasetReader`, `remote.RemoteShardsReader` or `parquet.ParquetReader`.
     """
-    targets = {"target": target, "num_classes": num_classes}
+    targets = {"target": target, "num_classes": num_classes, "classes": classes}
     if not str(path):  # Path("") is the current folder
         raise ValueError("the data set is an empty path (''); name a folder, shards or a URL")
     if is_remote(path):
@@ -56,7 +63,7 @@ def open_dataset(
                 )
             from .remote.parquet import RemoteParquetReader  # pyarrow, fsspec and its backends load with it
 
-            return RemoteParquetReader(str(path), **reader_kw)  # type: ignore[arg-type]
+            return RemoteParquetReader(str(path), classes=classes, **reader_kw)  # type: ignore[arg-type]
         from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
 
         return RemoteShardsReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
@@ -67,12 +74,18 @@ def open_dataset(
         return ParquetReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     if reader_kw.get("image_column") is not None or reader_kw.get("label_column") is not None:
         raise ValueError(f"{p}: image_column= and label_column= name the columns of Parquet files; this is not one")
+    if p.is_dir() and (p / INDEX_FILE).exists():  # a pack, whatever else its folder holds
+        return MemmapReader(p, **targets)
     if is_webdataset(path):
         return WebDatasetReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such data set; make one with `dali-fast make-synthetic {p}`")
-    if p.is_dir() and (p / INDEX_FILE).exists():
-        return MemmapReader(p, **targets)
+    if p.is_dir() and ((p / "state.json").is_file() and any(p.glob("*.arrow")) or (p / "dataset_dict.json").is_file()):
+        raise ValueError(
+            f"{p}: a Hugging Face save_to_disk folder (Arrow files), which is read by datasets' load_from_disk; "
+            "write it as Parquet (ds.to_parquet('train.parquet'), with the images embedded if they are paths: "
+            "ds.with_format('arrow').map(datasets.table.embed_table_storage, batched=True)) and open that"
+        )
     if p.is_dir() and any(d.is_dir() for d in p.iterdir()):
         return ImageFolderReader(p, **targets)
     raise ValueError(

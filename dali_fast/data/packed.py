@@ -27,6 +27,7 @@ from .checks import (
     check_label,
     pixel_limit,
 )
+from .classes import class_map, remap_labels
 from .format import (
     DATA_FILE,
     FORMAT_VERSION,
@@ -90,14 +91,23 @@ class MemmapReader:
         path: the packed set's folder (``index.bin`` and its data files).
         target: None, "class", "multihot" or "float", as above.
         num_classes: K of a multi-hot set, checked against the set's.
+        classes: the class names in label order (the training set's, for a validation set): the pack's
+            own labels are put on them by name (`classes.class_map`; a pack of bare labels, by index).
     """
 
     reads_views = True  # batch reads are views of the map: reading ahead holds no memory and does no I/O
 
-    def __init__(self, path: str | os.PathLike, target: str | None = None, num_classes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        target: str | None = None,
+        num_classes: int | None = None,
+        classes: Sequence[str] | None = None,
+    ) -> None:
         check_target(target, num_classes)
         self.path = Path(path)
         self._target, self._num_classes = target, num_classes
+        self._declared = None if classes is None else list(classes)
         self._open()
 
     def _open(self) -> None:
@@ -155,12 +165,13 @@ class MemmapReader:
         paths_size = int(header["paths_size"])
         if (root / PATHS_FILE).stat().st_size != paths_size:
             raise ValueError(f"{root / PATHS_FILE}: size does not match the index; pack the data set again")
-        self.classes: list[str] = _read_classes(root / META_FILE)
-        if len(self.classes) != int(header["classes"]):
+        own: list[str] = _read_classes(root / META_FILE)
+        if len(own) != int(header["classes"]):
             raise ValueError(
-                f"{root / META_FILE}: lists {len(self.classes)} classes, the index was written for "
+                f"{root / META_FILE}: lists {len(own)} classes, the index was written for "
                 f"{int(header['classes'])}; pack the data set again"
             )
+        self.classes, self._own_count, self._remap = own, len(own), None
         self.index_crc32 = int(header["index_crc32"])
         self.count = count
         self.data_size = data_size
@@ -182,6 +193,13 @@ class MemmapReader:
         self.stored_target = stored
         self.target_kind = stored if self._target is None else self._target
         self.targets = PackedTargets(self._rows, stored, width) if self.target_kind != "class" else None
+        if self._declared is not None:  # the labels put on the declared classes (read once, here)
+            own_labels = self._rows["label"].astype(np.int64)
+            self.classes, self._remap = class_map(own, own_labels, self._declared, where=str(root), source=self.source)
+
+    def _label_column(self, rows: np.ndarray) -> np.ndarray:
+        """The labels of index ``rows`` (int64), on the declared classes where some were declared."""
+        return remap_labels(rows["label"].astype(np.int64), self._remap, self._own_count)
 
     def _stored_targets(self, header: np.void, index_path: Path) -> tuple[str, int]:
         """(kind, width) of the targets the set was packed with, checked against what was asked for."""
@@ -236,11 +254,12 @@ class MemmapReader:
 
     # Memmaps would pickle their whole contents: reopen by path instead (DataLoader workers).
     def __getstate__(self) -> dict:
-        return {"path": self.path, "target": self._target, "num_classes": self._num_classes}
+        return {"path": self.path, "target": self._target, "num_classes": self._num_classes, "classes": self._declared}
 
     def __setstate__(self, state: dict) -> None:
         self.path = state["path"]
         self._target, self._num_classes = state["target"], state["num_classes"]
+        self._declared = state.get("classes")
         self._open()
 
     def __len__(self) -> int:
@@ -249,14 +268,14 @@ class MemmapReader:
     @property
     def labels(self) -> np.ndarray:
         """All labels as an int64 array (reads the index column); refuses labels outside the classes."""
-        labels = np.asarray(self.records["label"], dtype=np.int64)
-        if len(labels) and int(labels.max()) >= len(self.classes):
-            bad = int(np.argmax(labels >= len(self.classes)))
+        labels = self._rows["label"].astype(np.int64)
+        if len(labels) and int(labels.max()) >= self._own_count:
+            bad = int(np.argmax(labels >= self._own_count))
             raise ValueError(
                 f"{self.path / INDEX_FILE}: record {bad} has label {int(labels[bad])}, but there are "
-                f"{len(self.classes)} classes; check it with `dali-fast inspect --verify` and pack the data set again"
+                f"{self._own_count} classes; check it with `dali-fast inspect --verify` and pack the data set again"
             )
-        return labels
+        return remap_labels(labels, self._remap, self._own_count)
 
     @property
     def fingerprint(self) -> str:
@@ -269,8 +288,9 @@ class MemmapReader:
         return zlib.crc32(rows) == self.index_crc32
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        rec = self.records[check_index(i, self.count)]
-        return self._view(int(rec["offset"]), int(rec["length"])), int(rec["label"])
+        j = check_index(i, self.count)
+        rec = self._rows[j]
+        return self._view(int(rec["offset"]), int(rec["length"])), int(self._label_column(self._rows[j : j + 1])[0])
 
     def read_batch(self, indices: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         """Records for ``indices``: a list of zero-copy views and an int64 label array."""
@@ -292,7 +312,7 @@ class MemmapReader:
         batch's records one by one, and `verify` finds all of it beforehand by the crc.
         """
         views, labels, offsets, lengths = self._batch(indices)
-        ok = (lengths >= QUICK_MIN) & (labels < len(self.classes))
+        ok = (lengths >= QUICK_MIN) & (labels >= 0) & (labels < len(self.classes))
         rows = np.flatnonzero(ok)  # the others are bad, or too short for the quick look: the full check decides
         edges = self._edges(offsets[rows], lengths[rows])
         heads, tails = edges[:, :HEAD], edges[:, HEAD:]
@@ -321,7 +341,7 @@ class MemmapReader:
             size, shards = self.shard_size, self._flat
             spans = np.stack([offsets // size, offsets % size, offsets % size + lengths], axis=1).tolist()
             views = [shards[k][a:b] for k, a, b in spans]
-        return views, rows["label"].astype(np.int64), offsets, lengths
+        return views, self._label_column(rows), offsets, lengths
 
     def _edges(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """The first `HEAD` and last 12 bytes of records of ``QUICK_MIN`` bytes or more, as one (records,

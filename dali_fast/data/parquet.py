@@ -35,8 +35,11 @@ from ..files import default_cache_dir
 from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .cache import LRUCache
-from .checks import check_encoded, check_index, check_label
+from .checks import check_index, check_label
+from .classes import class_map, remap_labels
+from .parquet_group import NULL_IMAGE, RowGroup
 from .parquet_index import ParquetIndex, expand_parquet, load_or_build, local_identity, pyarrow_parquet
+from .path_refs import PathRefs
 from .shards import shard_classes
 from .targets import attach_targets, check_target
 
@@ -44,7 +47,7 @@ log = logging.getLogger(__name__)
 
 ROW_GROUP_CACHE = 256 << 20  # bytes of row groups kept per process (a set this small is read at random)
 MAX_WINDOW = 64  # row groups shuffled together at most (more costs memory, not mixing that matters)
-NULL_IMAGE, NULL_LABEL = "null image", "null label"
+NULL_LABEL = "null label"
 
 _READERS: weakref.WeakSet = weakref.WeakSet()
 
@@ -60,38 +63,6 @@ def _reset_readers_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_readers_in_child)
 # pragma: no mutate end
-
-
-class _Group:
-    """One row group's images: the Arrow data buffer as uint8 (read-only), each row's offsets into it,
-    which rows are null, and why each row is not an image (None when it is one)."""
-
-    __slots__ = ("data", "offsets", "reasons", "nbytes")
-
-    def __init__(self, column: Any, image_field: str | None) -> None:
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        chunks = [pc.struct_field(c, image_field) if image_field else c for c in column.chunks]
-        if len(chunks) == 1:
-            arr = chunks[0]
-        else:  # a row group of several chunks (or none): one array, with 64-bit offsets
-            arr = pa.concat_arrays([c.cast(pa.large_binary()) for c in chunks] or [pa.array([], pa.large_binary())])
-        wide = pa.types.is_large_binary(arr.type)
-        _, offsets, data = arr.buffers()
-        self.offsets = np.frombuffer(offsets, np.int64 if wide else np.int32)[arr.offset : arr.offset + len(arr) + 1]
-        self.data = np.frombuffer(data if data is not None else b"", np.uint8)
-        self.data.flags.writeable = False  # the cache's bytes: a consumer cannot change them
-        nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(len(arr), bool)
-        ends = self.offsets.tolist()
-        self.reasons = [
-            NULL_IMAGE if null else check_encoded(self.data[a:b])
-            for a, b, null in zip(ends[:-1], ends[1:], nulls.tolist(), strict=True)
-        ]
-        self.nbytes = self.data.nbytes + self.offsets.nbytes
-
-    def view(self, row: int) -> np.ndarray:
-        return self.data[int(self.offsets[row]) : int(self.offsets[row + 1])]
 
 
 class ParquetReader:
@@ -111,7 +82,9 @@ class ParquetReader:
         row_group_cache: bytes of row groups each process keeps (raised to two of the largest group).
         cache_dir: where the index is saved (default ``$DALI_FAST_CACHE/parquet-index``).
         target: as for `open_dataset`: "multihot" (with ``num_classes``) or "float" read a list column.
-        num_classes: K, the width of multi-hot rows.
+        num_classes: K, the width of multi-hot rows (a list of ``ClassLabel`` gives it).
+        classes: the class names in label order (the training set's, for a validation set):
+            `classes.class_map` puts the file's own labels on them.
     """
 
     def __init__(
@@ -126,6 +99,7 @@ class ParquetReader:
         cache_dir: str | os.PathLike | None = None,
         target: str | None = None,
         num_classes: int | None = None,
+        classes: Sequence[str] | None = None,
     ) -> None:
         self._pq = pyarrow_parquet()  # one line saying how to install pyarrow, before any work
         check_target(target, num_classes)
@@ -145,13 +119,19 @@ class ParquetReader:
         index, self.index_file = load_or_build(
             named, self._open, image_column=image_column, label_column=label_column, cache=cache, lists=lists
         )
-        self._use_index(index, streaming, shuffle_window, row_group_cache)
-        attach_targets(self, target, num_classes)
+        self._use_index(index, streaming, shuffle_window, row_group_cache, classes)
+        attach_targets(self, target, self._width(target, num_classes))
 
     def _use_index(
-        self, index: ParquetIndex, streaming: bool | None, shuffle_window: int | None, row_group_cache: int
+        self,
+        index: ParquetIndex,
+        streaming: bool | None,
+        shuffle_window: int | None,
+        row_group_cache: int,
+        classes: Sequence[str] | None = None,
     ) -> None:
-        """The reader's arrays from ``index`` (``self.files`` set), its classes, order and row-group LRU."""
+        """The reader's arrays from ``index`` (``self.files`` set), its classes (on the ``classes`` declared),
+        path references, order and row-group LRU."""
         self.columns = index.columns
         self.target_lists = (index.target_values, index.target_ends)  # a list column's (`targets.attach_targets`)
         self._labels, self._null_label = index.labels, index.null_label
@@ -162,8 +142,8 @@ class ParquetReader:
         self._group_base = np.searchsorted(self.group_file, np.arange(len(self.files)))  # each file's first group
         if not len(self._labels):
             raise ValueError(f"{self.files[0]}: no rows in {plural(len(self.files), 'Parquet file')}")
-        self.classes = self._classes(index.names)
-        self._bad_label = self._null_label | (self._labels < 0) | (self._labels >= len(self.classes))
+        self._use_classes(index.names, classes)
+        self.refs = self._path_refs(index)
         self._warn_bad_labels()
         biggest = int(self.group_bytes.max()) if len(self.group_bytes) else 0
         self.row_group_cache = max(int(row_group_cache), 2 * biggest)
@@ -175,14 +155,40 @@ class ParquetReader:
         _READERS.add(self)
 
     # ------------------------------------------------------------------ open
-    def _classes(self, names: list[str] | None) -> list[str]:
-        """The ClassLabel names, the names of a string column, or the labels seen ("0" .. the largest)."""
-        if self.columns.names:
-            return list(self.columns.names)
-        if names is not None:
-            return names
-        good = np.flatnonzero(~self._null_label & (self._labels >= 0))
-        return shard_classes(self._labels[good], lambda k: self.source(int(good[k])))
+    def _use_classes(self, names: list[str] | None, declared: Sequence[str] | None) -> None:
+        """The classes (the ClassLabel names, a dictionary's or a string column's names, or the labels
+        seen: "0" .. the largest), or the ``declared`` ones with the labels put on them; which rows have a
+        bad label (null, or outside the classes: for a remapped one, its own label is kept for messages)."""
+        own = list(self.columns.names) if self.columns.names else names
+        labels = self._labels
+        good = np.flatnonzero(~self._null_label & (labels >= 0))
+        if own is None and declared is None:  # bare labels: a warning for a sparse range, as for shards
+            self.classes, remap = shard_classes(labels[good], lambda k: self.source(int(good[k]))), None
+        else:
+            self.classes, remap = class_map(own, labels, declared, where=self.files[0], source=self.source)
+        self._own_count = len(own) if own is not None else len(self.classes)
+        outside = ~self._null_label & ((labels < 0) | (labels >= self._own_count))
+        self._own_bad = {int(i): int(labels[i]) for i in np.flatnonzero(outside)} if remap is not None else {}
+        self._labels = remap_labels(labels, remap, self._own_count)
+        self._bad_label = self._null_label | (self._labels < 0) | (self._labels >= len(self.classes))
+
+    def _path_refs(self, index: ParquetIndex) -> PathRefs | None:
+        """The path references (`path_refs.PathRefs`), resolved and checked; None when there are none."""
+        if not len(index.ref_rows):
+            return None
+        return PathRefs(index.ref_rows, (index.ref_names, index.ref_ends), self.files, self._file_start, self.columns.image)
+
+    def _width(self, target: str | None, num_classes: int | None) -> int | None:
+        """The multi-hot width: ``num_classes``, or the names of a list of ``ClassLabel`` (which it must match)."""
+        names = self.columns.names if self.columns.label_kind == "list" else None
+        if target != "multihot" or not names:
+            return num_classes
+        if num_classes is not None and num_classes != len(names):
+            raise ValueError(
+                f"{self.files[0]}: num_classes={num_classes}, but the column {self.columns.label!r} is a list of "
+                f"ClassLabel with {plural(len(names), 'name')}; leave num_classes out, or give {len(names)}"
+            )
+        return len(names)
 
     # pragma: no mutate start (the words of a log line; the loaders and `label_problems` name each record)
     def _warn_bad_labels(self) -> None:
@@ -213,7 +219,7 @@ class ParquetReader:
     # pragma: no mutate end
 
     # ------------------------------------------------------------------ the row groups
-    def _load(self, gid: int) -> _Group | str:
+    def _load(self, gid: int) -> RowGroup | str:
         """Row group ``gid`` read whole, or why it cannot be (a damaged or shortened file)."""
         import pyarrow as pa
 
@@ -224,18 +230,20 @@ class ParquetReader:
                 columns=[self.columns.image_leaf],
                 use_threads=False,  # pragma: no mutate
             )
-            return _Group(table.column(0), self.columns.image_field)
+            lo, hi = int(self.shard_bounds[gid]), int(self.shard_bounds[gid + 1])
+            refs = self.refs.within(lo, hi) if self.refs is not None else None
+            return RowGroup(table.column(0), self.columns.image_field, refs)
         except (OSError, pa.ArrowException) as e:
             return f"unreadable: row group {int(gid - self._group_base[k])} of {self.files[k]}: {e}"
 
-    def _groups(self, gids: np.ndarray) -> dict[int, _Group | str]:
+    def _groups(self, gids: np.ndarray) -> dict[int, RowGroup | str]:
         """The row groups ``gids``, from this process's LRU or read in parallel (and kept)."""
         keys = gids.tolist()
         found = dict(zip(keys, self._cache.get_many(keys), strict=True))
         missing = [g for g, v in found.items() if v is None]
         for g, group in zip(missing, read_parallel(self._load, missing), strict=True):
             found[g] = group
-            if isinstance(group, _Group):
+            if isinstance(group, RowGroup):
                 self._cache.put(g, group, group.nbytes)
         return found  # type: ignore[return-value]
 
@@ -292,7 +300,7 @@ class ParquetReader:
                 bad[pos] = group
                 continue
             why = group.reasons[row]
-            datas.append(None if why == NULL_IMAGE else group.view(row))
+            datas.append(None if why == NULL_IMAGE or why and why.startswith("unreadable") else group.view(row))
             if self._bad_label[i]:
                 why = self._label_reason(i)
             if why is not None:
@@ -321,6 +329,8 @@ class ParquetReader:
     def _label_reason(self, i: int) -> str | None:
         if self._null_label[i]:
             return "null target list" if self.columns.label_kind == "list" else NULL_LABEL
+        if i in self._own_bad:  # outside the file's own classes, before they were put on the declared ones
+            return check_label(self._own_bad[i], self._own_count)
         return check_label(int(self._labels[i]), len(self.classes))
 
     @property

@@ -7,14 +7,12 @@ brace pattern (``train-{00000..00003}.parquet``) or a glob (``data/train-*.parqu
 files of several splits (``train-00000-of-00004.parquet`` beside ``test-00000-of-00001.parquet``) is
 refused: a pattern names the split.
 
-Columns, unless named: the image is the column the Hugging Face ``Image`` feature names, else the one
-binary column or ``struct<bytes: binary, ...>`` column, else the binary column named ``image``, ``jpg``,
-... (`IMAGE_NAMES`); the label is the column of a ``ClassLabel`` feature, else an integer or string
-column named ``label``, ``cls``, ... (`LABEL_NAMES`). Class names come from the ``ClassLabel`` feature
-(the schema metadata under ``huggingface``), from a string label column (sorted), or else are the labels
-seen ("0" .. the largest). Multi-hot and float targets (``lists``) come from a list column (``list<int>``
-or ``list<float>``: the one named, else the list column named ``labels``, ``label``, ..., or the only one);
-each row's class label is then 0.
+The columns are found by `parquet_columns.find_columns`. Class names come from the ``ClassLabel``
+feature (the schema metadata under ``huggingface``), from a dictionary column (pandas' ``Categorical``,
+Polars' ``Enum``: its dictionary's order), from a string label column (sorted), or else are the labels
+seen ("0" .. the largest). With a list column of targets, each row's class label is 0. A Hugging Face
+image that is a path reference (``{bytes: null, path: ...}``: what ``Dataset.to_parquet`` writes for
+images made from files) is listed in the index with its path.
 """
 
 from __future__ import annotations
@@ -35,14 +33,14 @@ import numpy as np
 from ..files import atomic_write
 from ..text import plural
 from .base import read_parallel
+from .member_index import names_blob
+from .parquet_columns import Columns, find_columns
 from .shards import SHARD_SUFFIXES, expand_braces, refuse_mixed_folder
 
 log = logging.getLogger(__name__)
 
 PARQUET_INSTALL = "pip install 'dali-fast[parquet]'"
-INDEX_VERSION = 3  # 2: no null counts per row group; 3: target lists
-IMAGE_NAMES = ("image", "img", "jpg", "jpeg", "png", "webp")  # binary columns taken as the image, by name
-LABEL_NAMES = ("label", "labels", "cls", "class", "target", "category")  # columns taken as the label, by name
+INDEX_VERSION = 4  # 2: no null counts per row group; 3: target lists; 4: dictionary order, path references
 HF_SHARD = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}")  # `datasets`' file names: train-00000-of-00004[-hash]
 
 
@@ -133,133 +131,6 @@ def local_identity(path: str | os.PathLike) -> str:
     return f"{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}|{st.st_ctime_ns}"
 
 
-# -------------------------------------------------------------------------------------------- the columns
-@dataclass(frozen=True)
-class Columns:
-    """Where the images and labels are: the image column (``image_field`` "bytes" for a Hugging Face
-    ``struct<bytes, path>``, None for a binary column), the label column and its kind ("int", "str", or
-    "list": a list column of target lists), and the ``ClassLabel`` names (None without that feature)."""
-
-    image: str
-    image_field: str | None
-    label: str
-    label_kind: str
-    names: tuple[str, ...] | None = None
-
-    @property
-    def image_leaf(self) -> str:
-        """The image bytes' column path in the file (what a read projects)."""
-        return f"{self.image}.{self.image_field}" if self.image_field else self.image
-
-
-def hf_features(schema: Any) -> dict[str, Any]:
-    """The ``datasets`` features stored in the Arrow schema's metadata (``huggingface``), or {}."""
-    raw = (schema.metadata or {}).get(b"huggingface")
-    try:
-        features = json.loads(raw).get("info", {}).get("features", {}) if raw else {}
-    except (ValueError, AttributeError):
-        return {}
-    return features if isinstance(features, dict) else {}
-
-
-def _image_field(dtype: Any) -> str | None | bool:
-    """None for a binary column, "bytes" for a struct with a binary ``bytes`` field, False otherwise."""
-    import pyarrow as pa
-
-    if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype):
-        return None
-    if pa.types.is_struct(dtype):
-        k = dtype.get_field_index("bytes")
-        if k >= 0 and (pa.types.is_binary(dtype.field(k).type) or pa.types.is_large_binary(dtype.field(k).type)):
-            return "bytes"
-    return False
-
-
-def _label_kind(dtype: Any) -> str | None:
-    import pyarrow as pa
-
-    if pa.types.is_dictionary(dtype):
-        dtype = dtype.value_type
-    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
-        value = dtype.value_type
-        return "list" if pa.types.is_integer(value) or pa.types.is_floating(value) else None
-    if pa.types.is_integer(dtype):
-        return "int"
-    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
-        return "str"
-    return None
-
-
-def _pick(found: list[str], preferred: list[str], names: Sequence[str]) -> str | None:
-    if len(preferred) == 1:
-        return preferred[0]
-    if len(found) == 1:
-        return found[0]
-    by_name = [n for n in names if n in found]
-    return by_name[0] if by_name else None
-
-
-def find_columns(
-    schema: Any, image_column: str | None, label_column: str | None, where: str, lists: bool = False
-) -> Columns:
-    """The image and label columns of ``schema`` (see the module docstring), or one line naming the
-    columns there are and the keyword that picks one. ``lists``: the label column is a list column."""
-    features = hf_features(schema)
-    described = ", ".join(f"{f.name}: {f.type}" for f in schema)
-    for arg, name in (("image_column", image_column), ("label_column", label_column)):
-        if name is not None and schema.get_field_index(name) < 0:
-            raise ValueError(f"{where}: {arg}={name!r} is not a column; the columns are {described}")
-    if image_column is None:
-        found = [f.name for f in schema if _image_field(f.type) is not False]
-        hf = [n for n in found if features.get(n, {}).get("_type") == "Image"]
-        image_column = _pick(found, hf, IMAGE_NAMES)
-        if image_column is None:
-            what = f"{len(found)} image-like columns ({', '.join(found)})" if found else "no image column"
-            raise ValueError(
-                f"{where}: {what} (binary, or struct<bytes: binary, path: string>) among {described}; "
-                "name it with image_column="
-            )
-    image_field = _image_field(schema.field(image_column).type)
-    if image_field is False:
-        raise ValueError(
-            f"{where}: image_column={image_column!r} is {schema.field(image_column).type}; an image column is "
-            "binary, or a struct with a binary 'bytes' field (the Hugging Face Image feature)"
-        )
-    if label_column is None and lists:
-        found = [f.name for f in schema if f.name != image_column and _label_kind(f.type) == "list"]
-        label_column = _pick(found, [], ("labels", *LABEL_NAMES))
-        if label_column is None:
-            raise ValueError(
-                f"{where}: no target list column (list<int> or list<float>) named labels/{'/'.join(LABEL_NAMES)} "
-                f"among {described}; name it with label_column="
-            )
-    if label_column is None:
-        found = [f.name for f in schema if f.name != image_column and _label_kind(f.type) in ("int", "str")]
-        hf = [n for n in found if features.get(n, {}).get("_type") == "ClassLabel"]
-        label_column = hf[0] if len(hf) == 1 else next((n for n in LABEL_NAMES if n in found), None)
-        if label_column is None:
-            raise ValueError(
-                f"{where}: no label column (a ClassLabel, or an integer or string column named "
-                f"{'/'.join(LABEL_NAMES)}) among {described}; name it with label_column="
-            )
-    kind = _label_kind(schema.field(label_column).type)
-    dtype = schema.field(label_column).type
-    if kind is None or (kind == "list") != lists:
-        holds = (
-            "a target list column holds a list of class indices or numbers per row (list<int> or list<float>)"
-            if lists
-            else "a label column holds one class per row, as an integer or a class name"
-        )
-        hint = " (a list column is read with target='multihot' or 'float')" if kind == "list" else ""
-        raise ValueError(f"{where}: label_column={label_column!r} is {dtype}; {holds}{hint}")
-    feature = features.get(label_column, {})
-    names = None
-    if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and kind == "int":
-        names = feature.get("names") or [str(k) for k in range(int(feature.get("num_classes") or 0))]
-        names = tuple(str(n) for n in names) or None
-    return Columns(image_column, image_field, label_column, kind, names)
-
-
 # ---------------------------------------------------------------------------------------------- the index
 @dataclass
 class ParquetIndex:
@@ -278,6 +149,9 @@ class ParquetIndex:
     names: list[str] | None = None
     target_values: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))  # a list column's lists
     target_ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # each row's end in them
+    ref_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # rows whose image is a path
+    ref_names: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))  # their paths (`names_blob`)
+    ref_ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     def save(self, path: Path) -> None:
         arrays = {k: getattr(self, k) for k in _ARRAYS}
@@ -297,11 +171,15 @@ class ParquetIndex:
         except (OSError, KeyError, ValueError):
             return None
         c = meta["columns"]
-        columns = Columns(c["image"], c["image_field"], c["label"], c["label_kind"], c["names"] and tuple(c["names"]))
+        names = c["names"] and tuple(c["names"])
+        columns = Columns(c["image"], c["image_field"], c["label"], c["label_kind"], names, c.get("path_field"))
         return cls(meta["files"], meta["identities"], columns, **arrays, names=meta["names"])
 
 
-_ARRAYS = ("group_rows", "group_file", "group_bytes", "labels", "null_label", "target_values", "target_ends")
+_ARRAYS = (
+    "group_rows", "group_file", "group_bytes", "labels", "null_label", "target_values", "target_ends",
+    "ref_rows", "ref_names", "ref_ends",
+)  # fmt: skip
 
 
 def index_key(
@@ -351,14 +229,21 @@ def build_index(
     group_file = np.concatenate([np.full(len(p[0]), k, np.int32) for k, p in enumerate(parts)])
     group_bytes = np.concatenate([p[1] for p in parts])
     labels, null_label, names, lists_read = _labels([p[2] for p in parts], columns)
-    return ParquetIndex(
+    index = ParquetIndex(
         [name for name, _ in files], [identity for _, identity in files], columns,
         group_rows, group_file, group_bytes, labels, null_label, names, *lists_read,
     )  # fmt: skip
+    starts = np.cumsum([0] + [int(p[0].sum()) for p in parts[:-1]])
+    refs = [(int(start) + row, path) for p, start in zip(parts, starts, strict=True) for row, path in p[3]]
+    if refs:
+        index.ref_rows = np.array([row for row, _ in refs], dtype=np.int64)
+        index.ref_names, index.ref_ends = names_blob([path for _, path in refs])
+    return index
 
 
-def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.ndarray, Any]:
-    """One file's rows and image bytes per row group, and its label column (an Arrow array)."""
+def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.ndarray, Any, list[tuple[int, str]]]:
+    """One file's rows and image bytes per row group, its label column (an Arrow array), and its path
+    references: (row in the file, path) of each image stored as a path with no bytes."""
     mine = find_columns(pf.schema_arrow, columns.image, columns.label, where, columns.label_kind == "list")
     if mine != columns:
         raise ValueError(
@@ -371,7 +256,30 @@ def _index_file(pf: Any, columns: Columns, where: str) -> tuple[np.ndarray, np.n
     rows = np.fromiter((g.num_rows for g in groups), np.int64, len(groups))
     nbytes = np.fromiter((g.column(leaf).total_uncompressed_size for g in groups), np.int64, len(groups))
     labels = pf.read(columns=[columns.label], use_threads=False).column(0)  # pragma: no mutate (threads: speed only)
-    return rows, nbytes, labels
+    return rows, nbytes, labels, _path_references(pf, columns, leaf, rows)
+
+
+def _path_references(pf: Any, columns: Columns, leaf: int, rows: np.ndarray) -> list[tuple[int, str]]:
+    """(row in the file, path) of the rows whose image bytes are null and whose path is not. The footer's
+    null count of the bytes says which row groups can hold one: only those are read (their bytes and
+    paths; in a file of path references the bytes column is all nulls, a few bytes a row)."""
+    if columns.path_field is None:
+        return []
+    import pyarrow.compute as pc
+
+    found: list[tuple[int, str]] = []
+    md = pf.metadata
+    for g, start in enumerate(np.concatenate([[0], np.cumsum(rows)[:-1]]).tolist()):
+        stats = md.row_group(g).column(leaf).statistics
+        if stats is not None and stats.has_null_count and stats.null_count == 0:
+            continue
+        leaves = [f"{columns.image}.{columns.image_field}", f"{columns.image}.{columns.path_field}"]
+        column = pf.read_row_group(g, columns=leaves, use_threads=False).column(0)  # pragma: no mutate
+        data, path = (pc.struct_field(column, f) for f in (columns.image_field, columns.path_field))
+        refs = pc.and_(pc.is_null(data), pc.is_valid(path))
+        for row in np.flatnonzero(refs.to_numpy(zero_copy_only=False)).tolist():
+            found.append((start + row, str(path[row])))
+    return found
 
 
 def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.ndarray, list[str] | None, tuple]:
@@ -382,6 +290,8 @@ def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.n
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if columns.label_kind == "str" and all(pa.types.is_dictionary(c.type) for c in columns_read):
+        return _dictionary_labels(columns_read)
     arrays = [c.cast(c.type.value_type) if pa.types.is_dictionary(c.type) else c for c in columns_read]
     whole = pa.chunked_array([chunk for a in arrays for chunk in a.chunks], type=arrays[0].type)
     null = whole.is_null().to_numpy(zero_copy_only=False).astype(bool)
@@ -396,3 +306,19 @@ def _labels(columns_read: list[Any], columns: Columns) -> tuple[np.ndarray, np.n
         whole = pc.index_in(whole, value_set=pa.array(names, whole.type))
     labels = pc.fill_null(whole.cast(pa.int64()), -1).to_numpy().astype(np.int64)
     return labels, null, names, ()
+
+
+def _dictionary_labels(columns_read: list[Any]) -> tuple[np.ndarray, np.ndarray, list[str], tuple]:
+    """The labels of a dictionary column of class names (pandas' ``Categorical``, Polars' ``Enum``), as
+    indices into its dictionary, in the dictionary's order: the order its writer declared, unused classes
+    included, the same in every split written with that dictionary. Dictionaries that differ between
+    files or row groups are unified (the first one's order, then each new name as it comes)."""
+    import pyarrow as pa
+
+    kind = pa.dictionary(pa.int32(), pa.large_string())
+    chunks = [chunk.cast(kind) for a in columns_read for chunk in a.chunks]
+    whole = pa.chunked_array(chunks, type=kind).unify_dictionaries()
+    names = [str(n) for n in whole.chunks[0].dictionary.to_pylist()] if whole.num_chunks else []
+    indices = [c.indices.fill_null(-1).to_numpy(zero_copy_only=False) for c in whole.chunks]
+    labels = np.concatenate(indices).astype(np.int64) if indices else np.empty(0, np.int64)
+    return labels, labels < 0, names, ()

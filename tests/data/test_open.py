@@ -25,7 +25,7 @@ def test_a_url_opens_remote_shards_with_the_keywords(monkeypatch):
     opened = []
     monkeypatch.setattr(remote, "RemoteShardsReader", lambda url, **kw: opened.append((url, kw)) or "remote")
     assert open_dataset("s3://bucket/train-{000000..000003}.tar", cache_dir="/tmp/c", shuffle_window=4) == "remote"
-    kw = {"target": None, "num_classes": None, "cache_dir": "/tmp/c", "shuffle_window": 4}
+    kw = {"target": None, "num_classes": None, "classes": None, "cache_dir": "/tmp/c", "shuffle_window": 4}
     assert opened == [("s3://bucket/train-{000000..000003}.tar", kw)]
 
 

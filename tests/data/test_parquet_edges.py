@@ -16,8 +16,9 @@ from dali_fast import open_dataset
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from dali_fast.data.parquet import ParquetReader, _Group  # noqa: E402 (needs pyarrow)
-from dali_fast.data.parquet_index import Columns, find_columns, hf_features  # noqa: E402
+from dali_fast.data.parquet import ParquetReader  # noqa: E402 (needs pyarrow)
+from dali_fast.data.parquet_columns import Columns, find_columns, hf_features  # noqa: E402
+from dali_fast.data.parquet_group import RowGroup  # noqa: E402
 
 
 def with_features(table: pa.Table, features: dict) -> pa.Table:
@@ -158,13 +159,13 @@ def test_a_row_group_of_several_chunks_sliced_wide_or_empty_reads_back_exactly(t
         (pa.chunked_array([], pa.binary()), []),
         (pa.chunked_array([pa.array([None, None], pa.binary())]), [None, None]),
     ):
-        group = _Group(column, None)
+        group = RowGroup(column, None)
         got = [None if why == "null image" else bytes(group.view(k)) for k, why in enumerate(group.reasons)]
         assert got == want
         assert group.reasons == ["null image" if w is None else None for w in want]
         assert group.nbytes == group.data.nbytes + group.offsets.nbytes and not group.data.flags.writeable
     rows = pa.array([{"bytes": images[0]}, None, {"bytes": None}], pa.struct([("bytes", pa.binary())]))
-    assert _Group(pa.chunked_array([rows]), "bytes").reasons == [None, "null image", "null image"]
+    assert RowGroup(pa.chunked_array([rows]), "bytes").reasons == [None, "null image", "null image"]
 
 
 def test_classes_from_the_labels_leave_out_null_and_negative_ones(tmp_path, cache):
@@ -200,7 +201,7 @@ def test_the_boundaries_of_the_classes_the_order_and_the_window(tmp_path, cache,
     pq.write_table(with_features(bare, {"label": {"_type": "ClassLabel"}}), tmp_path / "bare.parquet")
     assert open_dataset(tmp_path / "bare.parquet").columns.names is None
     middle = pa.array([sample(0), None, sample(1), sample(2)]).slice(1, 2)
-    group = _Group(pa.chunked_array([middle]), None)
+    group = RowGroup(pa.chunked_array([middle]), None)
     assert group.reasons == ["null image", None] and bytes(group.view(1)) == sample(1)
 
 
@@ -235,7 +236,8 @@ def test_labels_stored_as_a_dictionary_patterns_of_patterns_and_files_that_lack_
     words = pa.table({"image": images, "label": pa.array(["b", "a", "b", "c"]).dictionary_encode()})
     pq.write_table(words, tmp_path / "d.parquet")
     r = open_dataset(tmp_path / "d.parquet")
-    assert r.columns.label_kind == "str" and r.classes == ["a", "b", "c"] and r.labels.tolist() == [1, 0, 1, 2]
+    # a dictionary column keeps its dictionary's order (here the order of first appearance), not sorted names
+    assert r.columns.label_kind == "str" and r.classes == ["b", "a", "c"] and r.labels.tolist() == [0, 1, 0, 2]
     flat = pa.table({"key": ["k" * 1000] * 4, "jpg": images, "cls": [0, 1, 0, 1]})
     pq.write_table(flat, tmp_path / "f.parquet", row_group_size=2)
     f = open_dataset(tmp_path / "f.parquet")  # the image is the second column: its bytes, not the first's

@@ -16,14 +16,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from dali_fast.data.parquet import ParquetReader  # noqa: E402 (needs pyarrow)
-from dali_fast.data.parquet_index import (  # noqa: E402
-    Columns,
-    ParquetIndex,
-    build_index,
-    find_columns,
-    index_key,
-    local_identity,
-)
+from dali_fast.data.parquet_columns import Columns, find_columns  # noqa: E402
+from dali_fast.data.parquet_index import ParquetIndex, build_index, index_key, local_identity  # noqa: E402
 
 
 def test_the_target_list_column_is_a_numeric_list_found_by_name(tmp_path):

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...files import cache_folder
-from ..parquet import ROW_GROUP_CACHE, ParquetReader, _Group
+from ...text import plural
+from ..parquet import ROW_GROUP_CACHE, ParquetReader
+from ..parquet_group import RowGroup
 from ..parquet_index import pyarrow_parquet
+from ..path_refs import EMBED
 from .cache import ShardCache
 from .parquet_index import RangeFile, RemoteIndex, chunk_range, list_parquet, parse_footer
 from .store import CHUNK_BYTES, ShardChanged, ShardDownloader, ShardError, ShardInfo
@@ -61,6 +64,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
         timeout: seconds after which a hanging range request is abandoned.
         chunk_bytes: bytes of one range request.
         prefetch_next_epoch: download the next epoch's first row groups as this one ends.
+        classes: the class names in label order (`classes.class_map`).
     """
 
     unit = "row_groups"
@@ -83,6 +87,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
         timeout: float = 60.0,
         chunk_bytes: int = CHUNK_BYTES,
         prefetch_next_epoch: bool = True,
+        classes: Sequence[str] | None = None,
     ) -> None:
         self._pq = pyarrow_parquet()
         if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
@@ -118,7 +123,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
         )  # fmt: skip
         self._bad: dict[int, Any] = {}  # row groups that failed, with the error: reading them raises it
         self.chunk_bytes = np.array([c.size for c in self.chunks], dtype=np.int64)
-        self._use_index(found.index, True if streaming is None else streaming, shuffle_window, row_group_cache)
+        self._use_index(found.index, True if streaming is None else streaming, shuffle_window, row_group_cache, classes)
         self._check_budget()
 
     # ------------------------------------------------------------------ open
@@ -170,7 +175,16 @@ class RemoteParquetReader(Streamed, ParquetReader):
             self._bad[gid] = e
             raise
 
-    def _load(self, gid: int) -> _Group | str:
+    def _path_refs(self, index: Any) -> None:
+        """Path references name files of the machine that wrote the file: refused, with the fix."""
+        if len(index.ref_rows):
+            k = int(np.searchsorted(self._file_start, index.ref_rows[0], side="right") - 1)
+            raise ValueError(
+                f"{self.files[k]}: column {self.columns.image!r} holds {plural(len(index.ref_rows), 'image')} as paths "
+                f"to files (Hugging Face's {{bytes: null, path}}), which a file read from a URL cannot open; {EMBED}"
+            )
+
+    def _load(self, gid: int) -> RowGroup | str:
         """Row group ``gid`` decoded from its image column in the cache, or why it cannot be."""
         import pyarrow as pa
 
@@ -181,7 +195,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
             source = RangeFile(info.whole_size, {info.start: data})
             pf = self._pq.ParquetFile(pa.PythonFile(source), metadata=self._footer(k))  # one read: the chunk
             table = pf.read_row_group(g, columns=[self.columns.image_leaf], use_threads=False)
-            return _Group(table.column(0), self.columns.image_field)
+            return RowGroup(table.column(0), self.columns.image_field)
         except (OSError, pa.ArrowException) as e:
             return f"unreadable: row group {g} of {self.files[k]}: {e}"
 

@@ -20,7 +20,8 @@ import numpy as np
 from ...files import atomic_write
 from ...text import plural
 from ..base import read_parallel
-from ..parquet_index import HF_SHARD, Columns, find_columns, load_or_build, pyarrow_parquet
+from ..parquet_columns import Columns, find_columns
+from ..parquet_index import HF_SHARD, load_or_build, pyarrow_parquet
 from ..shards import refuse_mixed_folder
 from .errors import RemoteDataError, StoreFailedError, classify
 from .store import ShardDownloader, ShardInfo, list_shards

@@ -29,7 +29,7 @@ import logging
 import os
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
     `errors.RemoteDataError` naming it.
     ``prefetch_next_epoch``: once this epoch's shards are local or under way, download the next epoch's
     first shards too, as the budget allows (no stall when an epoch starts). ``target`` and ``num_classes``
-    as for local shards (`webdataset.WebDatasetReader`): target lists from each sample's ``.json``.
+    as for local shards (`webdataset.WebDatasetReader`): target lists from each sample's ``.json``;
+    ``classes`` the class names in label order (`classes.class_map`).
     """
 
     streaming = True  # the loaders use the streaming order (`loaders.shard_order.StreamingOrder`) over it
@@ -101,6 +102,7 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
         prefetch_next_epoch: bool = True,
         target: str | None = None,
         num_classes: int | None = None,
+        classes: Sequence[str] | None = None,
     ) -> None:
         check_target(target, num_classes)
         self.lists = target not in (None, "class")
@@ -133,12 +135,12 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
         self._check_budget()  # before any download
         self._bad: dict[int, ShardError] = {}  # shards that failed, with the error: reading them raises it
         self._reset_process_state()
-        self._build()
+        self._build(classes)
         attach_targets(self, target, num_classes)
         _READERS.add(self)
 
     # ------------------------------------------------------------------ open: the index
-    def _build(self) -> None:
+    def _build(self, classes: Sequence[str] | None) -> None:
         n = len(self.infos)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         first = n * local_rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -169,7 +171,7 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
         if (self.damaged or self.skipped) and self.on_error == "raise":
             where, reason = (self.damaged or self.skipped)[0]
             raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
-        self._index_done("remote shard")
+        self._index_done("remote shard", classes)
 
     def _check_budget(self) -> None:
         limit = self.cache.limit

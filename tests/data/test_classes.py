@@ -1,0 +1,143 @@
+"""One class map for every split: declared (``classes=``, a class list file) or derived from the training
+set, put on each format's own labels by name, and a dictionary column's order kept. The files are
+written by the tools users write them with: pandas, Polars, Hugging Face ``datasets``, folders."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from builders import jpeg_bytes, make_folder, one_line
+
+from dali_fast.data.classes import MAX_CLASSES, class_map, read_classes_file
+from dali_fast.data.open import open_dataset
+
+pd = pytest.importorskip("pandas")
+pytest.importorskip("pyarrow")
+
+NAMES = ["bird", "cat", "dog", "fish"]
+
+
+def _split(labels: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({"image": [jpeg_bytes(8 + i % 4, 8) for i in range(len(labels))], "label": labels})
+
+
+def test_a_validation_split_without_one_class_keeps_the_training_indices(tmp_path, cache):
+    """pandas writes class names as a string column: each split alone numbers its names sorted, so a split
+    without 'cat' puts 'fish' at 2, not 3. Declared from the training set, every name keeps its index."""
+    _split(["bird", "cat", "dog", "fish"] * 3).to_parquet(tmp_path / "train.parquet")
+    _split(["bird", "dog", "fish", "fish"]).to_parquet(tmp_path / "val.parquet")
+    train = open_dataset(tmp_path / "train.parquet")
+    alone = open_dataset(tmp_path / "val.parquet")
+    assert alone.classes == ["bird", "dog", "fish"]  # what the split alone holds
+    val = open_dataset(tmp_path / "val.parquet", classes=train.classes)
+    assert train.classes == val.classes == NAMES
+    assert [val.classes[k] for k in val.labels.tolist()] == ["bird", "dog", "fish", "fish"]
+    assert val.labels.tolist() == [0, 2, 3, 3]
+
+
+def test_a_validation_class_not_in_training_is_one_line(tmp_path, cache):
+    _split(["bird", "cat"] * 2).to_parquet(tmp_path / "train.parquet")
+    _split(["bird", "frog"]).to_parquet(tmp_path / "val.parquet")
+    train = open_dataset(tmp_path / "train.parquet")
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "val.parquet", classes=train.classes)
+    assert one_line(e) == (
+        f"{tmp_path / 'val.parquet'}: class 'frog' (of {tmp_path / 'val.parquet'}:1) is not among the 2 declared "
+        "classes (bird, cat); a class every split shares gets one index: add it to the list, or leave its samples out"
+    )
+
+
+def test_a_pandas_categorical_keeps_its_categories_order_unused_ones_included(tmp_path, cache):
+    order = ["dog", "fish", "cat", "bird"]  # the writer's order, not sorted; bird has no sample
+    frame = _split(["fish", "cat", "cat", "dog", "fish", "fish"])
+    frame["label"] = pd.Categorical(frame["label"], categories=order)
+    frame.to_parquet(tmp_path / "c.parquet", row_group_size=4)
+    reader = open_dataset(tmp_path / "c.parquet")
+    assert reader.classes == order
+    assert [order[k] for k in reader.labels.tolist()] == ["fish", "cat", "cat", "dog", "fish", "fish"]
+    assert reader.labels.tolist() == pd.read_parquet(tmp_path / "c.parquet")["label"].cat.codes.tolist()
+
+
+def test_a_polars_enum_keeps_its_order(tmp_path, cache):
+    pl = pytest.importorskip("polars")
+    order = ["z", "b", "a"]
+    frame = pl.DataFrame(
+        {"image": [jpeg_bytes(9, 9)] * 4, "label": pl.Series(["b", "a", "b", "a"], dtype=pl.Enum(order))}
+    )
+    frame.write_parquet(tmp_path / "e.parquet")
+    reader = open_dataset(tmp_path / "e.parquet")
+    assert reader.classes == order and reader.labels.tolist() == [1, 2, 1, 2]
+
+
+def test_hugging_face_classlabel_keeps_its_order_and_a_split_takes_the_training_map(tmp_path, cache):
+    datasets = pytest.importorskip("datasets")
+    feature = datasets.ClassLabel(names=["zebra", "ant", "moth"])
+    for split, labels in (("train", [0, 1, 2, 0]), ("test", [2, 2])):
+        images = [{"bytes": jpeg_bytes(8, 8 + i), "path": None} for i in range(len(labels))]
+        ds = datasets.Dataset.from_dict(
+            {"image": images, "label": labels},
+            features=datasets.Features({"image": datasets.Image(), "label": feature}),
+        )
+        ds.to_parquet(str(tmp_path / f"{split}.parquet"))
+    train = open_dataset(tmp_path / "train.parquet")
+    test = open_dataset(tmp_path / "test.parquet", classes=train.classes)
+    assert train.classes == test.classes == ["zebra", "ant", "moth"] and test.labels.tolist() == [2, 2]
+
+
+def test_an_image_folder_split_lacking_a_folder(tmp_path, cache):
+    make_folder(tmp_path / "train", {c: [jpeg_bytes()] for c in NAMES})
+    make_folder(tmp_path / "val", {c: [jpeg_bytes()] for c in ("bird", "dog", "fish")})
+    train = open_dataset(tmp_path / "train")
+    val = open_dataset(tmp_path / "val", classes=train.classes)
+    assert val.classes == NAMES and val.labels.tolist() == [0, 2, 3]
+    assert open_dataset(tmp_path / "val").labels.tolist() == [0, 1, 2]  # alone: numbered by what it holds
+
+
+def test_packs_shards_and_bare_labels_on_a_declared_map(tmp_path, cache):
+    from builders import write_shards
+
+    from dali_fast.data.writer import pack
+
+    make_folder(tmp_path / "val", {c: [jpeg_bytes()] for c in ("cat", "fish")})
+    pack(tmp_path / "val", tmp_path / "packed", progress=False)
+    packed = open_dataset(tmp_path / "packed", classes=NAMES)
+    assert packed.classes == NAMES and packed.labels.tolist() == [1, 3]
+    assert [packed[i][1] for i in range(2)] == [1, 3]
+    assert packed.read_batch_checked([0, 1])[1].tolist() == [1, 3]
+    with pytest.raises(ValueError, match=r"class 'fish' \(of .*\) is not among the 2 declared classes"):
+        open_dataset(tmp_path / "packed", classes=["cat", "dog"])
+    write_shards(tmp_path / "shards")  # bare labels 0..: the declared list names them
+    bare = open_dataset(tmp_path / "shards")
+    named = open_dataset(tmp_path / "shards", classes=[f"c{k}" for k in range(len(bare.classes) + 2)])
+    assert named.labels.tolist() == bare.labels.tolist() and named.classes[0] == "c0"
+
+
+def test_class_list_files(tmp_path):
+    (tmp_path / "lines.txt").write_text("cat\n dog \n\nfish\n")
+    assert read_classes_file(tmp_path / "lines.txt") == ["cat", "dog", "fish"]
+    (tmp_path / "list.json").write_text(json.dumps(["b", "a"]))
+    assert read_classes_file(tmp_path / "list.json") == ["b", "a"]
+    (tmp_path / "map.json").write_text(json.dumps({"a": 1, "b": 0}))  # torchvision's class_to_idx
+    assert read_classes_file(tmp_path / "map.json") == ["b", "a"]
+    (tmp_path / "gap.json").write_text(json.dumps({"a": 0, "b": 2}))
+    with pytest.raises(ValueError, match=r"gap.json: class 'b' has index 2, where 1 was expected"):
+        read_classes_file(tmp_path / "gap.json")
+    (tmp_path / "twice.txt").write_text("a\nb\na\n")
+    with pytest.raises(ValueError, match=r"twice.txt: class 'a' is listed twice \(indices 0 and 2\)"):
+        read_classes_file(tmp_path / "twice.txt")
+    with pytest.raises(FileNotFoundError, match="no such class list"):
+        read_classes_file(tmp_path / "missing.txt")
+
+
+def test_class_map_rules():
+    labels = np.array([2, 0, -1, 5])  # -1 and 5 are bad labels of a 3-class reader: they stay bad
+    classes, remap = class_map(["c", "a", "b"], labels, ["a", "b", "c", "d"], where="w", source=str)
+    assert classes == ["a", "b", "c", "d"] and remap.tolist() == [2, 0, 1]
+    assert class_map(["a", "b"], np.array([0, 1]), ["a", "b"], where="w", source=str) == (["a", "b"], None)
+    assert class_map(None, np.array([0, 3]), None, where="w", source=str)[0] == ["0", "1", "2", "3"]
+    with pytest.raises(ValueError, match=r"label 3, beyond the 2 declared classes \(0..1\)"):
+        class_map(None, np.array([0, 3]), ["x", "y"], where="w", source=str)
+    with pytest.raises(ValueError, match=f"more than {MAX_CLASSES:,}"):
+        class_map(None, np.array([0, 2**40]), None, where="w", source=str)
