@@ -13,6 +13,7 @@ import pytest
 from builders import jpeg_bytes, make_folder
 
 from dali_fast.cli import main
+from dali_fast.data.open import open_dataset
 from dali_fast.data.writer import pack
 
 # A folder no one can make files in, root included (permission bits do not stop root); Linux only.
@@ -140,28 +141,31 @@ def test_the_default_set_of_few_images_has_as_many_classes(tmp_path, monkeypatch
 
 
 def test_pack_counts_what_is_not_an_image_apart_and_names_each(tmp_path, caplog, capsys):
-    """A link that loops, one that leads nowhere, a link to a folder and a text file are no records: named as
-    not images, not counted as left out. A file Pillow cannot identify is named in its reason."""
+    """A link that loops, one that leads nowhere and a text file are no records: named as not images, not
+    counted as left out. A link to a folder is followed, as torchvision follows it: its images are records
+    of the class. A TIFF cut short is named in its reason."""
     good = jpeg_bytes()
     src = make_folder(tmp_path / "src", {"a": [good, good], "b": [good]})
     (src / "a" / "loop.jpg").symlink_to(src / "a" / "loop.jpg")
     (src / "a" / "gone.jpg").symlink_to(src / "a" / "nothing.jpg")
-    (src / "b" / "more").symlink_to(src / "a", target_is_directory=True)
+    make_folder(tmp_path / "elsewhere", {"x": [good]})
+    (src / "b" / "more").symlink_to(tmp_path / "elsewhere" / "x", target_is_directory=True)
     (src / "b" / "notes.txt").write_text("x")
-    (src / "b" / "tiff.jpg").write_bytes(b"II*\x00" + bytes(60))  # a TIFF signature Pillow cannot open
+    (src / "b" / "tiff.jpg").write_bytes(b"II*\x00" + bytes(60))  # a TIFF signature, and no directory
     with caplog.at_level(logging.WARNING, logger="dali_fast.data.writer"):
         report = pack(src, tmp_path / "p", progress=False)
-    assert report.records == 3
+    assert report.records == 4
+    packed = open_dataset(tmp_path / "p")  # sources relative to the pack's root, the link's path kept
+    assert sorted(packed.source(i) for i in range(4)) == ["a/000.jpg", "a/001.jpg", "b/000.jpg", "b/more/000.jpg"]
     assert report.ignored == [
         (str(src / "a" / "gone.jpg"), "a link that loops or leads nowhere (No such file or directory)"),
         (str(src / "a" / "loop.jpg"), "a link that loops or leads nowhere (Too many levels of symbolic links)"),
-        (str(src / "b" / "more"), "a link to a folder (not followed)"),
-        (str(src / "b" / "notes.txt"), "not a .jpg/.jpeg/.png file"),
+        (str(src / "b" / "notes.txt"), "not an image file (by its name)"),
     ]
-    assert report.skipped == [(str(src / "b" / "tiff.jpg"), "not a JPEG or PNG (unknown signature)")]
-    assert report.summary().endswith("; re-encoded 0, left out 1; ignored 4 non-images")
+    assert report.skipped == [(str(src / "b" / "tiff.jpg"), "truncated TIFF (ends inside its first directory)")]
+    assert report.summary().endswith("; re-encoded 0, left out 1; ignored 3 non-images")
     assert caplog.messages == [f"not an image, ignored: {p} ({what})" for p, what in report.ignored] + [
-        f"left out {src / 'b' / 'tiff.jpg'}: not a JPEG or PNG (unknown signature)"
+        f"left out {src / 'b' / 'tiff.jpg'}: truncated TIFF (ends inside its first directory)"
     ]
 
 
@@ -180,9 +184,10 @@ def test_a_file_pillow_cannot_identify_is_named_in_its_reason(tmp_path, verify):
     ]
 
 
-def test_a_folder_reader_names_a_link_to_a_folder_and_keeps_a_broken_link_as_a_bad_record(tmp_path, caplog):
+def test_a_folder_reader_names_a_link_loop_and_keeps_a_broken_link_as_a_bad_record(tmp_path, caplog):
     """Reading a folder, a link named like an image that leads nowhere stays a record (the loaders name it
-    when they read it, as a file that vanished); a link to a folder is named, not followed."""
+    when they read it, as a file that vanished); a link to a folder is followed, and one that leads back to
+    a folder above it (a loop, which torchvision would follow until the path is too long) is named."""
     from dali_fast.data.folder import ImageFolderReader
 
     src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(), jpeg_bytes()]})
@@ -193,7 +198,8 @@ def test_a_folder_reader_names_a_link_to_a_folder_and_keeps_a_broken_link_as_a_b
     assert [reader.source(i) for i in range(len(reader))] == [
         str(src / "a" / n) for n in ("000.jpg", "001.jpg", "loop.jpg")
     ]
-    assert caplog.messages == [f"not an image, ignored: {src / 'a' / 'sub.jpg'} (a link to a folder (not followed))"]
+    loop = src / "a" / "sub.jpg" / "a"
+    assert caplog.messages == [f"left out {loop}: a link back to a folder above it (a loop): not followed"]
 
 
 def test_a_schedule_larger_than_most_images_warns_once(tmp_path, caplog):

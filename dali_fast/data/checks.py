@@ -97,7 +97,10 @@ def check_encoded(data: np.ndarray | bytes) -> str | None:
         return _check_jpeg(buf)
     if buf[:8] == PNG_SIGNATURE:
         return _check_png(buf)
-    return "not a JPEG or PNG (unknown signature)"
+    other = _OTHER_FORMATS.get(bytes(buf[:2]))
+    if other is not None:
+        return other(buf)
+    return "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)"
 
 
 def _check_jpeg(buf: bytes | memoryview) -> str | None:
@@ -159,6 +162,103 @@ def _check_png(buf: bytes | memoryview) -> str | None:
             width, height = int.from_bytes(buf[16:20], "big"), int.from_bytes(buf[20:24], "big")
             return too_many_pixels(width, height, pixel_limit())
     return "truncated PNG (no IEND chunk)"
+
+
+def _check_webp(buf: bytes | memoryview) -> str | None:
+    """RIFF size against the bytes there are; the canvas (VP8X), lossless (VP8L) or lossy (VP8) size."""
+    if len(buf) < 30 or bytes(buf[8:12]) != b"WEBP":
+        return "corrupt WebP (no WEBP header)" if len(buf) >= 12 else "truncated WebP (ends inside its header)"
+    if 8 + int.from_bytes(buf[4:8], "little") > len(buf):
+        return "truncated WebP (its RIFF size runs past the end)"
+    kind = bytes(buf[12:16])
+    if kind == b"VP8X":
+        size = 1 + int.from_bytes(buf[24:27], "little"), 1 + int.from_bytes(buf[27:30], "little")
+    elif kind == b"VP8L":
+        bits = int.from_bytes(buf[21:25], "little")
+        size = 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    elif kind == b"VP8 ":
+        size = int.from_bytes(buf[26:28], "little") & 0x3FFF, int.from_bytes(buf[28:30], "little") & 0x3FFF
+    else:
+        return f"corrupt WebP (unknown first chunk {kind!r})"
+    return too_many_pixels(*size, pixel_limit())
+
+
+def _check_bmp(buf: bytes | memoryview) -> str | None:
+    """The file size in the header against the bytes there are; the size in the info header."""
+    if len(buf) < 26:
+        return "truncated BMP (ends inside its header)"
+    stated = int.from_bytes(buf[2:6], "little")
+    if stated > len(buf):
+        return f"truncated BMP ({len(buf)} of the {stated} bytes its header states)"
+    width = int.from_bytes(buf[18:22], "little", signed=True)
+    height = int.from_bytes(buf[22:26], "little", signed=True)  # negative: stored top-down
+    return too_many_pixels(abs(width), abs(height), pixel_limit())
+
+
+def _check_tiff(buf: bytes | memoryview) -> str | None:
+    """The first IFD's entries, and every strip or tile it names, within the bytes there are (a cut TIFF
+    loses strips); its width and height against the pixel limit."""
+    order = "little" if bytes(buf[:2]) == b"II" else "big"
+    n = len(buf)
+    if n < 8 or int.from_bytes(buf[2:4], order) != 42:
+        return "corrupt TIFF (no TIFF header)"
+    ifd = int.from_bytes(buf[4:8], order)
+    if ifd + 2 > n:
+        return "truncated TIFF (its first directory is past the end)"
+    count = int.from_bytes(buf[ifd : ifd + 2], order)
+    if ifd + 2 + 12 * count > n:
+        return "truncated TIFF (ends inside its first directory)"
+    tags: dict[int, list[int]] = {}
+    for k in range(count):
+        at = ifd + 2 + 12 * k
+        tag, kind, values = (int.from_bytes(buf[at + a : at + b], order) for a, b in ((0, 2), (2, 4), (4, 8)))
+        width = {3: 2, 4: 4}.get(kind)
+        if width is None or tag not in (256, 257, 273, 279, 324, 325):
+            continue
+        where = at + 8 if width * values <= 4 else int.from_bytes(buf[at + 8 : at + 12], order)
+        if where + width * values > n:
+            return "truncated TIFF (a directory entry points past the end)"
+        tags[tag] = [int.from_bytes(buf[where + width * j : where + width * (j + 1)], order) for j in range(values)]
+    for offsets, counts in ((273, 279), (324, 325)):
+        if any(o + c > n for o, c in zip(tags.get(offsets, []), tags.get(counts, []), strict=False)):
+            return "truncated TIFF (its image data runs past the end)"
+    return too_many_pixels(tags.get(256, [0])[0], tags.get(257, [0])[0], pixel_limit())
+
+
+_PNM_TOKEN = re.compile(rb"(?:\s|#[^\n]*\n)*(\d+)")
+
+
+def _check_pnm(buf: bytes | memoryview) -> str | None:
+    """A binary PPM/PGM/PBM's header (magic, width, height, maxval) and its pixel bytes against the bytes
+    there are; an ASCII one (P1-P3) by its header only."""
+    head = bytes(buf[:512])
+    magic = head[1:2]
+    if magic not in b"123456" or len(head) < 3 or not head[2:3].isspace():
+        return "not an image (a P without a PBM/PGM/PPM number)"
+    numbers, pos = [], 2
+    for _ in range(2 if magic in b"14" else 3):
+        m = _PNM_TOKEN.match(head, pos)
+        if m is None:
+            return "corrupt PPM/PGM (its header is not width, height and maxval)"
+        numbers.append(int(m.group(1)))
+        pos = m.end()
+    width, height = numbers[0], numbers[1]
+    if magic in b"456":
+        wide = 2 if magic != b"4" and numbers[2] > 255 else 1
+        row = -(-width // 8) if magic == b"4" else width * (3 if magic == b"6" else 1) * wide
+        if pos + 1 + row * height > len(buf):
+            return f"truncated PPM/PGM ({len(buf)} bytes, its header needs {pos + 1 + row * height})"
+    return too_many_pixels(width, height, pixel_limit())
+
+
+# The other image formats an ImageFolder may hold (torchvision's extensions), by their first two bytes.
+_OTHER_FORMATS = {
+    b"RI": _check_webp,
+    b"BM": _check_bmp,
+    b"II": _check_tiff,
+    b"MM": _check_tiff,
+    **{b"P" + d: _check_pnm for d in (b"1", b"2", b"3", b"4", b"5", b"6")},
+}
 
 
 def pillow_reason(error: BaseException, name: str | None = None) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 from ..text import plural
 from .base import CheckedBatch, read_parallel
 from .checks import check_encoded, check_index
+from .classes import class_map, remap_labels
 from .format import IMAGE_EXTENSIONS
 from .targets import attach_targets, check_target
 
@@ -29,52 +30,90 @@ log = logging.getLogger(__name__)
 def scan_image_folder(
     root: Path, *, broken_links_are_records: bool = True
 ) -> tuple[list[str], list[tuple[Path, int]], list[tuple[str, str]], list[tuple[str, str]]]:
-    """Classes (sorted sub-folders), (file, label) pairs, what is not an image (path, what it is), and the
-    folders that could not be listed (with the reason): their files are left out, never silently.
+    """Classes, (file, label) pairs, what is not an image (path, what it is), and the folders that could not
+    be listed or were not followed (with the reason): their files are left out, never silently.
 
-    An image is a file (or a link to a file) named .jpg/.jpeg/.png. Not images: files of other names (but
-    hidden ones), a link to a folder (not followed, as `os.walk` does not), anything else that is not a
-    file, and (without ``broken_links_are_records``, as `pack` scans) a link that loops or leads nowhere;
-    a reader keeps such a link as a record, bad when read and named by the loaders like a file that
-    vanished. Each folder's files come in name order, then its sub-folders'."""
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    torchvision's rule (`datasets.folder.find_classes` and `make_dataset`): the classes are every
+    sub-folder of ``root``, sorted, links to folders and dot-folders included; under each, the folders
+    are walked with links followed (``os.walk(followlinks=True)``), visited in the order of their sorted
+    paths, each folder's files in name order; an image is a file named with one of `IMAGE_EXTENSIONS`,
+    in any case. Where this differs, it says so in a warning: a link back to a folder above it (a loop)
+    is not followed (torchvision would list its files again, until the path grows too long); a name
+    with an image's extension that is not a file (a FIFO, a device, a link to a folder) is not a record;
+    a link that loops or leads nowhere is kept as a record, bad when read (without
+    ``broken_links_are_records``, as `pack` scans, it is not a record); a class folder with no image
+    stays a class with no samples (torchvision refuses such a root)."""
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     items: list[tuple[Path, int]] = []
     other: list[tuple[str, str]] = []
     unlisted: list[tuple[str, str]] = []
     for label, name in enumerate(classes):
-        folders = [root / name]
-        while folders:
-            folder = folders.pop()
-            try:
-                with os.scandir(folder) as listing:
-                    entries = sorted(listing, key=lambda e: e.name)
-            except OSError as e:
-                unlisted.append((str(folder), f"folder cannot be listed: {e.strerror or e}"))
-                continue
-            subfolders = []
+        for folder, entries in _walk(root / name, unlisted):
             for entry in entries:
-                p = Path(entry.path)
-                if entry.is_dir(follow_symlinks=False):
-                    subfolders.append(p)
-                    continue
+                p = Path(folder, entry.name)
                 what = _not_an_image(entry, broken_links_are_records)
                 if what is None:
                     items.append((p, label))
                 elif what:
                     other.append((str(p), what))
-            folders.extend(reversed(subfolders))  # depth first, in name order
+    dotted = [(k, c) for k, c in enumerate(classes) if c.startswith(".")]
+    if dotted:
+        log.warning(
+            "%s: %s a dot and %s a class, as torchvision counts %s: %s; move %s out of %s if %s not a class",
+            root,
+            plural(len(dotted), "class folder starts", "class folders start") + " with",
+            "is" if len(dotted) == 1 else "are each",
+            "it" if len(dotted) == 1 else "them",
+            ", ".join(f"{c!r} (label {k})" for k, c in dotted[:5]) + (" ..." if len(dotted) > 5 else ""),
+            "it" if len(dotted) == 1 else "them",
+            root,
+            "it is" if len(dotted) == 1 else "they are",
+        )
     empty = sorted(set(range(len(classes))) - {label for _, label in items})
     if empty and items:
         names = ", ".join(f"{classes[k]!r} (label {k})" for k in empty[:5]) + (" ..." if len(empty) > 5 else "")
         log.warning(
-            "%s: %s no .jpg/.jpeg/.png files: %s; each stays a class with no samples (the labels of the "
-            "folders after it count it); move such a folder out of %s if it is not a class",
+            "%s: %s no image files: %s; each stays a class with no samples (the labels of the folders after it "
+            "count it; torchvision refuses such a root); move such a folder out of %s if it is not a class",
             root,
             plural(len(empty), "class folder has", "class folders have"),
             names,
             root,
         )
     return classes, items, other, unlisted
+
+
+def _walk(top: Path, unlisted: list[tuple[str, str]]) -> list[tuple[str, list[os.DirEntry]]]:
+    """``sorted(os.walk(top, followlinks=True))`` as (folder, its non-folder entries in name order), with a
+    link back to a folder above it not followed and a folder that cannot be listed left out, both named in
+    ``unlisted``."""
+    found: list[tuple[str, list[os.DirEntry]]] = []
+    stack: list[tuple[str, tuple[tuple[int, int], ...]]] = [(str(top), ())]
+    while stack:
+        folder, above = stack.pop()
+        try:
+            st = os.stat(folder)
+            with os.scandir(folder) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError as e:
+            unlisted.append((folder, f"folder cannot be listed: {e.strerror or e}"))
+            continue
+        here = (st.st_dev, st.st_ino)
+        if here in above:
+            unlisted.append((folder, "a link back to a folder above it (a loop): not followed"))
+            continue
+        files = []
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir()  # follows links, as os.walk(followlinks=True) does
+            except OSError:
+                is_folder = False
+            if is_folder:
+                stack.append((os.path.join(folder, entry.name), (*above, here)))
+            else:
+                files.append(entry)
+        found.append((folder, files))
+    return sorted(found, key=lambda f: f[0])
 
 
 def read_labels_csv(root: Path, files: Sequence[Path]) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -146,15 +185,13 @@ def _not_an_image(entry: os.DirEntry, broken_links_are_records: bool) -> str | N
             if broken_links_are_records and image:
                 return None
             return f"a link that loops or leads nowhere ({e.strerror or e})"
-        if stat.S_ISDIR(target.st_mode):
-            return "a link to a folder (not followed)"
         if not stat.S_ISREG(target.st_mode):
             return "a link to something that is not a file"
     elif not entry.is_file(follow_symlinks=False):
         return "not a file (a device, pipe or socket)"
     if image:
         return None
-    return "" if entry.name.startswith(".") else "not a .jpg/.jpeg/.png file"
+    return "" if entry.name.startswith(".") else "not an image file (by its name)"
 
 
 def _read_file(path: str) -> np.ndarray:
@@ -183,14 +220,22 @@ class ImageFolderReader:
         root: the ImageFolder root.
         target: None or "class" (the class folders), "multihot" or "float" (``labels.csv``).
         num_classes: K of ``target="multihot"``.
+        classes: the class names in label order (the training set's, for a validation set): each class
+            folder gets its name's index there (`classes.class_map`); None: the sorted class folders.
     """
 
-    def __init__(self, root: str | os.PathLike, target: str | None = None, num_classes: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        target: str | None = None,
+        num_classes: int | None = None,
+        classes: Sequence[str] | None = None,
+    ) -> None:
         check_target(target, num_classes)
         self.path = Path(root)
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: no such folder")
-        self.classes, items, other, self.skipped = scan_image_folder(self.path)
+        folders, items, other, self.skipped = scan_image_folder(self.path)
         lists = target not in (None, "class")
         if lists and items:
             keep, values, ends = read_labels_csv(self.path, [p for p, _ in items])
@@ -205,12 +250,14 @@ class ImageFolderReader:
                 log.warning("not an image, ignored: %s (%s)", path, what)
         if not items:
             raise ValueError(
-                f"{self.path}: no .jpg/.jpeg/.png files under class sub-folders"
+                f"{self.path}: no image files ({'/'.join(IMAGE_EXTENSIONS)}) under class sub-folders"
                 + (f" with a row in {LABELS_CSV}" if lists else "")
                 + "; expected ROOT/<class>/<image>"
             )
         self._files = [str(p) for p, _ in items]
-        self._labels = np.array([lab for _, lab in items], dtype=np.int64)
+        own = np.array([lab for _, lab in items], dtype=np.int64)
+        self.classes, remap = class_map(folders, own, classes, where=str(self.path), source=self.source)
+        self._labels = remap_labels(own, remap, len(folders))
         attach_targets(self, target, num_classes)
 
     def __len__(self) -> int:

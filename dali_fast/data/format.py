@@ -96,4 +96,5 @@ def decode_targets(blocks: np.ndarray, kind: str, width: int) -> np.ndarray:
 
 INDEX_FILE, DATA_FILE, PATHS_FILE, META_FILE = "index.bin", "data.bin", "paths.bin", "meta.json"
 SHARD_FILE = "data-{:05d}.bin"  # with a shard size: data-00000.bin, data-00001.bin, ... instead of data.bin
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")  # the files of an ImageFolder that are images
+# The files of an ImageFolder that are images: torchvision's IMG_EXTENSIONS, matched without regard to case.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -124,7 +124,7 @@ def pack_sources(src: Path, shards: bool, target: str | None, num_classes: int |
             targets = ListTargets(str(target), values, ends, num_classes, lambda i: str(found[i][0]))
         items = [Item(str(p), label, str(p), os.fsencode(p.relative_to(src)), k) for k, (p, label) in enumerate(found)]
     if not items:
-        raise ValueError(f"{src}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>")
+        raise ValueError(f"{src}: no image files under class sub-folders; expected SRC/<class>/<image>")
     items, bad = _without_bad_targets(items, targets)
     return PackSources(classes, items, left_out + bad, targets, damaged, list(other))
 

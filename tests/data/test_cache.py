@@ -180,12 +180,12 @@ def test_cached_batch_reads_check_once_and_never_cache_a_bad_record():
     r = CachedReader(base, LRUCache(10**6))
     datas, labels, bad = r.read_batch_checked(np.array([2, 1, 0, 2]))
     assert base.batches == [[2, 1, 0, 2]]  # the misses, read as one batch by the reader
-    assert bad == {1: "not a JPEG or PNG (unknown signature)"} and labels.tolist() == [2, 1, 0, 2]
+    assert bad == {1: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)"} and labels.tolist() == [2, 1, 0, 2]
     assert [bytes(d) for d in datas] == [good[1], b"not an image", good[0], good[1]]
     assert sorted(r.cache.keys()) == [0, 2] and r.cache.stats()["misses"] == 4
     datas, labels, bad = r.read_batch_checked([0, 1, 3, 2])
     assert base.batches[1:] == [[1, 3]]  # hits are not read again; the bad record is, and named again
-    assert bad == {1: "not a JPEG or PNG (unknown signature)"} and labels.tolist() == [0, 1, 3, 2]
+    assert bad == {1: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)"} and labels.tolist() == [0, 1, 3, 2]
     assert [bytes(d) for d in datas] == [good[0], b"not an image", good[2], good[1]]
     assert r.cache.stats()["hits"] == 2
     sources = [np.frombuffer(x, np.uint8) for x in base.items]
@@ -201,4 +201,4 @@ def test_a_record_cached_by_plain_indexing_is_checked_before_a_batch_serves_it()
     r[0], r[1]
     _, _, bad = r.read_batch_checked([1, 0])
     assert base.batches == [[1, 0]]
-    assert bad == {0: "truncated JPEG (ends inside its headers)", 1: "not a JPEG or PNG (unknown signature)"}
+    assert bad == {0: "truncated JPEG (ends inside its headers)", 1: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)"}

@@ -16,7 +16,7 @@ def test_check_encoded():
     assert check_encoded(np.frombuffer(good, np.uint8)) is None
     assert "empty" in check_encoded(b"")
     assert "truncated JPEG" in check_encoded(good[:-200])
-    assert "not a JPEG or PNG" in check_encoded(b"hello world")
+    assert "not an image (unknown signature" in check_encoded(b"hello world")
     from builders import png_bytes
 
     png = png_bytes()
@@ -78,7 +78,7 @@ def test_check_encoded_takes_every_buffer_kind():
     for form in (good, bytearray(good), memoryview(good), np.frombuffer(good, np.uint8)):
         assert check_encoded(form) is None
     assert check_encoded(np.zeros(0, np.uint8)) == "empty record"
-    assert check_encoded(b"\xff\xd8\x00rest") == "not a JPEG or PNG (unknown signature)"
+    assert check_encoded(b"\xff\xd8\x00rest") == "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)"
 
 
 def test_pillow_reasons_name_the_error_not_a_buffer():

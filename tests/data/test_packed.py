@@ -386,10 +386,10 @@ def test_damage_after_packing_that_the_quick_check_sees_is_named(mixed_pack):
     views, labels, bad = r.read_batch_checked(range(7))
     assert bad == {
         0: "truncated JPEG (no end-of-image marker)",
-        1: "not a JPEG or PNG (unknown signature)",
+        1: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)",
         2: "empty record",
         3: "label 2 is not one of the data set's 2 classes (0..1)",
-        4: "not a JPEG or PNG (unknown signature)",
+        4: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)",
         5: "truncated PNG (no IEND chunk)",
         6: "label 2 is not one of the data set's 2 classes (0..1)",
     }

@@ -153,7 +153,7 @@ def test_bad_rows_are_named_by_file_and_row(tmp_path, cache, caplog):
     assert f"2 rows of 21 rows: a null label or one outside the 4 classes (first: {f1}:1: null label)" in caplog.text
     datas, labels, why = r.read_batch_checked(list(range(21)))
     assert why == {
-        2: "not a JPEG or PNG (unknown signature)",
+        2: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)",
         4: "null image",
         8: "null label",
         12: "label 9 is not one of the data set's 4 classes (0..3)",

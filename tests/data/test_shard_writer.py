@@ -225,7 +225,7 @@ def test_a_bad_record_is_named_by_position_or_skipped_and_listed(tmp_path, cache
     with pytest.raises(ValueError) as e:
         write_shards(bad, tmp_path / "raise", prefix="p")
     assert one_line(e) == (
-        "record 1 of prefix 'p': not a JPEG or PNG (unknown signature); write_shards stores whole JPEG or PNG "
+        "record 1 of prefix 'p': not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM); write_shards stores whole JPEG or PNG "
         "files; fix it, or pass on_error='skip'"
     )
     assert not list((tmp_path / "raise").glob("*.tar")), "the shard being written when it failed has no name"

@@ -233,7 +233,7 @@ def test_pack_leaves_out_images_without_a_row(tmp_path):
     (src / "labels.csv").write_text("a/001.jpg,1\n")
     report = pack(src, tmp_path / "p", target="multihot", num_classes=2, progress=False)
     assert report.records == 1 and report.skipped == [(str(src / "a" / "000.jpg"), "no row in labels.csv")]
-    assert report.ignored == [(str(src / "a" / "notes.txt"), "not a .jpg/.jpeg/.png file")]  # not an image
+    assert report.ignored == [(str(src / "a" / "notes.txt"), "not an image file (by its name)")]  # not an image
     assert open_dataset(tmp_path / "p").targets.rows([0]).tolist() == [[0.0, 1.0]]
 
 

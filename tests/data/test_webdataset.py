@@ -112,7 +112,7 @@ def test_batch_reads_are_exact_parallel_and_name_bad_members(tmp_path, cache, mo
     fds = len(os.listdir("/proc/self/fd"))
     datas, _, bad = r.read_batch_checked([13, 14, 20])
     assert bad == {
-        1: "not a JPEG or PNG (unknown signature)",
+        1: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)",
         2: f"unreadable: the shard ends at byte {last}, inside this member; index it again",
     }
     assert bytes(datas[0]) == samples[13][0] and datas[2] is None

@@ -210,10 +210,10 @@ def test_pack_report_meta_and_header_exactly(tmp_path, caplog):
     dst = tmp_path / "deep" / "er" / "p"
     assert (report.records, report.classes, report.reencoded) == (2, 2, 0)
     assert report.data_bytes == (dst / DATA_FILE).stat().st_size and 0 < report.seconds <= elapsed
-    assert report.skipped == [(str(src / "a" / "001.jpg"), "not a JPEG or PNG (unknown signature)")]
-    assert report.ignored == [(str(src / "a" / "readme.txt"), "not a .jpg/.jpeg/.png file")]
+    assert report.skipped == [(str(src / "a" / "001.jpg"), "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)")]
+    assert report.ignored == [(str(src / "a" / "readme.txt"), "not an image file (by its name)")]
     warned = [r.getMessage() for r in caplog.records]
-    assert warned == [f"not an image, ignored: {src / 'a' / 'readme.txt'} (not a .jpg/.jpeg/.png file)"] + [
+    assert warned == [f"not an image, ignored: {src / 'a' / 'readme.txt'} (not an image file (by its name))"] + [
         f"left out {p}: {why}" for p, why in report.skipped
     ]
     meta = json.loads((dst / "meta.json").read_text())
@@ -244,7 +244,7 @@ def test_pack_argument_messages(small_folder, tmp_path):
     with pytest.raises(ValueError) as e:
         pack(tmp_path / "empty", tmp_path / "p2", progress=False)
     assert one_line(e) == (
-        f"{tmp_path / 'empty'}: no .jpg/.jpeg/.png files under class sub-folders; expected SRC/<class>/<image>"
+        f"{tmp_path / 'empty'}: no image files under class sub-folders; expected SRC/<class>/<image>"
     )
 
 
@@ -319,7 +319,7 @@ def test_an_empty_class_folder_is_named_and_keeps_its_label(small_folder, tmp_pa
     with caplog.at_level("WARNING"):
         report = pack(small_folder, tmp_path / "p", progress=False)
     assert report.classes == 4 and open_dataset(tmp_path / "p").labels.tolist() == [0, 0, 0, 2, 2, 3, 3]
-    said = [m for m in caplog.messages if "no .jpg/.jpeg/.png files" in m]
+    said = [m for m in caplog.messages if "no image files" in m]
     assert len(said) == 1 and "1 class folder has" in said[0] and "'dodo' (label 1)" in said[0]
     assert "move such a folder out of" in said[0]
     caplog.clear()

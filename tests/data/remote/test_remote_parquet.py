@@ -237,10 +237,10 @@ def test_bad_rows_are_named_by_url_or_skipped_and_counted(s3pq, tmp_path, backen
     upload(s3pq, tmp_path / "local", bad=bad)
     r = open_dataset(SPEC, **opts(s3pq, tmp_path))
     _, _, reasons = r.read_batch_checked([2, 4, 8, 9])
-    assert reasons == {0: "not a JPEG or PNG (unknown signature)", 1: "null image", 2: "null label"}
+    assert reasons == {0: "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)", 1: "null image", 2: "null label"}
     f0 = f"s3://{BUCKET}/data/train-00000-of-00003.parquet"
     x = cls(r, 21, image_size=16, device="cpu", train=False, **kw)
-    with pytest.raises(ValueError, match=rf"record 2 \({f0}:2\).*not a JPEG or PNG \(unknown signature\)"):
+    with pytest.raises(ValueError, match=rf"record 2 \({f0}:2\).*not an image \(unknown signature"):
         next(iter(x))
     x.close()
     y = cls(r, 5, image_size=16, device="cpu", train=False, on_error="skip", **kw)
