@@ -87,6 +87,8 @@ def run_bench(
     after another: each row's memory is then its own, where rows sharing a process inherit what the
     rows before them left in it (freed memory the allocator keeps, libraries loaded)."""
     args = {k: v for k, v in locals().items() if k != "ranks"}
+    if FFCV in loaders and (ranks > 1 or bench_ranks.current() or bench_ranks.launched()):
+        raise ValueError("the ffcv row runs on one rank; leave ffcv out of --loaders with --ranks or torchrun")
     variants = _variants(loaders, epochs, batch_size, image_size, recipe, augments, mix)
     if isolate and (alternate or ranks > 1):
         raise ValueError(
@@ -96,8 +98,6 @@ def run_bench(
     launched = bench_ranks.launched() if group is None else None
     if ranks < 1 or (launched is not None and ranks not in (1, launched[1])):
         raise ValueError(f"--ranks {ranks}: use 1 or more, or leave it out under torchrun (it starts the ranks)")
-    if FFCV in loaders and (ranks > 1 or group or launched):
-        raise ValueError("the ffcv row runs on one rank; leave ffcv out of --loaders with --ranks or torchrun")
     if launched is not None:  # torchrun started this process as one of several ranks: join them, then run
         import torch.distributed as dist
 

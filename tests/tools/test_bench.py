@@ -264,3 +264,24 @@ def test_bench_progressive_rows_follow_the_ramp(tiny_packed, tmp_path, capsys):
     header = data["table"].splitlines()[0]
     assert header.endswith("| img/s by size (px) |")
     assert "16: " in data["table"].splitlines()[2] and "32: " in data["table"].splitlines()[2]
+
+
+def test_isolate_runs_each_loader_in_a_fresh_process_and_keeps_the_row_order(tiny_packed, tmp_path):
+    result = run_bench(
+        str(tiny_packed / "images"),
+        loaders=["baseline", "torch"],
+        epochs=1,
+        batch_size=12,
+        image_size=24,
+        out=tmp_path,
+        progress=False,
+        isolate=True,
+        limit=False,
+    )
+    assert [r["loader"] for r in result["rows"]] == ["baseline", "torch"] and result["limit"] is None
+    for r in result["rows"]:
+        assert "error" not in r and r["images_per_epoch"] == 36 and r["pss_peak_bytes"] > 50 * 2**20
+    assert result["rows"][0]["isolated"] and result["settings"]["isolate"] is True
+    assert (tmp_path / "isolated" / "torch" / "results.json").exists() and (tmp_path / "bench.png").exists()
+    with pytest.raises(ValueError, match="^--isolate runs the rows one after another"):
+        run_bench(str(tiny_packed / "images"), loaders=["torch"], out=tmp_path, isolate=True, alternate=True)

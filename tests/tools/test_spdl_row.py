@@ -48,7 +48,9 @@ def test_settings_spdl_has_no_operation_for_are_one_line():
 def test_where_spdl_is_missing_bench_says_how_to_get_it_before_any_work(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "spdl", None)  # `import spdl` now fails as where it is not installed
     missing = spdl_missing()
-    assert missing is not None and missing.startswith("the spdl row needs SPDL and FFmpeg's libraries: pip install spdl")
+    assert missing is not None and missing.startswith(
+        "the spdl row needs SPDL and FFmpeg's libraries: pip install spdl"
+    )
     assert FFMPEG_LIBS in missing and "\n" not in missing
     with pytest.raises(ValueError, match="^the spdl row needs SPDL"):
         run_bench(str(tmp_path / "nothing-here"), loaders=["torch", "spdl"], out=tmp_path / "out")
