@@ -158,8 +158,14 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, target: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    import multiprocessing
+
     import torch.distributed as dist
 
+    # A spawned process inherits "spawn" as its default start method, and DataLoader workers would then be
+    # fresh interpreters, each with its own copy of torch; a training script's workers are forked (the
+    # platform's default), sharing the main process's pages. Back to the default, as a user's process has.
+    multiprocessing.set_start_method(None, force=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
