@@ -212,8 +212,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         alternate=args.alternate,
         emit=log.info,
         open_options=options,
+        ranks=args.ranks,
+        isolate=args.isolate,
     )
-    print(bench_summary(result, Path(args.out)))
+    if result.get("rank", 0) == 0:  # under torchrun, rank 0 speaks for the ranks
+        print(bench_summary(result, Path(args.out)))
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 

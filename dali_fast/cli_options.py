@@ -297,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = _command(sub, "bench", "compare the loaders side by side: img/s, utilization, memory, cache")
     _add_data_args(s)
     ffcv = "ffcv (FFCV's Loader over a .beton of the same data, written once into the cache; pip install ffcv)"
+    ffcv += ", spdl (SPDL's pipeline and FFmpeg decoder; pip install spdl, and FFmpeg's libraries)"
     s.add_argument("--loaders", default="baseline,torch,dali", help=f"comma-separated: baseline,torch,dali, {ffcv}")
     s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
     s.add_argument(
@@ -309,11 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
-    s.add_argument(
-        "--no-limit",
-        action="store_true",
-        help="skip the limit row (the machine's decode-only img/s on the same data and processes)",
-    )
+    limit = "skip the limit row (the machine's decode-only img/s on the same data and processes)"
+    s.add_argument("--no-limit", action="store_true", help=limit)
     _add_target_args(s)
     s.add_argument(
         "--alternate",
@@ -321,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="start every row, then time them in turn, one epoch each (a changing machine load then slows "
         "every row alike; all loaders stay alive meanwhile)",
     )
+    ranks = "every row as N ranks here, each on its shard, each step waiting for the slowest (as DDP); not under torchrun"
+    s.add_argument("--ranks", type=_count(1), default=1, help=ranks)
+    s.add_argument("--isolate", action="store_true", help="each loader's rows in a fresh process: their own memory")
     _add_recipe_args(s, several=True)
 
     s = _command(

@@ -1,2 +1,4 @@
-"""The commands' tools: ``bench`` (loaders side by side), ``stages`` (the optimizations one at a time),
-``doctor``, ``inspect``, and the tables and plots they write (`report`)."""
+"""The commands' tools: ``bench`` (loaders side by side: `bench`, its rows in `bench_rows`, `ffcv_row` and
+`spdl_row`, its table and chart in `bench_table`, its ranks in `bench_ranks`, the process tree's memory in
+`tree_memory`), ``stages`` (the optimizations one at a time), ``doctor`` (with `diagnosis`), ``inspect``,
+and the tables and plots they write (`report`)."""

@@ -17,77 +17,21 @@ from ..data.synthetic import default_dataset
 from ..data.targets import target_spec
 from ..files import atomic_write, check_writable_folder
 from ..loaders.factory import BACKENDS
-from ..machine import available_cpus
+from ..machine import available_cpus, cpus_per_local_rank
 from ..text import plural
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
-from . import report
-from .bench_rows import LIMIT, Row, limit_row, loader_row, run_alone
+from . import bench_ranks, report
+from .bench_rows import LIMIT, Row, batch_tails, limit_row, loader_row, run_alone
+from .bench_table import baseline_for, markdown_table, plot
 from .ffcv_row import FFCV, ffcv_missing, ffcv_spec
+from .spdl_row import SPDL, check_recipe, spdl_missing
+from .tree_memory import TreeMemory, descendants
 
-BENCH_ROWS = (*BACKENDS, FFCV)  # what --loaders names: the backends, and FFCV's Loader where it is installed
+# What --loaders names: the backends, and FFCV's Loader and SPDL's pipeline where they are installed.
+BENCH_ROWS = (*BACKENDS, FFCV, SPDL)
 
 log = logging.getLogger(__name__)
-
-
-def label(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
-    """A row's name: the loader, with its augmentation when the rows differ in it or it is not 'none'."""
-    if row["loader"] == LIMIT:
-        return f"limit: decode only, {row['workers']} processes"
-    augments = {r.get("augment", "none") for r in rows if r["loader"] != LIMIT}
-    aug = row.get("augment", "none")
-    return row["loader"] if augments == {"none"} else f"{row['loader']} + {aug}"
-
-
-def _baseline_for(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> float | None:
-    """The baseline's img/s with the same augmentation (else None): each recipe against its own yardstick."""
-    return next(
-        (
-            r["img_per_s"]
-            for r in rows
-            if r["loader"] == "baseline" and "error" not in r and r.get("augment", "none") == row.get("augment", "none")
-        ),
-        None,
-    )
-
-
-def markdown_table(rows: Sequence[dict[str, Any]], limit: dict[str, Any] | None = None) -> str:
-    """The rows side by side, and with ``limit`` (the decode-only ceiling) its row and each row's share of it."""
-    kind = next((r["util_kind"] for r in rows if "util_kind" in r), "cpu")
-    header = ["loader", "img/s", "epoch s", f"{'GPU' if kind == 'gpu' else 'CPU'} util %", "peak mem", "cache hit"]
-    header += ["x baseline", *(["of limit"] if limit else [])]
-    ramp = any(len(r.get("img_per_s_by_size") or {}) > 1 for r in rows)
-    header += ["img/s by size (px)"] if ramp else []
-    cells = []
-    for r in [*rows, limit] if limit else rows:
-        if "error" in r:
-            cells.append([label(r, rows), f"failed: {r['error']}", *[""] * (len(header) - 2)])
-            continue
-        cache = f"{r['cache']['hit_rate']:.0%}" if r.get("cache") else "-"
-        base = _baseline_for(r, rows)  # the limit row: against the baseline without augmentation
-        row = [label(r, rows), f"{r['img_per_s']:.0f}", f"{r['epoch_s']:.2f}", report.percent(r["util_mean"])]
-        row += [report.gib(r["peak_mem_bytes"]), cache, report.ratio(r["img_per_s"] / base if base else None)]
-        if limit:
-            row.append(report.share(r["img_per_s"] / limit["img_per_s"]) if "error" not in limit else "-")
-        if ramp:
-            sizes = r.get("img_per_s_by_size") or {}
-            row.append(", ".join(f"{s}: {v:.0f}" for s, v in sizes.items()) or "-")
-        cells.append(row)
-    return report.table(header, cells)
-
-
-def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, limit: dict[str, Any] | None = None) -> None:
-    """Throughput (with the decode-only limit as a line) and utilization of each row that ran."""
-    ok = [r for r in rows if "error" not in r]
-    colors = ["#999999" if r["loader"] == "baseline" else "#76b900" if r["loader"] == "dali" else "#ee4c2c" for r in ok]
-    line = None
-    if limit and "error" not in limit:
-        line = (limit["img_per_s"], f"limit: decode only {limit['img_per_s']:.0f}")
-    throughput = report.Panel([r["img_per_s"] for r in ok], "throughput", "images / s", colors, line=line)
-    names = [label(r, rows) for r in ok]
-    report.bar_charts(
-        path, names, [throughput, report.utilization_panel(ok, colors)], title, width=max(10, 1.6 * len(ok))
-    )
 
 
 def one_line(error: BaseException) -> str:
@@ -119,6 +63,8 @@ def run_bench(
     alternate: bool = False,
     emit: Callable[[str], None] = log.info,
     open_options: dict[str, Any] | None = None,
+    ranks: int = 1,
+    isolate: bool = False,
 ) -> dict[str, Any]:
     """Benchmark ``loaders`` side by side; writes results.json and bench.png into ``out``.
 
@@ -131,12 +77,53 @@ def run_bench(
     (`limit_row`), and each row reads as a share of it. With ``alternate``, every row is started and
     warmed up, then the rows take turns, one timed epoch each, ``epochs`` times: a machine whose load
     changes during the run then slows every row alike (all loaders stay alive meanwhile, so peak memory
-    is that of them all)."""
+    is that of them all, though each row's PSS leaves the other rows' workers out).
+
+    With ``ranks`` > 1 every row runs as that many ranks of a gloo group on this machine, each on its
+    shard, the ranks waiting for each other after every step as under DDP (`bench_ranks`); under
+    torchrun the launcher's processes are the ranks. A step's time is then the slowest rank's.
+
+    With ``isolate`` each loader's rows, and the limit row, run in a fresh process of their own, one
+    after another: each row's memory is then its own, where rows sharing a process inherit what the
+    rows before them left in it (freed memory the allocator keeps, libraries loaded)."""
+    args = {k: v for k, v in locals().items() if k != "ranks"}
+    if FFCV in loaders and (ranks > 1 or bench_ranks.current() or bench_ranks.launched()):
+        raise ValueError("the ffcv row runs on one rank; leave ffcv out of --loaders with --ranks or torchrun")
     variants = _variants(loaders, epochs, batch_size, image_size, recipe, augments, mix)
+    if isolate and (alternate or ranks > 1):
+        raise ValueError(
+            "--isolate runs the rows one after another in processes of their own; drop --alternate and --ranks"
+        )
+    group = bench_ranks.current()
+    launched = bench_ranks.launched() if group is None else None
+    if ranks < 1 or (launched is not None and ranks not in (1, launched[1])):
+        raise ValueError(f"--ranks {ranks}: use 1 or more, or leave it out under torchrun (it starts the ranks)")
+    if launched is not None:  # torchrun started this process as one of several ranks: join them, then run
+        import torch.distributed as dist
+
+        bench_ranks.join_launched()
+        try:
+            return run_bench(**args)
+        finally:
+            dist.destroy_process_group()
     out = Path(out)
     check_writable_folder(out, "--out")
-    data = bench_data(dataset, images, progress, open_options)
-    check_batch_fits(batch_size, len(data.reader), data.name)
+    rank, world = group or (0, 1)
+    if rank != 0:  # rank 0 opens (or makes) the data first, the others then open it
+        bench_ranks.barrier()
+    data = bench_data(dataset, images, progress and rank == 0, open_options)
+    if rank == 0 and world > 1:
+        bench_ranks.barrier()
+    check_batch_fits(batch_size, len(data.reader) // max(world, ranks), data.name)
+    if ranks > 1 and group is None:  # the ranks, each a process of its own; this one waits for them
+        emit(f"starting {ranks} ranks ...")
+        kw = {**args, "emit": log.info, "dataset": dataset if isinstance(dataset, Reader) else data.name}
+        if dataset is None:
+            kw["dataset"] = None  # each rank finds the synthetic set just made, ImageFolder beside pack
+        bench_ranks.spawn(ranks, run_bench, kw)
+        return json.loads((out / "results.json").read_text())
+    if isolate:
+        return _isolated(args, variants, out, emit, data)
     target = target_spec(data.reader)[0]
     if FFCV in loaders and target != "class":  # the .beton holds class labels: said before any row runs
         raise ValueError(f"the ffcv row reads class labels, not {target} targets; leave ffcv out of --loaders")
@@ -156,24 +143,69 @@ def run_bench(
 
     def make_row(kind: str, variant: Recipe | None, monitor: Any) -> Row:
         if kind == LIMIT:
+            shard = bench_ranks.shard(len(data.files), rank, world) if world > 1 else None
+            workers = cpus_per_local_rank()
             return limit_row(
-                data.files, workers=available_cpus(), batch_size=batch_size, monitor=monitor, progress=progress
+                data.files, workers=workers, batch_size=batch_size, monitor=monitor, progress=progress, indices=shard
             )
         name = kind if len(variants) == 1 else f"{kind} + {_augment_of(variant)}"
         reader = data.files if kind == "baseline" else data.reader
         return loader_row(kind, reader, recipe=variant, monitor=monitor, name=name, **row_kw)
 
-    results = _run_rows(specs, make_row, epochs=epochs, alternate=alternate, several=len(variants) > 1, emit=emit)
-    settings = {
-        "dataset": data.name,
-        "images": len(data.reader),
-        "loaders": list(loaders),
-        "epochs": epochs,
-        **{k: v for k, v in row_kw.items() if k not in ("progress", "on_error", "mix")},
+    sync = bench_ranks.StepSync() if world > 1 else None
+    several = len(variants) > 1
+    results = _run_rows(specs, make_row, epochs=epochs, alternate=alternate, several=several, emit=emit, sync=sync)
+    settings = _settings({**args, "dataset": data.name, "images": len(data.reader)}, variants, world)
+    if world == 1:
+        return _write(results, settings, out)
+    gathered = bench_ranks.gather(results)  # rank 0 merges each row over the ranks and writes
+    merged = None
+    if gathered is not None:
+        merged = {k: bench_ranks.merge([g[k] for g in gathered], batch_tails) for k in sorted(results)}
+        merged = _write(merged, settings, out)
+    return {**bench_ranks.broadcast(merged), "rank": rank}
+
+
+def _settings(args: dict[str, Any], variants: list[Recipe], world: int) -> dict[str, Any]:
+    """What results.json says the run was: the data, the rows, the recipes and the other settings."""
+    return {
+        "dataset": args["dataset"],
+        "images": args["images"],
+        "loaders": list(args["loaders"]),
+        "epochs": args["epochs"],
+        **{k: args[k] for k in ("batch_size", "image_size", "model", "cache_bytes", "controller")},
         "recipes": [v.describe() for v in variants],
-        "mix": mix,
-        "alternate": alternate,
+        "mix": args["mix"],
+        "alternate": args["alternate"],
+        "ranks": world,
     }
+
+
+def _isolated(
+    args: dict[str, Any], variants: list[Recipe], out: Path, emit: Callable[[str], None], data: BenchData
+) -> dict[str, Any]:
+    """`run_bench` with ``isolate``: the limit row, then each loader's rows, each in a fresh process that
+    writes into ``out/isolated/<name>``; their rows put together in the usual order and written to ``out``."""
+    loaders, parts = list(args["loaders"]), [(LIMIT, [])] if args["limit"] else []
+    parts += [(k, [k]) for k in loaders]
+    results: dict[int, dict[str, Any]] = {}
+    for name, kinds in parts:
+        emit(f"benchmarking {'the decode-only limit' if name == LIMIT else name} in a process of its own ...")
+        sub = out / "isolated" / name
+        kw = {**args, "loaders": kinds, "limit": name == LIMIT, "out": sub, "isolate": False, "emit": log.info}
+        try:
+            bench_ranks.spawn(1, run_bench, kw)
+            got = json.loads((sub / "results.json").read_text())
+        except (RuntimeError, OSError, ValueError) as e:
+            got = {"limit": {"loader": LIMIT, "error": one_line(e)}, "rows": [{"loader": name, "error": one_line(e)}]}
+        if name == LIMIT:
+            results[0] = got["limit"]
+            continue
+        first = len(parts) - len(loaders)  # the limit row, where there is one, comes first
+        for v, row in enumerate(got["rows"]):
+            results[first + v * len(loaders) + loaders.index(name)] = {**row, "isolated": True}
+    settings = _settings({**args, "dataset": data.name, "images": len(data.reader)}, variants, 1)
+    settings["isolate"] = True
     return _write(results, settings, out)
 
 
@@ -215,6 +247,12 @@ def _variants(
             raise ValueError(missing)
         for variant in variants:
             ffcv_spec(variant)
+    if SPDL in loaders:  # the same for SPDL
+        missing = spdl_missing()
+        if missing is not None:
+            raise ValueError(missing)
+        for variant in variants:
+            check_recipe(variant)
     return variants
 
 
@@ -266,16 +304,37 @@ def _run_rows(
     alternate: bool,
     several: bool,
     emit: Callable[[str], None],
+    sync: bench_ranks.StepSync | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Each spec's result (or its error, in one line), by position: one row at a time, or all started
-    and then timed in turn (``alternate``). A row that fails is named and closed; the others go on."""
+    and then timed in turn (``alternate``). A row that fails is named and closed; the others go on.
+
+    Each row's processes are those that appeared under this one while it started and warmed up; the
+    PSS of a row's timed epochs leaves the other live rows' processes out. ``sync`` (under --ranks)
+    ends every step of every rank together; a row that fails here tells the other ranks through it."""
     from ..train.monitor import UtilizationMonitor
 
     results: dict[int, dict[str, Any]] = {}
     live: dict[int, Row] = {}
+    memory = TreeMemory()
+    me = os.getpid()
+
+    def start(k: int, kind: str, variant: Recipe | None, mon: Any) -> Row:
+        before = descendants(me)
+        row = make_row(kind, variant, mon)
+        row.memory, row.sync = memory, sync
+        live[k] = row
+        row.epoch()  # its warm-up
+        row.own = descendants(me) - before
+        return row
+
+    def others(k: int) -> set[int]:
+        return set().union(*(r.own for j, r in live.items() if j != k))
 
     def failed(k: int, e: BaseException) -> None:
         kind, variant = specs[k]
+        if sync is not None:
+            sync.fail()
         why = one_line(e)
         log.error("%s failed: %s", "the limit row" if kind == LIMIT else kind, why)
         results[k] = {"loader": kind, "augment": _augment_of(variant), "error": why}
@@ -293,11 +352,10 @@ def _run_rows(
                 what += "" if kind == LIMIT or not several else f" + {_augment_of(variant)}"
                 emit(f"{'starting' if alternate else 'benchmarking'} {what} ...")
                 try:
-                    live[k] = make_row(kind, variant, mon)
-                    if alternate:
-                        live[k].epoch()  # its warm-up
-                    else:
-                        results[k] = run_alone(live.pop(k), epochs)
+                    row = start(k, kind, variant, mon)
+                    if not alternate:
+                        row.exclude = others(k)
+                        results[k] = run_alone(live.pop(k), epochs, warm=True)
                 except errors as e:
                     failed(k, e)
             if alternate:
@@ -305,6 +363,7 @@ def _run_rows(
                 for _ in range(epochs):
                     for k in list(live):
                         try:
+                            live[k].exclude = others(k)
                             live[k].epoch()
                         except errors as e:
                             failed(k, e)
@@ -321,7 +380,7 @@ def _compared(results: dict[int, dict[str, Any]]) -> tuple[list[dict[str, Any]],
     ceiling = next((r for r in ordered if r["loader"] == LIMIT), None)
     rows = [r for r in ordered if r["loader"] != LIMIT]
     for r in rows:
-        base = _baseline_for(r, rows)
+        base = baseline_for(r, rows)
         if base and "error" not in r:
             r["x_baseline"] = r["img_per_s"] / base
         if ceiling and "error" not in ceiling and "error" not in r:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -16,13 +18,15 @@ from ..data.targets import target_spec
 from ..loaders.dataloader import shutdown_workers
 from ..loaders.factory import make_loader
 from ..loaders.torch_worker import collate_as_is, worker_init
-from ..machine import available_cpus
+from ..machine import cpus_per_local_rank
 from ..text import progress_bar
 from ..train.trainer import Trainer
 from ..transforms.decode import Decoder
 from ..transforms.mix import MixupCutmix
 from ..transforms.recipe import Recipe, resolve_recipe
 from .ffcv_row import FFCV
+from .spdl_row import SPDL, SPDLLoader
+from .tree_memory import TreeMemory
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +55,16 @@ class Row:
         progress: bool,
         augment: str = "none",
         extra: dict[str, Any] | None = None,
+        memory: TreeMemory | None = None,
+        sync: Callable[[], None] | None = None,
     ) -> None:
         self.kind, self.name, self.loader, self.images, self.consume = kind, name, loader, images, consume
         self.monitor, self.progress, self.augment, self.extra = monitor, progress, augment, extra or {}
+        self.memory = memory if memory is not None else TreeMemory()
+        self.sync = sync  # under --ranks: every rank's step waits for the slowest (`bench_ranks`)
+        self.own: set[int] = set()  # this row's worker processes (bench sets it after the warm-up)
+        self.exclude: set[int] = set()  # processes of other rows alive beside this one, left out of its PSS
+        self.batch_times: list[list[float]] = []  # each timed epoch's batch times, in order
         self.times: list[float] = []
         self.counts: list[int] = []
         self.sizes: list[int | None] = []  # each timed epoch's image size (a resolution schedule's)
@@ -69,20 +80,34 @@ class Row:
         size = getattr(loader, "image_size", None) or getattr(getattr(loader, "sampler", None), "image_size", None)
         phase = self.name if epoch > 0 else f"{self.name}-warmup"
         bar = _progress(f"{self.name} epoch {epoch}{' (warm-up)' if epoch == 0 else ''}", self.images, self.progress)
-        t0, n = time.perf_counter(), 0
-        with bar, self.monitor.phase(phase):  # the bar is cleared before an error is written
+        memory = self.memory.phase(self.name, self.exclude) if epoch > 0 else nullcontext()
+        gpu = torch.cuda.is_available()
+        steps: list[float] = []
+        # the bar is cleared before an error is written
+        with memory, bar, self.monitor.phase(phase):
+            t0 = last = time.perf_counter()
+            n = 0
             for batch in loader:
                 done = self.consume(batch)
+                if gpu:
+                    torch.cuda.synchronize()  # a step ends when its batch is on the device
+                if self.sync is not None:
+                    self.sync()
+                now = time.perf_counter()
+                steps.append(now - last)
+                last = now
                 n += done
                 bar.update(done)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            if epoch > 0:
+                self.memory.read_now()  # the epoch's end, after the clock stopped
         if epoch > 0:
-            self.times.append(time.perf_counter() - t0)
+            self.times.append(seconds)
             self.counts.append(n)
             self.sizes.append(size)
+            self.batch_times.append(steps)
         else:  # warm-up and steady state apart: the timed epochs' figures leave the warm-up out
-            self.warmup = {"seconds": time.perf_counter() - t0, "cache": self._cache()}
+            self.warmup = {"seconds": seconds, "cache": self._cache()}
         self.epochs_run += 1
 
     def _cache(self) -> dict[str, float] | None:
@@ -111,6 +136,7 @@ class Row:
             "img_per_s": sum(self.counts) / sum(self.times),
             "epoch_s": sum(self.times) / len(self.times),
             "epoch_times": self.times,
+            "epoch_counts": self.counts,
             "epoch_sizes": self.sizes,
             "img_per_s_by_size": by_size(self.sizes, self.counts, self.times),
             "images_per_epoch": self.counts[0],
@@ -118,15 +144,48 @@ class Row:
             "util_mean": util["mean"],
             "util_p50": util["p50"],
             "util_p95": util["p95"],
-            # The monitor's reading (GPU: this process's memory as NVML sees it, DALI's pool and outputs
-            # included; CPU: resident memory), not torch's allocator statistics, which leave DALI out.
-            "peak_mem_bytes": util["peak_mem"],
+            **batch_tails(self.batch_times),
+            # What the loader costs in host memory: the PSS of the main process and every worker under
+            # it, sampled during the timed epochs (`tree_memory`); other live rows' workers left out.
+            "pss_peak_bytes": self.memory.peak(self.name),
+            # The monitor's reading: on a GPU this process's device memory as NVML sees it (DALI's pool
+            # and outputs included, which torch's allocator statistics leave out); on the CPU the main
+            # process's resident set alone, kept for reference.
+            **(
+                {"gpu_mem_peak_bytes": util["peak_mem"]}
+                if util["kind"] == "gpu"
+                else {"main_rss_peak_bytes": util["peak_mem"]}
+            ),
             # Apart from img/s: the warm-up epoch (first reads, a cache filling, a pipeline build) and, for
             # DALI, the time spent building pipelines (graph and operators), which no timed epoch includes.
             "warmup_s": self.warmup.get("seconds"),
             "build_s": build,
             **extra,
         }
+
+
+def batch_tails(batch_times: list[list[float]]) -> dict[str, Any]:
+    """The steady-state batch time of the timed epochs: its median, its 99th percentile and their ratio.
+
+    A batch's time runs from the end of the step before to the end of its own (the wait for the batch
+    plus the step, and under ``--ranks`` the wait for the slowest rank). Each epoch's first batch is
+    left out: it includes the epoch's start (workers refilling their queues); it is kept apart as
+    ``first_batch_s``. With one batch an epoch there is nothing else, and the first batches are used.
+    """
+    steady = [t for epoch in batch_times for t in epoch[1:]]
+    firsts = [epoch[0] for epoch in batch_times if epoch]
+    picked = steady or firsts
+    if not picked:
+        return {"batch_p50_s": None, "batch_p99_s": None, "p99_over_p50": None, "batches_timed": 0}
+    p50, p99 = (float(v) for v in np.percentile(picked, [50, 99]))
+    return {
+        "batch_p50_s": p50,
+        "batch_p99_s": p99,
+        "p99_over_p50": p99 / p50 if p50 > 0 else None,
+        "batches_timed": len(picked),
+        "first_batch_s": firsts,
+        "batch_times": batch_times,
+    }
 
 
 def steady_cache(now: dict[str, float] | None, warm: dict[str, float] | None) -> dict[str, float] | None:
@@ -173,8 +232,9 @@ def loader_row(
     from ..loaders.controller import BatchSizeController
 
     ctrl = BatchSizeController(max(8, batch_size // 4), batch_size * 4) if controller and kind != "baseline" else None
-    # Same number of decode processes for the two DataLoader-based rows (DALI uses as many threads).
-    workers = available_cpus()
+    # Same number of decode processes for the two DataLoader-based rows (DALI, FFCV and SPDL use as many
+    # threads); under --ranks, each rank's share of the CPUs.
+    workers = cpus_per_local_rank()
     iterator_only = {"cache_bytes": cache_bytes, "controller": ctrl} if kind != "baseline" else {}
     target, width = target_spec(reader)  # class labels, or the multi-hot / float rows the reader was opened with
     if kind == FFCV:  # FFCV's own Loader over its .beton of the same data, written once into the cache
@@ -182,6 +242,9 @@ def loader_row(
 
         ffcv_recipe = resolve_recipe(recipe, image_size=image_size)
         loader: Any = FFCVLoader(write_beton(reader, workers), batch_size, workers, ffcv_recipe)
+    elif kind == SPDL:  # SPDL's pipeline of threads and its FFmpeg decoder over the same reader
+        spdl_recipe = resolve_recipe(recipe, image_size=image_size)
+        loader = SPDLLoader(reader, batch_size, workers, spdl_recipe, on_error=on_error)
     else:
         loader = make_loader(
             reader,
@@ -229,9 +292,11 @@ def loader_row(
     )
 
 
-def run_alone(row: Row, epochs: int) -> dict[str, Any]:
+def run_alone(row: Row, epochs: int, warm: bool = False) -> dict[str, Any]:
+    """The row's warm-up (unless ``warm``: done already) and ``epochs`` timed epochs, then its result;
+    the row is closed either way."""
     try:
-        for _ in range(epochs + 1):
+        for _ in range(epochs if warm else epochs + 1):
             row.epoch()
         return row.result()
     finally:
@@ -265,15 +330,23 @@ class _DecodeOnly(Dataset):
         return done
 
 
-def limit_row(reader: Reader, *, workers: int, batch_size: int, monitor: Any, progress: bool) -> Row:
+def limit_row(
+    reader: Reader,
+    *,
+    workers: int,
+    batch_size: int,
+    monitor: Any,
+    progress: bool,
+    indices: list[int] | None = None,
+) -> Row:
     """The machine's ceiling on this data: reading and decoding every record whole (no crop) in
     ``workers`` processes, what a loader would reach if decoding were all it did. Loaders read as a
-    share of it."""
+    share of it. ``indices``: the records to read (a rank's shard), default all."""
     from torch.utils.data import DataLoader
 
-    order = list(range(len(reader)))
+    order = list(range(len(reader))) if indices is None else indices
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     kw: dict[str, Any] = {"persistent_workers": True, "worker_init_fn": worker_init} if workers else {}
     loader = DataLoader(_DecodeOnly(reader), batch_sampler=batches, num_workers=workers, collate_fn=collate_as_is, **kw)
     extra = {"workers": workers, "cache": None, "batch_decisions": []}
-    return Row(LIMIT, LIMIT, loader, len(reader), int, monitor=monitor, progress=progress, extra=extra)
+    return Row(LIMIT, LIMIT, loader, len(order), int, monitor=monitor, progress=progress, extra=extra)

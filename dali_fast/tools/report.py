@@ -45,7 +45,13 @@ def bench_summary(result: dict[str, Any], out: Path) -> str:
     s = result["settings"]
     lines = [
         f"\n{plural(s['images'], 'image')}, {plural(s['epochs'], 'timed epoch')} after a warm-up, batch "
-        f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where(result['machine'])}\n",
+        f"{s['batch_size']}, {s['image_size']}px, model={s['model']} on {where(result['machine'])}"
+        + (
+            f", {s['ranks']} ranks (batch per rank; each step as long as the slowest rank's)"
+            if s.get("ranks", 1) > 1
+            else ""
+        )
+        + "\n",
         result["table"],
         "",
     ]
@@ -110,6 +116,21 @@ def gib(value: Any) -> str:
     return f"{value / 2**30:.2f} GiB" if isinstance(value, int | float) else "n/a"
 
 
+def mib(value: Any) -> str:
+    """Bytes in MiB, or "n/a"."""
+    return f"{value / 2**20:.0f} MiB" if isinstance(value, int | float) else "n/a"
+
+
+def ms(seconds: Any) -> str:
+    """Seconds as milliseconds, one decimal ("12.3"), or "n/a"."""
+    return f"{seconds * 1000:.1f}" if isinstance(seconds, int | float) else "n/a"
+
+
+def times(value: Any) -> str:
+    """A ratio of two times ("1.85"), or "n/a"."""
+    return f"{value:.2f}" if isinstance(value, int | float) else "n/a"
+
+
 def ratio(value: float | None) -> str:
     """A ratio to the baseline ("1.23x"), or "-" without one."""
     return f"{value:.2f}x" if value else "-"
@@ -133,6 +154,14 @@ class Panel:
     fmt: str = "%.0f"
     ylim: tuple[float, float] | None = None
     line: tuple[float, str] | None = None
+    second: tuple[Sequence[float], str, str] | None = None  # a second bar per name: (values, its name, the first's)
+
+
+def tails_panel(rows: Sequence[dict[str, Any]], colors: Sequence[str] | str) -> Panel:
+    """The steady-state batch time of each row: p50 (solid) beside p99 (hatched), in milliseconds."""
+    p50 = [(r.get("batch_p50_s") or 0.0) * 1000 for r in rows]
+    p99 = [(r.get("batch_p99_s") or 0.0) * 1000 for r in rows]
+    return Panel(p50, "batch time (steady state)", "ms per batch", colors, fmt="%.0f", second=(p99, "p99", "p50"))
 
 
 def utilization_panel(rows: Sequence[dict[str, Any]], colors: Sequence[str] | str) -> Panel:
@@ -152,27 +181,51 @@ def bar_charts(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4))
+    fig = draw(plt, names, panels, title, width=width, rotate=rotate)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(plt: Any, names: Sequence[str], panels: Sequence[Panel], title: str, *, width: float, rotate: int = 0) -> Any:
+    """The figure of `bar_charts`. A dashed line's caption goes under the panel's title, where no bar or
+    value label can be (on the axes it covered the value of a bar as tall as the line), and the axis
+    leaves room above the tallest bar or line for the values."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.4))
     for ax, panel in zip(axes, panels, strict=True):
-        bars = ax.bar(names, panel.values, color=panel.colors)
+        x = range(len(names))
+        step = 0.4 if panel.second is not None else 0.8
+        shift = -step / 2 if panel.second is not None else 0.0
+        bars = ax.bar([i + shift for i in x], panel.values, width=step, color=panel.colors)
         if panel.labels is not None:
-            ax.bar_label(bars, labels=list(panel.labels))
+            ax.bar_label(bars, labels=list(panel.labels), fontsize=8)
         else:
-            ax.bar_label(bars, fmt=panel.fmt)
+            ax.bar_label(bars, fmt=panel.fmt, fontsize=8)
+        top = max([0.0, *panel.values])
+        if panel.second is not None:
+            values = panel.second[0]
+            more = ax.bar([i + step / 2 for i in x], values, width=step, color=panel.colors, hatch="//", alpha=0.55)
+            ax.bar_label(more, fmt=panel.fmt, fontsize=8)
+            top = max([top, *values])
+        ax.set_xticks(list(x), list(names))
+        caption = panel.title
+        if panel.second is not None:  # said in the title, not in a legend that could cover a bar
+            caption += f"\n(solid: {panel.second[2]}, hatched: {panel.second[1]})"
         if panel.line is not None:
             ax.axhline(panel.line[0], color="#555555", linestyle="--", linewidth=1)
-            ax.annotate(panel.line[1], (0, panel.line[0]), va="bottom", fontsize=8)
+            caption += f"\n(dashed: {panel.line[1]})"
+            top = max(top, panel.line[0])
         if panel.ylim is not None:
             ax.set_ylim(*panel.ylim)
+        elif top > 0:
+            ax.set_ylim(0, top * (1.3 if panel.second is not None else 1.15))
         if panel.ylabel:
             ax.set_ylabel(panel.ylabel)
-        ax.set_title(panel.title)
+        ax.set_title(caption, fontsize=10)
         if rotate:
             ax.tick_params(axis="x", labelrotation=rotate)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def fmt_duration(seconds: float) -> str:

@@ -4,7 +4,8 @@ import pytest
 
 from dali_fast.data.synthetic import make_synthetic
 from dali_fast.data.writer import pack
-from dali_fast.tools.bench import markdown_table, run_bench
+from dali_fast.tools.bench import run_bench
+from dali_fast.tools.bench_table import markdown_table
 from dali_fast.tools.report import bench_summary
 
 
@@ -39,7 +40,14 @@ def test_bench_writes_results_and_png(tiny_packed, tmp_path):
     assert data["settings"]["images"] == 36
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert result["table"].splitlines()[0].startswith("| loader | img/s | epoch s |")
+    assert result["table"].splitlines()[0].startswith("| loader | img/s | epoch s | batch p50 ms | batch p99 ms |")
+    for r in data["rows"]:  # 36 images in batches of 8: 5 steps, the first of the epoch kept apart
+        assert len(r["batch_times"]) == 1 and len(r["batch_times"][0]) == 5 and r["batches_timed"] == 4
+        steady = sorted(r["batch_times"][0][1:])
+        assert steady[0] <= r["batch_p50_s"] <= r["batch_p99_s"] <= steady[-1]
+        assert r["p99_over_p50"] == pytest.approx(r["batch_p99_s"] / r["batch_p50_s"])
+        assert r["first_batch_s"] == [r["batch_times"][0][0]]
+        assert r["pss_peak_bytes"] > 50 * 2**20 and "peak_mem_bytes" not in r
 
 
 def test_bench_with_model_and_cache(tiny_packed, tmp_path):
@@ -73,13 +81,16 @@ def test_table_marks_failures():
             "epoch_s": 1.0,
             "util_kind": "cpu",
             "util_mean": 50.0,
-            "peak_mem_bytes": 2**30,
+            "batch_p50_s": 0.0123,
+            "batch_p99_s": 0.0246,
+            "p99_over_p50": 2.0,
+            "pss_peak_bytes": 300 * 2**20,
             "cache": None,
         },
         {"loader": "dali", "error": "ImportError: no DALI"},
     ]
     t = markdown_table(rows)
-    assert "| baseline | 100 | 1.00 | 50 | 1.00 GiB | - | 1.00x |" in t and "failed: ImportError" in t
+    assert "| baseline | 100 | 1.00 | 12.3 | 24.6 | 2.00 | 50 | 300 MiB | - | 1.00x |" in t and "failed: ImportError" in t
 
 
 def test_bad_loader_name(tmp_path):
@@ -165,13 +176,17 @@ def test_the_limit_row_measures_decode_only_with_the_same_processes(tiny_packed,
 
 def test_table_with_a_limit_row():
     row = {"loader": "torch", "img_per_s": 300.0, "epoch_s": 1.0, "util_kind": "cpu", "util_mean": 90.0}
-    row.update(peak_mem_bytes=2**30, cache=None)
+    row.update(batch_p50_s=0.01, batch_p99_s=0.015, p99_over_p50=1.5, pss_peak_bytes=2**30, cache=None)
     base = {**row, "loader": "baseline", "img_per_s": 100.0}
     limit = {**row, "loader": "limit", "img_per_s": 400.0, "workers": 2}
     t = markdown_table([base, row], limit).splitlines()
-    assert t[2] == "| baseline | 100 | 1.00 | 90 | 1.00 GiB | - | 1.00x | 25% |"
-    assert t[3] == "| torch | 300 | 1.00 | 90 | 1.00 GiB | - | 3.00x | 75% |"
-    assert t[4] == "| limit: decode only, 2 processes | 400 | 1.00 | 90 | 1.00 GiB | - | 4.00x | 100% |"
+    assert t[0] == (
+        "| loader | img/s | epoch s | batch p50 ms | batch p99 ms | p99/p50 | CPU util % | peak PSS, main + workers "
+        "| cache hit | x baseline | of limit |"
+    )
+    assert t[2] == "| baseline | 100 | 1.00 | 10.0 | 15.0 | 1.50 | 90 | 1024 MiB | - | 1.00x | 25% |"
+    assert t[3] == "| torch | 300 | 1.00 | 10.0 | 15.0 | 1.50 | 90 | 1024 MiB | - | 3.00x | 75% |"
+    assert t[4] == "| limit: decode only, 2 processes | 400 | 1.00 | 10.0 | 15.0 | 1.50 | 90 | 1024 MiB | - | 4.00x | 100% |"
     failed = markdown_table([base], {"loader": "limit", "workers": 2, "error": "OSError: gone"}).splitlines()
     assert failed[2].endswith("| 1.00x | - |") and "failed: OSError: gone" in failed[3]
 
@@ -249,3 +264,24 @@ def test_bench_progressive_rows_follow_the_ramp(tiny_packed, tmp_path, capsys):
     header = data["table"].splitlines()[0]
     assert header.endswith("| img/s by size (px) |")
     assert "16: " in data["table"].splitlines()[2] and "32: " in data["table"].splitlines()[2]
+
+
+def test_isolate_runs_each_loader_in_a_fresh_process_and_keeps_the_row_order(tiny_packed, tmp_path):
+    result = run_bench(
+        str(tiny_packed / "images"),
+        loaders=["baseline", "torch"],
+        epochs=1,
+        batch_size=12,
+        image_size=24,
+        out=tmp_path,
+        progress=False,
+        isolate=True,
+        limit=False,
+    )
+    assert [r["loader"] for r in result["rows"]] == ["baseline", "torch"] and result["limit"] is None
+    for r in result["rows"]:
+        assert "error" not in r and r["images_per_epoch"] == 36 and r["pss_peak_bytes"] > 50 * 2**20
+    assert result["rows"][0]["isolated"] and result["settings"]["isolate"] is True
+    assert (tmp_path / "isolated" / "torch" / "results.json").exists() and (tmp_path / "bench.png").exists()
+    with pytest.raises(ValueError, match="^--isolate runs the rows one after another"):
+        run_bench(str(tiny_packed / "images"), loaders=["torch"], out=tmp_path, isolate=True, alternate=True)

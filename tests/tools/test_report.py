@@ -47,3 +47,29 @@ def test_one_is_singular_in_the_summaries(tmp_path):
     assert "2 images, 2 timed epochs after" in bench_summary(
         {"settings": settings, "machine": machine, "table": "", "rows": []}, tmp_path
     )
+
+
+def test_the_limit_caption_sits_under_the_title_and_covers_no_bar_value():
+    """The dashed line's caption once lay on the axes, over the value of a bar as tall as the line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dali_fast.tools.report import draw, tails_panel
+
+    rows = [{"batch_p50_s": 0.010, "batch_p99_s": 0.030}, {"batch_p50_s": 0.020, "batch_p99_s": 0.022}]
+    panels = [Panel([100.0, 398.0], "throughput", line=(400.0, "limit: decode only 400")), tails_panel(rows, "#999999")]
+    fig = draw(plt, ["a", "b"], panels, "title", width=10)
+    fig.canvas.draw()
+    throughput, tails = fig.axes
+    assert throughput.get_title() == "throughput\n(dashed: limit: decode only 400)" and not throughput.texts[2:]
+    assert tails.get_title() == "batch time (steady state)\n(solid: p50, hatched: p99)"
+    assert [t.get_text() for t in tails.texts] == ["10", "20", "30", "22"]  # p50 bars, then p99 bars, in ms
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        title = ax.title.get_window_extent(renderer)
+        for value in ax.texts:  # every bar's value stays under the axes' top, clear of the caption
+            box = value.get_window_extent(renderer)
+            assert not box.overlaps(title) and box.y1 <= ax.get_window_extent(renderer).y1, value.get_text()
+    plt.close(fig)
