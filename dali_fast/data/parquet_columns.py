@@ -123,9 +123,16 @@ def find_columns(
         hf = [n for n in found if features.get(n, {}).get("_type") == "ClassLabel"]
         label_column = hf[0] if len(hf) == 1 else next((n for n in LABEL_NAMES if n in found), None)
         if label_column is None:
+            tagged = [n for n, f in features.items() if _list_names(f) is not None and schema.get_field_index(n) >= 0]
+            hint = (
+                f"; {tagged[0]!r} is a list of ClassLabel ({len(_list_names(features[tagged[0]]))} classes): "
+                f"open it with target='multihot' (label_column={tagged[0]!r} if there are several)"
+                if tagged
+                else "; name it with label_column="
+            )
             raise ValueError(
                 f"{where}: no label column (a ClassLabel, or an integer or string column named "
-                f"{'/'.join(LABEL_NAMES)}) among {described}; name it with label_column="
+                f"{'/'.join(LABEL_NAMES)}) among {described}{hint}"
             )
     kind = _label_kind(schema.field(label_column).type)
     dtype = schema.field(label_column).type
@@ -136,12 +143,27 @@ def find_columns(
             else "a label column holds one class per row, as an integer or a class name"
         )
         hint = " (a list column is read with target='multihot' or 'float')" if kind == "list" else ""
+        if kind == "list" and _list_names(features.get(label_column, {})) is not None:
+            hint = " (a list of ClassLabel: open it with target='multihot', its names give num_classes)"
         raise ValueError(f"{where}: label_column={label_column!r} is {dtype}; {holds}{hint}")
     feature = features.get(label_column, {})
-    names = None
-    if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and kind == "int":
-        names = feature.get("names") or [str(k) for k in range(int(feature.get("num_classes") or 0))]
-        names = tuple(str(n) for n in names) or None
+    names = _label_names(feature) if kind == "int" else _list_names(feature) if kind == "list" else None
     image_type = schema.field(image_column).type
     paths = "path" if image_field and image_type.get_field_index("path") >= 0 else None
     return Columns(image_column, image_field, label_column, kind, names, paths)
+
+
+def _label_names(feature: Any) -> tuple[str, ...] | None:
+    """The names of a ``ClassLabel`` feature (its ``names``, or "0".."K-1" for ``num_classes`` alone)."""
+    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel":
+        return None
+    names = feature.get("names") or [str(k) for k in range(int(feature.get("num_classes") or 0))]
+    return tuple(str(n) for n in names) or None
+
+
+def _list_names(feature: Any) -> tuple[str, ...] | None:
+    """The names of a list of ``ClassLabel`` (``Sequence(ClassLabel)`` in ``datasets`` before 4, ``List``
+    after): what a multi-label column's indices name."""
+    if not isinstance(feature, dict) or feature.get("_type") not in ("Sequence", "List", "LargeList"):
+        return None
+    return _label_names(feature.get("feature"))

@@ -99,6 +99,8 @@ def _parquet_lines(reader: Any, emit: Callable[[str], None]) -> None:
         f"parquet:  {plural(len(reader.files), 'file')} ({names}), {plural(len(reader.group_rows), 'row group')}, "
         f"columns {c.image} ({c.image_leaf}) and {c.label}"
     )
+    if getattr(reader, "refs", None) is not None:
+        emit(f"paths:    {len(reader.refs)} of {plural(len(reader), 'image')} are paths to files (read from there)")
     problems = reader.label_problems
     if problems:
         first = min(problems)

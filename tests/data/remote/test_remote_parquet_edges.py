@@ -321,3 +321,23 @@ def test_the_store_failing_on_the_label_chunks_is_named(s3e, tmp_path, monkeypat
     finally:
         s3e.check_credentials(False)
     assert one_line(e) == f"{url}: {errors.CREDENTIALS_REJECTED.format(code='InvalidAccessKeyId')}"
+
+
+def test_path_references_at_a_url_are_refused_with_the_fix(s3e, tmp_path):
+    """datasets' to_parquet of images made from files: paths of the writer's machine, which a file read from a
+    URL cannot open. Refused at open, in one line."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "imgs").mkdir()
+    paths = []
+    for i in range(3):
+        (tmp_path / "imgs" / f"{i}.jpg").write_bytes(jpeg_bytes(8, 8 + i))
+        paths.append(str(tmp_path / "imgs" / f"{i}.jpg"))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])})
+    datasets.Dataset.from_dict({"image": paths, "label": [0] * 3}, features=features).to_parquet(str(tmp_path / "d.parquet"))
+    url = put(s3e, "refs/d.parquet", (tmp_path / "d.parquet").read_bytes())
+    with pytest.raises(ValueError) as e:
+        open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "c")
+    assert one_line(e).startswith(
+        f"{url}: column 'image' holds 3 images as paths to files (Hugging Face's {{bytes: null, path}}), which a "
+        "file read from a URL cannot open; embed the images"
+    )

@@ -1,0 +1,130 @@
+"""Parquet files as Hugging Face ``datasets`` writes them: ``to_parquet`` of images made from files (path
+references), a list of ``ClassLabel`` (multi-label), and ``save_to_disk`` folders. Written by ``datasets``
+itself."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from builders import jpeg_bytes, one_line
+
+from dali_fast.data.open import open_dataset
+
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("pyarrow")
+
+
+def _files(folder, n: int = 6) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = folder / f"{i}.jpg"
+        p.write_bytes(jpeg_bytes(10 + i, 8))
+        paths.append(str(p))
+    return paths
+
+
+def _to_parquet(paths: list[str], labels: list[int], out) -> None:
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    datasets.Dataset.from_dict({"image": paths, "label": labels}, features=features).to_parquet(str(out))
+
+
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_to_parquet_path_references_are_read_from_their_files(tmp_path, cache, backend):
+    paths = _files(tmp_path / "imgs")
+    _to_parquet(paths, [0, 1, 2, 0, 1, 2], tmp_path / "d.parquet")
+    theirs = datasets.Dataset.from_parquet(str(tmp_path / "d.parquet"))
+    assert theirs.data.column("image").to_pylist()[0] == {"bytes": None, "path": paths[0]}  # what it wrote
+    reader = open_dataset(tmp_path / "d.parquet")
+    assert reader.classes == ["a", "b", "c"] and len(reader.refs) == 6
+    assert [bytes(reader[i][0]) for i in range(6)] == [open(p, "rb").read() for p in paths]
+    from target_sets import loader_class
+
+    loader = loader_class(backend)(reader, 3, image_size=8, train=False, device="cpu")
+    assert sorted(int(x) for _, labels in loader for x in labels) == [0, 0, 1, 1, 2, 2]
+
+
+def test_relative_path_references_resolve_beside_the_file_then_from_here(tmp_path, cache, monkeypatch):
+    _files(tmp_path / "set" / "imgs")
+    monkeypatch.chdir(tmp_path / "set")  # datasets reads a relative path from the current folder as it writes
+    _to_parquet([f"imgs/{i}.jpg" for i in range(6)], [0] * 6, tmp_path / "set" / "d.parquet")
+    monkeypatch.chdir(tmp_path)
+    reader = open_dataset(tmp_path / "set" / "d.parquet")  # beside the file, not in the current folder
+    assert reader.refs.path(0) == str(tmp_path / "set" / "imgs" / "0.jpg")
+    _files(tmp_path / "elsewhere")
+    _to_parquet([f"elsewhere/{i}.jpg" for i in range(6)], [0] * 6, tmp_path / "set" / "e.parquet")
+    reader = open_dataset(tmp_path / "set" / "e.parquet")  # datasets' own rule: from the current folder
+    assert reader.refs.path(5) == str(tmp_path / "elsewhere" / "5.jpg")
+
+
+def test_a_missing_path_reference_is_one_line_with_the_fix(tmp_path, cache):
+    paths = _files(tmp_path / "imgs")
+    _to_parquet(paths, [0] * 6, tmp_path / "d.parquet")
+    os.remove(paths[2])
+    with pytest.raises(FileNotFoundError) as e:
+        open_dataset(tmp_path / "d.parquet")
+    text = one_line(e)
+    assert text.startswith(
+        f"{tmp_path / 'd.parquet'}: column 'image' holds 6 images as paths to files (Hugging Face's "
+        f"{{bytes: null, path}}), and 1 name no file (first: {paths[2]!r}, looked for at {paths[2]}); embed"
+    )
+    assert "embed_table_storage" in text and "push_to_hub" in text
+
+
+def test_the_embedding_the_message_names_makes_a_file_that_holds_the_bytes(tmp_path, cache):
+    from datasets.table import embed_table_storage
+
+    paths = _files(tmp_path / "imgs")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    ds = datasets.Dataset.from_dict({"image": paths, "label": [0] * 6}, features=features)
+    ds.with_format("arrow").map(embed_table_storage, batched=True).to_parquet(str(tmp_path / "e.parquet"))
+    for p in paths:
+        os.remove(p)
+    reader = open_dataset(tmp_path / "e.parquet")
+    assert reader.refs is None and len(reader) == 6 and bytes(reader[0][0])[:3] == b"\xff\xd8\xff"
+
+
+def test_inspect_counts_path_references(tmp_path, cache):
+    from dali_fast.tools.inspect import inspect_dataset
+
+    _to_parquet(_files(tmp_path / "imgs"), [0] * 6, tmp_path / "d.parquet")
+    lines: list[str] = []
+    assert inspect_dataset(str(tmp_path / "d.parquet"), emit=lines.append, verify=True) == 0
+    assert "paths:    6 of 6 images are paths to files (read from there)" in lines
+
+
+def test_a_list_of_classlabel_names_the_classes_and_gives_num_classes(tmp_path, cache):
+    features = datasets.Features(
+        {"image": datasets.Image(), "tags": datasets.Sequence(datasets.ClassLabel(names=["x", "y", "z"]))}
+    )
+    images = [{"bytes": jpeg_bytes(8, 8 + i), "path": None} for i in range(3)]
+    datasets.Dataset.from_dict({"image": images, "tags": [[0, 2], [1], []]}, features=features).to_parquet(
+        str(tmp_path / "m.parquet")
+    )
+    with pytest.raises(ValueError) as e:  # no class label: the hint leads to the one call that works
+        open_dataset(tmp_path / "m.parquet")
+    assert one_line(e).endswith("'tags' is a list of ClassLabel (3 classes): open it with target='multihot' (label_column='tags' if there are several)")
+    reader = open_dataset(tmp_path / "m.parquet", target="multihot")
+    assert reader.classes == ["x", "y", "z"] and reader.targets.width == 3
+    assert reader.targets.rows([0, 1, 2]).tolist() == [[1, 0, 1], [0, 1, 0], [0, 0, 0]]
+    with pytest.raises(ValueError) as e:
+        open_dataset(tmp_path / "m.parquet", target="multihot", num_classes=50)
+    assert one_line(e) == (
+        f"{tmp_path / 'm.parquet'}: num_classes=50, but the column 'tags' is a list of ClassLabel with 3 names; "
+        "leave num_classes out, or give 3"
+    )
+
+
+def test_save_to_disk_folders_are_named_with_the_way_to_parquet(tmp_path, cache):
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])})
+    ds = datasets.Dataset.from_dict({"image": _files(tmp_path / "imgs", 2), "label": [0, 0]}, features=features)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dict"))
+    for folder in ("saved", "dict"):
+        with pytest.raises(ValueError) as e:
+            open_dataset(tmp_path / folder)
+        assert one_line(e).startswith(f"{tmp_path / folder}: a Hugging Face save_to_disk folder (Arrow files)")
+        assert "to_parquet" in one_line(e)
+    assert np.asarray(ds["label"]).tolist() == [0, 0]
