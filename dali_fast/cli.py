@@ -30,8 +30,16 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 
 
 def _open_options(args: argparse.Namespace, dataset: str | None) -> dict[str, Any]:
-    """The keywords of `open_dataset` that ``--cache-dir``, ``--cache-limit`` and ``--storage-option`` give;
-    refused for local data, which has no use for them (never accepted and then ignored)."""
+    """The keywords of `open_dataset` the flags give: ``--classes`` (the class map), and ``--cache-dir``,
+    ``--cache-limit`` and ``--storage-option``, which are refused for local data (never accepted and then
+    ignored)."""
+    options = _url_options(args, dataset)
+    if getattr(args, "classes", None) is not None:
+        options["classes"] = args.classes
+    return options
+
+
+def _url_options(args: argparse.Namespace, dataset: str | None) -> dict[str, Any]:
     flags = {"--cache-dir": args.cache_dir, "--cache-limit": args.cache_limit, "--storage-option": args.storage_option}
     given = [flag for flag, value in flags.items() if value is not None]
     if not given:
@@ -55,11 +63,12 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
     src: Any = args.src
     targets = _targets(args)
-    options = _open_options(args, args.src if is_remote(args.src) else args.dst)  # for whichever is a URL
-    if options and is_remote(args.src):  # opened here with its cache and storage options, read by its reader
+    options = _url_options(args, args.src if is_remote(args.src) else args.dst)  # for whichever is a URL
+    if args.classes is not None or (options and is_remote(args.src)):  # opened here, read by its reader
         from .data.open import open_dataset
 
-        src, targets = open_dataset(args.src, **options, **targets), {}  # the reader carries its targets
+        opened = options if is_remote(args.src) else {}  # a URL's cache and storage options, the class map
+        src, targets = open_dataset(args.src, **opened, classes=args.classes, **targets), {}
     if args.format == "webdataset":
         from .data.shard_pack import pack_shards
 

@@ -1,14 +1,22 @@
-"""The `dali-fast` command's options: the parser, its value types and its help (every option shows its
-default; a usage error is one line, exit code 2). `dali_fast.cli` runs the commands."""
+"""The `dali-fast` command's options: the parser and its help (every option shows its default; a usage
+error is one line, exit code 2); the value types are `cli_values`'. `dali_fast.cli` runs the commands."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .cli_values import (
+    alpha_arg,
+    classes_file,
+    count_arg,
+    crop_fraction_arg,
+    positive_arg,
+    probability_arg,
+    progressive_arg,
+    size_arg,
+    storage_option_arg,
+)
 from .data.base import ON_ERROR
 from .data.targets import TARGET_KINDS
 
@@ -39,84 +47,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _size(text: str) -> int:
-    """Bytes from '0', '512M', '8G', '1.5GiB'."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 0, 512M or 8G")
-    return int(value)
-
-
-def _storage_option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` as (key, value): VALUE read as JSON where it parses (``true``, ``3``, ``{"verify": false}``),
-    else kept as text (``http://minio:9000``)."""
-    key, eq, value = text.partition("=")
-    if not eq or not key.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; e.g. endpoint_url=http://minio:9000")
-    try:
-        parsed: Any = json.loads(value)
-    except ValueError:
-        parsed = value
-    return key.strip(), parsed
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its message)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is too small; use {minimum} or more")
-        return value
-
-    return parse
-
-
-def _number(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
-    """An argparse type: a finite number for which ``ok`` holds, else "'TEXT' is not WHAT"."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-
-    return parse
-
-
-_positive = _number(lambda v: v > 0, "a positive number")
-
-
-_alpha = _number(lambda v: v >= 0, "a number >= 0 (0 turns it off)")  # a Beta distribution's alpha
-
-
-_probability = _number(lambda v: 0 <= v <= 1, "in [0, 1]")
-
-
-_crop_fraction = _number(lambda v: 0 < v <= 1, "in (0, 1]")
-
-
-def _progressive(text: str) -> Any:
-    """``--progressive START:END:FROM_EPOCH:TO_EPOCH[:STEP]`` as a `Progressive` ramp."""
-    from .transforms.recipe import Progressive
-
-    try:
-        return Progressive.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--progressive {text!r}: ")) from None
-
-
 def _add_model_arg(s: argparse.ArgumentParser) -> None:
     """``--model`` of the commands that time loading (bench, stages)."""
     s.add_argument(
@@ -137,7 +67,7 @@ def _add_remote_args(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--cache-limit",
-        type=_size,
+        type=size_arg,
         metavar="BYTES",
         default=None,
         help="data at a URL: bytes of shards the cache may hold on this node, e.g. 200G (default: the disk's "
@@ -145,7 +75,7 @@ def _add_remote_args(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--storage-option",
-        type=_storage_option,
+        type=storage_option_arg,
         action="append",
         metavar="KEY=VALUE",
         default=None,
@@ -158,9 +88,9 @@ def _add_data_args(s: argparse.ArgumentParser, on_error: bool = True) -> None:
     """The data and batch arguments `bench`, `stages` and `train` share."""
     s.add_argument("dataset", nargs="?", default=None, help=DATASETS + " (default: the synthetic set of --images)")
     _add_remote_args(s)
-    s.add_argument("--images", type=_count(1), default=2000, help="size of the default synthetic set")
-    s.add_argument("--batch-size", type=_count(1), default=64, help="images per batch")
-    s.add_argument("--image-size", type=_count(1), default=224, help="output side in pixels")
+    s.add_argument("--images", type=count_arg(1), default=2000, help="size of the default synthetic set")
+    s.add_argument("--batch-size", type=count_arg(1), default=64, help="images per batch")
+    s.add_argument("--image-size", type=count_arg(1), default=224, help="output side in pixels")
     if not on_error:
         return
     s.add_argument(
@@ -182,7 +112,20 @@ def _add_target_args(s: argparse.ArgumentParser) -> None:
         "labels.csv beside the class folders (default: the data set's own: class, or what it was packed with)",
     )
     s.add_argument(
-        "--num-classes", type=_count(1), default=None, metavar="K", help="K, the classes of --target multihot"
+        "--num-classes", type=count_arg(1), default=None, metavar="K", help="K, the classes of --target multihot"
+    )
+    _add_classes_arg(s)
+
+
+def _add_classes_arg(s: argparse.ArgumentParser) -> None:
+    """``--classes FILE``: the class map (`open_dataset`'s ``classes``)."""
+    s.add_argument(
+        "--classes",
+        type=classes_file,
+        metavar="FILE",
+        default=None,
+        help="the class names in label order, one per line or JSON (a list, or name -> index): every split "
+        "numbers its classes by this list (default: the data set's own classes)",
     )
 
 
@@ -197,15 +140,15 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
         metavar="|".join(AUGMENTS),
         help="automatic augmentation per image" + (" (comma-separated: one row each, side by side)" if several else ""),
     )
-    s.add_argument("--random-erasing", type=_probability, default=0.0, metavar="P", help="random erasing probability")
-    s.add_argument("--mixup", type=_alpha, default=0.0, metavar="A", help="mixup Beta alpha (0: off)")
-    s.add_argument("--cutmix", type=_alpha, default=0.0, metavar="A", help="cutmix Beta alpha (0: off)")
+    s.add_argument("--random-erasing", type=probability_arg, default=0.0, metavar="P", help="random erasing probability")
+    s.add_argument("--mixup", type=alpha_arg, default=0.0, metavar="A", help="mixup Beta alpha (0: off)")
+    s.add_argument("--cutmix", type=alpha_arg, default=0.0, metavar="A", help="cutmix Beta alpha (0: off)")
     s.add_argument(
-        "--label-smoothing", type=_probability, default=0.0, metavar="E", help="label smoothing of the targets"
+        "--label-smoothing", type=probability_arg, default=0.0, metavar="E", help="label smoothing of the targets"
     )
     s.add_argument(
         "--progressive",
-        type=_progressive,
+        type=progressive_arg,
         default=None,
         metavar="START:END:FROM_EPOCH:TO_EPOCH",
         help="progressive resizing: train at START px up to epoch FROM_EPOCH, then ramp in steps of 32 px "
@@ -214,7 +157,7 @@ def _add_recipe_args(s: argparse.ArgumentParser, several: bool) -> None:
     )
     s.add_argument(
         "--eval-crop-fraction",
-        type=_crop_fraction,
+        type=crop_fraction_arg,
         default=0.875,
         metavar="F",
         help="evaluation: resize the shorter side to size/F, then centre crop",
@@ -240,9 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "make-synthetic", "write a synthetic ImageNet-like ImageFolder of JPEGs")
     s.add_argument("out", help="output folder (OUT/<class>/<image>.jpg)")
-    s.add_argument("--images", type=_count(1), default=1000, help="images to write")
-    s.add_argument("--classes", type=_count(1), default=10, help="classes (each with its own tint and stripes)")
-    s.add_argument("--seed", type=_count(0), default=0, help="the seed of the images")
+    s.add_argument("--images", type=count_arg(1), default=1000, help="images to write")
+    s.add_argument("--classes", type=count_arg(1), default=10, help="classes (each with its own tint and stripes)")
+    s.add_argument("--seed", type=count_arg(0), default=0, help="the seed of the images")
     s.add_argument(
         "--multi-label",
         action="store_true",
@@ -261,17 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-verify", action="store_true", help="do not decode each image (faster; structural check only)")
     s.add_argument(
-        "--max-side", type=_count(1), default=None, help="re-encode images whose longer side exceeds N pixels"
+        "--max-side", type=count_arg(1), default=None, help="re-encode images whose longer side exceeds N pixels"
     )
     s.add_argument(
         "--workers",
-        type=_count(1),
+        type=count_arg(1),
         default=None,
         help="processes that read, verify and re-encode (default: every CPU); the output is the same for any N",
     )
     s.add_argument(
         "--shard-size",
-        type=_size,
+        type=size_arg,
         default=None,
         metavar="BYTES",
         help="packed: write data-00000.bin, data-00001.bin, ... of at most this size (e.g. 64G) under one index "
@@ -299,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     ffcv = "ffcv (FFCV's Loader over a .beton of the same data, written once into the cache; pip install ffcv)"
     ffcv += ", spdl (SPDL's pipeline and FFmpeg decoder; pip install spdl, and FFmpeg's libraries)"
     s.add_argument("--loaders", default="baseline,torch,dali", help=f"comma-separated: baseline,torch,dali, {ffcv}")
-    s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs after one warm-up epoch")
+    s.add_argument("--epochs", type=count_arg(1), default=2, help="timed epochs after one warm-up epoch")
     s.add_argument(
         "--dtype",
         choices=("float32", "float16", "uint8"),
@@ -307,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the batches' dtype: normalized float, or uint8 left for the consumer to normalize on its device",
     )
     _add_model_arg(s)
-    s.add_argument("--cache-bytes", type=_size, default=0, help="LRU cache budget, e.g. 2G (0: off)")
+    s.add_argument("--cache-bytes", type=size_arg, default=0, help="LRU cache budget, e.g. 2G (0: off)")
     s.add_argument("--controller", action="store_true", help="let BatchSizeController pick the batch size per epoch")
     s.add_argument("--out", default="bench-results", help="folder for results.json and bench.png")
     limit = "skip the limit row (the machine's decode-only img/s on the same data and processes)"
@@ -320,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every row alike; all loaders stay alive meanwhile)",
     )
     ranks = "every row as N ranks here, each on its shard, each step waiting for the slowest (as DDP); not under torchrun"
-    s.add_argument("--ranks", type=_count(1), default=1, help=ranks)
+    s.add_argument("--ranks", type=count_arg(1), default=1, help=ranks)
     s.add_argument("--isolate", action="store_true", help="each loader's rows in a fresh process: their own memory")
     _add_recipe_args(s, several=True)
 
@@ -328,39 +271,40 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "stages", "measure what each optimization buys, cumulatively, one row each, and project a whole run"
     )
     _add_data_args(s, on_error=False)
-    s.add_argument("--epochs", type=_count(1), default=2, help="timed epochs of each stage after one warm-up epoch")
+    _add_classes_arg(s)
+    s.add_argument("--epochs", type=count_arg(1), default=2, help="timed epochs of each stage after one warm-up epoch")
     _add_model_arg(s)
-    s.add_argument("--cache-bytes", type=_size, default=None, help="LRU cache budget, e.g. 2G (default: half the data)")
+    s.add_argument("--cache-bytes", type=size_arg, default=None, help="LRU cache budget, e.g. 2G (default: half the data)")
     s.add_argument("--out", default="stages-results", help="folder for stages.json and stages.png")
     s.add_argument(
         "--progressive",
-        type=_progressive,
+        type=progressive_arg,
         default=None,
         metavar="START:END:FROM_EPOCH:TO_EPOCH",
         help="the last row's resolution schedule (default: FFCV's ramp scaled to --total-epochs)",
     )
-    s.add_argument("--total-epochs", type=_count(1), default=90, help="epochs of the projected run")
-    s.add_argument("--total-images", type=_count(1), default=1_281_167, help="images per epoch of the projected run")
+    s.add_argument("--total-epochs", type=count_arg(1), default=90, help="epochs of the projected run")
+    s.add_argument("--total-images", type=count_arg(1), default=1_281_167, help="images per epoch of the projected run")
 
     s = _command(sub, "train", "train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
     _add_data_args(s)
     s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"], help="the loader to train with")
-    s.add_argument("--epochs", type=_count(1), default=5, help="epochs")
+    s.add_argument("--epochs", type=count_arg(1), default=5, help="epochs")
     s.add_argument(
         "--model",
         default="resnet18",
         choices=["resnet_tiny", "resnet18", "resnet50"],
         help="the model (resnet_tiny is sized for CPUs)",
     )
-    s.add_argument("--lr", type=_positive, default=0.05, help="learning rate")
+    s.add_argument("--lr", type=positive_arg, default=0.05, help="learning rate")
     s.add_argument("--controller", action="store_true", help="adjust the batch size between epochs from memory")
     s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
     s.add_argument(
-        "--seed", type=_count(0), default=0, help="the run's seed: split, initial weights, order, augmentation"
+        "--seed", type=count_arg(0), default=0, help="the run's seed: split, initial weights, order, augmentation"
     )
     s.add_argument(
         "--num-workers",
-        type=_count(0),
+        type=count_arg(0),
         default=None,
         help="decode workers (torch/baseline loaders; default: one per CPU, up to 8)",
     )
@@ -371,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out each epoch's incomplete last training batch",
     )
     s.add_argument("--checkpoint", metavar="DIR", default=None, help="save model/optimizer/loader state in DIR")
-    s.add_argument("--checkpoint-every", type=_count(1), default=500, metavar="K", help="steps between checkpoints")
+    s.add_argument("--checkpoint-every", type=count_arg(1), default=500, metavar="K", help="steps between checkpoints")
     s.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch included")
     s.add_argument(
         "--record-indices",

@@ -224,4 +224,5 @@ def test_stages_takes_what_bench_s_stages_honoured_and_nothing_else():
         "--cache-dir",  # data at a URL
         "--cache-limit",
         "--storage-option",
+        "--classes",  # the class map, as every command that opens data takes it
     }

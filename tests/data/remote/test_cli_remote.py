@@ -59,19 +59,19 @@ def endpoint(server) -> list[str]:
 
 
 def test_storage_option_values_are_json_where_they_parse_else_text():
-    from dali_fast.cli_options import _storage_option
+    from dali_fast.cli_values import storage_option_arg
 
-    assert _storage_option("anon=true") == ("anon", True)
-    assert _storage_option("max_concurrency=3") == ("max_concurrency", 3)
-    assert _storage_option('config_kwargs={"retries": {"max_attempts": 1}}') == (
+    assert storage_option_arg("anon=true") == ("anon", True)
+    assert storage_option_arg("max_concurrency=3") == ("max_concurrency", 3)
+    assert storage_option_arg('config_kwargs={"retries": {"max_attempts": 1}}') == (
         "config_kwargs",
         {"retries": {"max_attempts": 1}},
     )
-    assert _storage_option("endpoint_url=http://minio:9000") == ("endpoint_url", "http://minio:9000")
-    assert _storage_option("profile=a=b") == ("profile", "a=b")  # the first = splits
-    assert _storage_option("token=") == ("token", "")
+    assert storage_option_arg("endpoint_url=http://minio:9000") == ("endpoint_url", "http://minio:9000")
+    assert storage_option_arg("profile=a=b") == ("profile", "a=b")  # the first = splits
+    assert storage_option_arg("token=") == ("token", "")
     with pytest.raises(argparse.ArgumentTypeError, match="is not KEY=VALUE; e.g. endpoint_url=http://minio:9000"):
-        _storage_option("anon")
+        storage_option_arg("anon")
 
 
 @pytest.mark.parametrize("command", DATA_COMMANDS)
