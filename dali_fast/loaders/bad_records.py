@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..data.base import Reader
 
@@ -19,16 +22,33 @@ class BadRecordError(ValueError):
 
 @dataclass
 class SkipLog:
-    """Skipped records: counted, and each logged once."""
+    """Skipped records: counted, each logged once, and held until the batch they were skipped from is
+    yielded (`yielded`), which a backend that works ahead may reach several batches later."""
 
     count: int = 0
     logged: set[int] = field(default_factory=set)
+    pending: Counter[int] = field(default_factory=Counter)
 
     def add(self, index: int, source: str, reason: str) -> None:
         self.count += 1
+        self.pending[index] += 1
         if index not in self.logged:
             self.logged.add(index)
             log.warning("skipping record %d (%s): %s", index, source, reason)
+
+    def yielded(self, planned: np.ndarray, rows: int) -> np.ndarray:
+        """The indices of a yielded batch's ``rows``: its ``planned`` indices less the ones skipped from it
+        (``len(planned) - rows`` of them, among those `add` holds)."""
+        missing = len(planned) - rows
+        if missing <= 0:
+            return planned
+        keep = np.ones(len(planned), dtype=bool)
+        for k, index in enumerate(planned.tolist()):
+            if missing and self.pending[index] > 0:
+                self.pending[index] -= 1
+                keep[k], missing = False, missing - 1
+        self.pending += Counter()  # drop the zero counts
+        return planned[keep]
 
 
 def bad_record_message(reader: Reader, index: int, reason: str) -> str:

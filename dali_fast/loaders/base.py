@@ -45,8 +45,9 @@ class LoaderBase:
 
     The position is the number of this rank's samples already *yielded* in the current epoch
     (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
-    resumes at exactly the next sample. ``last_indices`` holds the data set indices the last
-    yielded batch accounts for (skipped undecodable records included), for audits and debugging.
+    resumes at exactly the next sample. ``last_indices`` holds the data set indices of the last yielded
+    batch's rows, in order (a record skipped as undecodable is not among them, so `gather_outputs` of the
+    rows and these indices lines up), for exact evaluation and audits.
 
     A backend is a subclass that calls ``super().__init__(dataset, batch_size, **kwargs)`` first and
     writes two methods, which the base does not:
@@ -370,7 +371,7 @@ class LoaderBase:
         try:
             for images, labels, consumed in run:
                 at = self.order.position
-                self.last_indices = shard[at : at + consumed]
+                self.last_indices = self._skips.yielded(shard[at : at + consumed], len(labels))
                 self.order.position += consumed
                 if self._streaming is not None:
                     self._streaming.advance(consumed)  # the batch is decoded: its shards' use may be over

@@ -279,3 +279,31 @@ def test_lightning_ddp_validation_sees_each_record_once_with_unequal_ranks(tmp_p
         shares = [[i for batch in r["val"] for i in batch] for r in ranks]
         assert [len(s) for s in shares] == [19, 18], backend
         each_once(shares[0] + shares[1], range(37))
+
+
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_gather_outputs_with_skipped_records_follows_the_documented_recipe(backend, prefetch):
+    """``last_indices`` names the yielded rows: a record skipped as undecodable (here one the structural
+    check refuses and one that fails only to decode) is not among them, so the rows and the indices line up,
+    whichever batch the backend was working on when it skipped it."""
+    import odd_images
+
+    items = [jpeg_bytes(24 + i % 7, 20 + i % 3) for i in range(21)]
+    items[4] = b"not an image at all"
+    import io
+
+    from builders import photo
+    from PIL import Image
+
+    big = io.BytesIO()
+    Image.fromarray(photo(200, 260)).save(big, "JPEG", quality=90)  # 12 KiB and more: damage fits in its scan
+    items[13] = odd_images.damaged_scans(big.getvalue())["zeroed_4k"]
+    reader = IndexReader(items)
+    kw = {"prefetch": prefetch} if backend == "dali" else {}
+    loader = make(backend, reader, 4, train=False, on_error="skip", **kw)
+    rows, seen = _evaluate(loader)
+    got = gather_outputs(rows, seen)
+    skipped = (4, 13) if backend == "torch" else (4,)  # DALI's decoder decodes through the damaged scan
+    assert loader.skipped == len(skipped)
+    assert got[:, 0].long().tolist() == [i for i in range(21) if i not in skipped]  # each label is its index
