@@ -102,6 +102,11 @@ class MixupCutmix:
                     f"target={self.target!r} mixes float rows (N, {self.num_classes}), got {labels.dtype} "
                     f"{tuple(labels.shape)}: open the data set with target={self.target!r} (and num_classes)"
                 )
+        elif labels.dim() != 1 or labels.is_floating_point():  # known from the shape and dtype: no GPU read
+            raise ValueError(
+                f"target='class' mixes class indices, int64 (N,), got {labels.dtype} {tuple(labels.shape)}: "
+                f"for multi-hot or float rows make MixupCutmix(target='multihot' or 'float', num_classes=K)"
+            )
         elif labels.device.type == "cpu" and len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             raise ValueError(f"labels outside 0..{self.num_classes - 1}: set num_classes to the data set's classes")
         use_mixup, use_cutmix = self.alpha_mixup > 0, self.alpha_cutmix > 0

@@ -113,3 +113,15 @@ def test_mixup_cutmix_reads_nothing_back_from_the_device():
         assert out.device.type == "meta" and targets.shape == (8, 5)
     with pytest.raises(ValueError, match=r"labels outside 0..4: set num_classes to the data set's classes"):
         MixupCutmix(num_classes=5)(images, labels + 1)
+
+
+def test_class_mixing_of_multi_hot_rows_is_one_line():
+    """Multi-hot rows fed to a class mixer: named from the shape and dtype, not a failure inside torch."""
+    mix = MixupCutmix(alpha_mixup=0.8, num_classes=80, seed=0)
+    rows = torch.zeros(4, 80)
+    with pytest.raises(ValueError) as e:
+        mix(torch.zeros(4, 3, 8, 8), rows)
+    assert str(e.value) == (
+        "target='class' mixes class indices, int64 (N,), got torch.float32 (4, 80): for multi-hot or float rows "
+        "make MixupCutmix(target='multihot' or 'float', num_classes=K)"
+    )
