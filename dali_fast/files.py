@@ -4,6 +4,7 @@ the clean-up of what killed writers left, the cache folder, and writability chec
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import logging
 import os
@@ -103,7 +104,8 @@ def atomic_dir(path: str | Path, *, doing: str = "writing", what: str = "run") -
     which is renamed to ``path`` when the block ends (replacing an empty folder there) and removed if the
     block fails. Temporaries that killed runs left are removed first. Another folder appearing at
     ``path`` meanwhile is a `FileExistsError` (``doing`` and ``what`` word it: "appeared while packing
-    (another pack ...)"); a ``path`` that cannot be made, a one-line `ValueError`."""
+    (another pack ...)"); a ``path`` that cannot be made, or a block that runs out of room (a full disk,
+    a quota, a file-size limit), a one-line `ValueError` naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path)
@@ -121,9 +123,20 @@ def atomic_dir(path: str | Path, *, doing: str = "writing", what: str = "run") -
                     f"{path}: appeared while {doing} (another {what} to the same place?); this {what} is discarded"
                 ) from None
             raise ValueError(f"{path}: cannot be created ({e.strerror or e}); choose another destination") from e
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno not in OUT_OF_ROOM:
+            raise
+        raise ValueError(
+            f"{path}: out of room while {doing} ({e.strerror or e}: the disk is full, or a quota or file-size limit "
+            f"was reached); nothing was left there: free space, or choose another destination"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
 
 
 def check_writable_folder(path: str | Path, what: str) -> None:
