@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_options import AUGMENTS, build_parser
+from .text import plural
 
 log = logging.getLogger("dali_fast")
 
@@ -25,7 +26,7 @@ def _cmd_make_synthetic(args: argparse.Namespace) -> int:
 
     make_synthetic(args.out, images=args.images, classes=args.classes, seed=args.seed, multi_label=args.multi_label)
     where = f"{args.out} (targets in {Path(args.out) / 'labels.csv'})" if args.multi_label else args.out
-    print(f"wrote {args.images} images in {args.classes} classes to {where}")
+    print(f"wrote {plural(args.images, 'image')} in {plural(args.classes, 'class', 'classes')} to {where}")
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from ..text import plural
 from .checks import check_encoded, check_label
 from .targets import SubsetTargets, reader_targets
 
@@ -265,7 +266,8 @@ def check_labels(reader: Reader, num_classes: int) -> None:
         i = int(bad[0])
         raise ValueError(
             f"record {i} ({reader.source(i)}) has label {int(labels[i])}, outside 0..{num_classes - 1} "
-            f"({num_classes} classes); {len(bad)} record(s) in all: fix the labels or the class list and pack again"
+            f"({plural(num_classes, 'class', 'classes')}); {plural(len(bad), 'record')} in all: fix the labels or the "
+            "class list and pack again"
         )
 
 

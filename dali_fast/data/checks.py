@@ -272,4 +272,6 @@ def check_label(label: int, classes: int) -> str | None:
     """Why ``label`` is not a class index of a data set with ``classes`` classes, or None."""
     if 0 <= label < classes:
         return None
+    if classes == 1:
+        return f"label {label} is not the data set's one class (0)"
     return f"label {label} is not one of the data set's {classes} classes (0..{classes - 1})"

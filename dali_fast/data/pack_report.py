@@ -43,7 +43,7 @@ class PackReport:
         ignored = f"; ignored {plural(len(self.ignored), 'non-image')}"
         targets = "" if self.target == "class" else f" with {self.target} targets of width {self.target_width}"
         return (
-            f"packed {self.records} records of {self.classes} classes{targets} ({self.data_bytes / 2**20:.1f} MiB) "
+            f"packed {plural(self.records, 'record')} of {plural(self.classes, 'class', 'classes')}{targets} ({self.data_bytes / 2**20:.1f} MiB) "
             f"into {self.dst} in {self.seconds:.1f}s; re-encoded {self.reencoded}, left out {len(self.skipped)}"
             + (lost if self.damaged else "")
             + (ignored if self.ignored else "")

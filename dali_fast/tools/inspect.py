@@ -88,7 +88,7 @@ def inspect_dataset(
     if bad:
         emit(f"verify:   {plural(len(bad), 'bad record')} of {n}; remove or replace them (pack leaves them out)")
         return 1
-    emit(f"verify:   all {n} records{crc} decode (JPEGs strictly: libjpeg-turbo reports no damage)")
+    emit(f"verify:   {'all ' if n > 1 else ''}{plural(n, 'record')}{crc} decode (JPEGs strictly: libjpeg-turbo reports no damage)")
     return 0
 
 

@@ -112,7 +112,7 @@ def test_labels_are_checked_once_where_they_come_from():
     with pytest.raises(ValueError) as e:
         check_labels(reader, 4)
     assert str(e.value) == (
-        "record 4 (mem://4.jpg) has label 4, outside 0..3 (4 classes); 2 record(s) in all: "
+        "record 4 (mem://4.jpg) has label 4, outside 0..3 (4 classes); 2 records in all: "
         "fix the labels or the class list and pack again"
     )
 

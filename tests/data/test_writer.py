@@ -255,7 +255,7 @@ def test_a_failing_pack_leaves_nothing(small_folder, tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(writer.os, "fsync", boom)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ValueError, match=r"out of room while packing \(No space left on device"):
         pack(small_folder, tmp_path / "p", progress=False)
     assert list(tmp_path.iterdir()) == [tmp_path / "imgs"]
 
@@ -268,6 +268,8 @@ def test_pack_summary_line_exactly(tmp_path):
     assert report.summary() == (
         f"packed 12 records of 3 classes (3.5 MiB) into {tmp_path / 'p'} in 2.2s; re-encoded 2, left out 1"
     )
+    one = PackReport(dst=tmp_path / "p", records=1, classes=1, data_bytes=2**20, seconds=1.0)
+    assert one.summary().startswith("packed 1 record of 1 class (1.0 MiB)")  # not "1 records of 1 classes"
 
 
 def test_verify_and_pack_show_progress_only_when_asked(small_folder, tmp_path, capsys, caplog, monkeypatch):
