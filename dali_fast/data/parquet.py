@@ -41,7 +41,7 @@ from .parquet_group import NULL_IMAGE, RowGroup
 from .parquet_index import ParquetIndex, expand_parquet, load_or_build, local_identity, pyarrow_parquet
 from .path_refs import PathRefs
 from .shards import shard_classes
-from .targets import attach_targets, check_target
+from .targets import NULL_LIST, attach_targets, check_target
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class ParquetReader:
         path references, order and row-group LRU."""
         self.columns = index.columns
         self.target_lists = (index.target_values, index.target_ends)  # a list column's (`targets.attach_targets`)
+        self.target_nulls = index.null_label  # a null list: a bad record, not a list of no numbers
         self._labels, self._null_label = index.labels, index.null_label
         self.group_rows, self.group_file, self.group_bytes = index.group_rows, index.group_file, index.group_bytes
         self.shard_bounds = np.concatenate([[0], np.cumsum(self.group_rows)]).astype(np.int64)  # per row group
@@ -328,7 +329,7 @@ class ParquetReader:
 
     def _label_reason(self, i: int) -> str | None:
         if self._null_label[i]:
-            return "null target list" if self.columns.label_kind == "list" else NULL_LABEL
+            return NULL_LIST if self.columns.label_kind == "list" else NULL_LABEL
         if i in self._own_bad:  # outside the file's own classes, before they were put on the declared ones
             return check_label(self._own_bad[i], self._own_count)
         return check_label(int(self._labels[i]), len(self.classes))

@@ -260,6 +260,27 @@ def _label(
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LABEL:
         bad(where, f"label {value!r} in its {what}: a label is a whole number from 0 to {MAX_LABEL}")
         return None
+    other = _json_label(f, parts, label_key) if what == ".cls" else _MISSING
+    comparable = isinstance(other, int) and not isinstance(other, bool)  # a class name there names, not numbers
+    if comparable and other != value:  # which of the two is meant cannot be told
+        bad(where, f"its .cls says {value} and its .json {label_key!r} says {other!r}; keep one label")
+        return None
+    return value
+
+
+def _json_label(f: io.BufferedReader, parts: dict[str, tuple[int, int]], label_key: str) -> object:
+    """The ``label_key`` of a sample's ``.json`` beside its ``.cls`` ("3" read as 3), or `_MISSING` when
+    there is none: no .json, another shape, or no such key."""
+    if "json" not in parts:
+        return _MISSING
+    try:
+        f.seek(parts["json"][0])
+        doc = json.loads(f.read(parts["json"][1]))
+    except (ValueError, UnicodeDecodeError):
+        return _MISSING
+    value = doc.get(label_key, _MISSING) if isinstance(doc, dict) else _MISSING
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value)
     return value
 
 

@@ -22,6 +22,7 @@ from ..text import plural
 log = logging.getLogger(__name__)
 
 TARGET_KINDS = ("class", "multihot", "float")
+NULL_LIST = "null target list"
 
 
 def check_target(target: str | None, num_classes: int | None) -> None:
@@ -59,13 +60,15 @@ class ListTargets:
         ends: np.ndarray,
         num_classes: int | None = None,
         source: Callable[[int], str] = str,
+        null: np.ndarray | None = None,
     ) -> None:
         values = np.asarray(values)  # any numeric dtype: the readers give float64
         ends = np.asarray(ends, dtype=np.int64)  # signed: Arrow's offsets may come as uint64
         starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         counts = ends - starts
+        null = np.zeros(len(ends), bool) if null is None else np.asarray(null, dtype=bool)
         self.kind = kind
-        self.bad: dict[int, str] = {}
+        self.bad: dict[int, str] = {int(i): NULL_LIST for i in np.flatnonzero(null)}
         if kind == "multihot":
             if num_classes is None:
                 raise ValueError("target='multihot' needs num_classes=K, the number of classes (the rows' width)")
@@ -78,8 +81,8 @@ class ListTargets:
             for at in _firsts(rec, wrong):
                 self.bad[int(rec[at])] = _index_reason(values[at], self.width)
         elif kind == "float":
-            width = int(np.bincount(counts).argmax()) if len(counts) else 0
-            other = np.flatnonzero(counts != width)
+            width = int(np.bincount(counts[~null]).argmax()) if (~null).any() else 0
+            other = np.flatnonzero((counts != width) & ~null)
             if len(other):
                 i = int(other[0])
                 raise ValueError(
@@ -90,10 +93,11 @@ class ListTargets:
             if width == 0:
                 raise ValueError(f"{source(0)}: no numbers in the target lists; target='float' needs D >= 1 per sample")
             self.width = width
-            self._dense = values.reshape(len(ends), width).astype(np.float32)
-            wrong = ~np.isfinite(self._dense).all(axis=1)
+            self._dense = np.full((len(ends), width), np.nan, np.float32)
+            self._dense[~null] = values.reshape(-1, width)  # a null list has no numbers: its row stays NaN
+            wrong = ~np.isfinite(self._dense).all(axis=1) & ~null
             for i in np.flatnonzero(wrong).tolist():
-                self.bad[i] = f"target {self._dense[i].tolist()} holds a number that is not finite"
+                self.bad[i] = _not_finite(values[starts[i] : ends[i]])
         else:
             raise ValueError(f"target={kind!r}: per-record lists make 'multihot' or 'float' targets")
         self._bad_mask = np.zeros(len(ends), dtype=bool)
@@ -126,6 +130,18 @@ class ListTargets:
             return {}
         idx = np.asarray(indices, dtype=np.int64)
         return {int(pos): self.bad[int(idx[pos])] for pos in np.flatnonzero(self._bad_mask[idx])}
+
+
+def _not_finite(numbers: np.ndarray) -> str:
+    """Why a float target row is bad: a NaN or an infinity, or a number beyond float32's range (which the
+    rows are) named as such."""
+    big = np.isfinite(numbers) & (np.abs(numbers) > np.finfo(np.float32).max)
+    if big.any():
+        return (
+            f"target {numbers.tolist()} holds {float(numbers[big][0])!r}, beyond float32's range "
+            f"(+-{float(np.finfo(np.float32).max):.4g}): scale the targets"
+        )
+    return f"target {numbers.astype(np.float32).tolist()} holds a number that is not finite"
 
 
 def _firsts(rec: np.ndarray, wrong: np.ndarray) -> list[int]:
@@ -170,7 +186,7 @@ def attach_targets(reader: Any, target: str | None, num_classes: int | None) -> 
         reader.targets = None
         return
     values, ends = reader.target_lists
-    targets = ListTargets(kind, values, ends, num_classes, reader.source)
+    targets = ListTargets(kind, values, ends, num_classes, reader.source, getattr(reader, "target_nulls", None))
     reader.targets = targets
     if targets.bad:
         first = min(targets.bad)

@@ -34,8 +34,9 @@ from .targets import attach_targets, check_target
 log = logging.getLogger(__name__)
 
 # 2: grouping by consecutive key, labels checked (shards.index_shard); 3: member_index arrays; 4: damaged shards;
-# 5: target lists; 6: tarfile's names (PAX, GNU long names, UTF-8), every member grouped, no-sample rules
-INDEX_VERSION = 6
+# 5: target lists; 6: tarfile's names (PAX, GNU long names, UTF-8), every member grouped, no-sample rules;
+# 7: a .cls and a .json label that disagree
+INDEX_VERSION = 7
 
 
 class WebDatasetReader(MemberIndexReader):

@@ -79,3 +79,14 @@ def test_a_url_is_routed_by_the_name_it_spells_and_only_a_folder_is_listed(monke
     assert {url: _remote_parquet(url, kw) for url in named} == named and listed == []
     assert _remote_parquet("s3://b/folder-pq", kw) is True and _remote_parquet("s3://b/shards/", kw) is False
     assert listed == [("s3://b/folder-pq", {"anon": True}), ("s3://b/shards/", {"anon": True})]
+
+
+def test_a_packed_folder_that_also_holds_shards_opens_as_the_pack(tmp_path, cache):
+    """index.bin makes a folder a pack, whatever else it holds (shards written beside it, say)."""
+    from builders import jpeg_bytes, make_folder, write_shards
+
+    from dali_fast.data.writer import pack
+
+    pack(make_folder(tmp_path / "src", {"a": [jpeg_bytes()] * 3}), tmp_path / "p", progress=False)
+    write_shards(tmp_path / "p")  # .tar files beside the pack's files
+    assert type(open_dataset(tmp_path / "p")).__name__ == "MemmapReader" and len(open_dataset(tmp_path / "p")) == 3

@@ -59,7 +59,7 @@ def test_a_null_list_and_a_bad_index_in_parquet_are_bad_records(tmp_path, cache)
     loader = TorchIterator(reader, 4, train=False, image_size=16, num_workers=0, on_error="skip")
     seen = []
     for _, targets in loader:
-        idx = [i for i in loader.last_indices.tolist() if i not in (2, 5)]  # last_indices holds the skipped too
+        idx = loader.last_indices.tolist()  # the yielded rows: the skipped records are not among them
         np.testing.assert_array_equal(targets.numpy(), np.stack([row(i, "multihot") for i in idx]))
         seen += idx
     assert sorted(seen) == [i for i in range(N) if i not in (2, 5)]
@@ -71,6 +71,25 @@ def test_a_null_list_and_a_bad_index_in_parquet_are_bad_records(tmp_path, cache)
         f"class index {K} is outside 0..{K - 1} (num_classes={K})",
         "null target list",
     ]
+
+
+def test_a_null_float_list_is_a_bad_record_and_an_overflow_is_named(tmp_path, cache):
+    """A null list makes its row bad, as for multi-hot (it refused the whole set); a number that float32,
+    the rows' type, cannot hold is named as such, not as 'not finite'."""
+    lists = [[float(i), -1.0] for i in range(6)]
+    lists[1], lists[4] = None, [1e39, 0.0]
+    table = pa.table({"image": [jpeg_bytes(20 + i, 16) for i in range(6)], "v": pa.array(lists, pa.list_(pa.float64()))})
+    pq.write_table(table, tmp_path / "f.parquet")
+    reader = open_dataset(tmp_path / "f.parquet", target="float", label_column="v")
+    assert reader.targets.width == 2
+    assert reader.targets.bad == {
+        1: "null target list",
+        4: "target [1e+39, 0.0] holds 1e+39, beyond float32's range (+-3.403e+38): scale the targets",
+    }
+    loader = TorchIterator(reader, 4, train=False, image_size=16, num_workers=0, on_error="skip")
+    rows = [t for _, t in loader]
+    assert loader.skipped == 2
+    np.testing.assert_array_equal(np.concatenate(rows)[:, 0], [0.0, 2.0, 3.0, 5.0])
 
 
 @pytest.mark.parametrize("kind", ["multihot", "float"])

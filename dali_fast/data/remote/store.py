@@ -40,7 +40,7 @@ from .errors import (
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 3  # 2: WebDataset's grouping by consecutive key, labels checked; 3: tarfile's names (shards.index_shard)
+INDEX_VERSION = 4  # 2: WebDataset's grouping, labels checked; 3: tarfile's names; 4: .cls and .json agree (index_shard)
 CHUNK_BYTES = 8 << 20  # one range request
 _IDENTITY_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "VersionId", "crc32c")
 _TIME_FIELDS = ("LastModified", "mtime", "updated", "last_modified", "Last-Modified")
