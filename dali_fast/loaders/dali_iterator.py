@@ -23,7 +23,7 @@ from ..transforms.decode_choice import decide_train_decode, requested_train_deco
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
-from .batch_targets import batch_targets
+from .batch_targets import batch_targets, to_device
 from .dali_pipeline import (
     BatchSource,
     ReadAheadError,
@@ -213,7 +213,7 @@ class DALIIterator(LoaderBase):
                 # The labels (or target rows) of the records the batch holds, from the source: they skip the
                 # pipeline, and go to the images' device once
                 targets = batch_targets(self._targets, fed.kept, torch.from_numpy(fed.labels))
-                yield images, targets.to(images.device, non_blocking=True), fed.consumed, fed.batches
+                yield images, to_device(targets, images.device), fed.consumed, fed.batches
         finally:
             if ended:
                 self._kept = kept
