@@ -100,6 +100,8 @@ def decide_train_decode(gpu: bool, device_id: int | None, requested: str = "auto
     engine = jpeg_engine(device_id or 0) if requested == "auto" else None
     choice = choose_train_decode(True, engine, requested)
     why = {True: "NVML sees a JPEG engine", False: "NVML sees no JPEG engine", None: "NVML cannot tell"}[engine]
+    if requested != "auto":
+        why = "NVML not asked"
     if choice == "roi":
         from .decode_probe import probe_once
 
@@ -114,7 +116,7 @@ def decide_train_decode(gpu: bool, device_id: int | None, requested: str = "auto
             if requested == "auto":
                 log.warning("%s: training decodes whole images instead", line)
                 return "whole"
-            log.warning("%s; %s=roi was asked for, so training decodes crop windows anyway", line, TRAIN_DECODE_ENV)
+            log.warning("%s; %s, so training decodes crop windows anyway", line, _asked(requested))
     log.info("training decodes %s on CUDA device %s (%s; %s)", _WORDS[choice], device_id, why, _asked(requested))
     return choice
 
