@@ -23,6 +23,16 @@ def cpus_per_local_rank() -> int:
     return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
+def devices_remapped() -> bool:
+    """Whether ``CUDA_VISIBLE_DEVICES`` gives CUDA device k another GPU than NVML's device k: it lists
+    UUIDs, or indices other than 0, 1, 2, ... in that order. Unset, or "0,1,...": the same numbering."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return False
+    entries = [v.strip() for v in visible.split(",") if v.strip()]
+    return entries != [str(k) for k in range(len(entries))]
+
+
 def read_proc_kib(path: str, key: str) -> int | None:
     """The kB value of ``key`` in a /proc status-style file (``VmRSS``, ``MemAvailable``...), or None."""
     try:

@@ -1,27 +1,28 @@
 """The measuring steps of gpu_check/gpu_check.sh, one subcommand each; every figure is printed as it is
 taken, as a line ``FIGURE <key> <value>``, and written to ``--out``/<step>.json at the end.
 
-    python gpu_check/gpu_steps.py data       --out DIR [--images 4096] [--size 500x375] [--quality 95]
-    python gpu_check/gpu_steps.py decode     --data PACKED --out DIR [--doctor-json FILE]
+    python gpu_check/gpu_steps.py data       --out DIR [--images 4096] [--size 500x375] [--odd-share 0.1]
+    python gpu_check/gpu_steps.py decode     --data PACKED --out DIR [--doctor-json FILE] [--eval-images 1024]
+    python gpu_check/gpu_steps.py odd        --data PACKED --out DIR [--corpus tests/fixtures/odd_jpegs]
     python gpu_check/gpu_steps.py failures   --data PACKED --out DIR
-    python gpu_check/gpu_steps.py ceiling    --data PACKED --out DIR [--threads 8,16] [--workers 16]
+    python gpu_check/gpu_steps.py ceiling    --data PACKED --out DIR [--threads 8,16] [--loads 0.65,0.99]
     python gpu_check/gpu_steps.py models     --data PACKED --out DIR [--models resnet50,resnet18]
     python gpu_check/gpu_steps.py controller --data PACKED --out DIR
+    python gpu_check/gpu_steps.py answers    --data PACKED --out DIR   (reads the steps' figures in DIR)
 
 Made for one GPU (``--device auto`` takes it); ``--device cpu`` and small sizes run every step on a CPU
 (DALI's CPU-only mode) so that the script itself is tested where there is no GPU. What a step cannot
-measure on this machine is printed as ``n/a (<why>)``.
+measure on this machine is printed as ``n/a (<why>)``. The speed steps live in `gpu_speed`, their timing
+in `gpu_rows`, the odd JPEGs in `gpu_corpus`, the closing answers in `gpu_answers`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import multiprocessing
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,97 +32,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-FIGURES: dict[str, Any] = {}
-FAILED: list[str] = []  # why the step fails (its figures are all printed first); empty: it passed
+from gpu_answers import answers, load_figures  # noqa: E402
+from gpu_corpus import corpus_step, make_odd  # noqa: E402
+from gpu_figures import FAILED, FIGURES, device_name, figure, gib, gpu_wanted, save  # noqa: E402, F401
+from gpu_rows import sync  # noqa: E402
+from gpu_speed import engine_verdict, step_ceiling, step_models, step_plain_rows  # noqa: E402, F401
+
 OOM_BATCH = 1024  # the out-of-memory check's batch: 1024 x 3 x 224 x 224 float32 is 588 MiB of output
-
-
-def figure(key: str, value: Any) -> None:
-    """Print one figure at once (a step stopped at its time limit keeps what it printed) and keep it."""
-    if isinstance(value, float):
-        value = round(value, 4 if abs(value) < 10 else 1)
-    FIGURES[key] = value
-    text = str(value).replace("\n", " ").replace("|", "/")
-    print(f"FIGURE {key} {text}", flush=True)
-
-
-def gpu_wanted(args: argparse.Namespace) -> bool:
-    if args.device == "cpu":
-        return False
-    usable = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if args.device == "cuda" and not usable:
-        sys.exit("--device cuda but CUDA is not usable here")
-    return usable
-
-
-def device_name(gpu: bool) -> str:
-    return "cuda" if gpu else "cpu"
-
-
-def open_nvml(gpu: bool) -> tuple[Any, Any]:
-    """(pynvml, handle of this process's CUDA device), or (None, None) where NVML cannot be read."""
-    if not gpu:
-        return None, None
-    try:
-        import pynvml
-
-        from dali_fast.machine import nvml_handle
-
-        pynvml.nvmlInit()
-        return pynvml, nvml_handle(pynvml, torch.cuda.current_device())
-    except Exception as e:  # noqa: BLE001 - NVML missing: those figures read n/a
-        print(f"NVML cannot be read: {e}", flush=True)
-        return None, None
-
-
-class EngineSampler:
-    """Samples NVML's JPEG-engine and GPU utilization every ``interval`` s in a thread."""
-
-    def __init__(self, nvml: Any, handle: Any, interval: float = 0.05) -> None:
-        self.nvml, self.handle, self.interval = nvml, handle, interval
-        self.jpeg: list[float] = []
-        self.gpu: list[float] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> EngineSampler:
-        if self.nvml is not None:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                util = self.nvml.nvmlDeviceGetJpgUtilization(self.handle)
-                self.jpeg.append(float(util[0] if isinstance(util, list | tuple) else util))
-            except Exception:  # noqa: BLE001 - no JPEG engine (or not readable): no JPEG figure
-                pass
-            try:
-                self.gpu.append(float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
-            except Exception:  # noqa: BLE001
-                pass
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def report(self, prefix: str) -> None:
-        why = "n/a (no NVML reading)"
-        figure(f"{prefix}.jpeg_util_peak", max(self.jpeg) if self.jpeg else why)
-        figure(f"{prefix}.jpeg_util_mean", float(np.mean(self.jpeg)) if self.jpeg else why)
-        figure(f"{prefix}.gpu_util_mean", float(np.mean(self.gpu)) if self.gpu else why)
-
-
-def sync(gpu: bool) -> None:
-    if gpu:
-        torch.cuda.synchronize()
-
-
-def gib(n: float | None) -> Any:
-    return round(n / 2**30, 2) if isinstance(n, int | float) else "n/a"
+DEFAULT_CORPUS = ROOT / "tests" / "fixtures" / "odd_jpegs"
+FLAT_LEVELS = 1.0  # a GPU image whose pixels vary less than this (std, levels) where the CPU's vary: skipped
+CORRUPT_MEAN_LEVELS = 4.0  # an image this far from the CPU's on average (GPU resize/decoder noise: ~0.5)
 
 
 # --------------------------------------------------------------------------- data
@@ -164,7 +86,8 @@ def _make_folder(kind: str, root: Path, args: argparse.Namespace) -> None:
 def step_data(args: argparse.Namespace) -> None:
     """Photographs (scripts/photos.py: scikit-image's sample photos, cut and saved as baseline JPEGs)
     where scikit-image and its sample photos are installed, else the package's synthetic images (about
-    as large, but smoother: they decode faster than photos); then packed."""
+    as large, but smoother: they decode faster than photos); about ``--odd-share`` of them re-encoded as
+    progressive, 4:4:4, gray, 2-6 MP or EXIF-rotated (`gpu_corpus.make_odd`); then packed."""
     from dali_fast import open_dataset, pack
 
     out = Path(args.out)
@@ -180,12 +103,14 @@ def step_data(args: argparse.Namespace) -> None:
         source = f"synthetic (no photos: {type(e).__name__}: {str(e)[:80]})"
         shutil.rmtree(root, ignore_errors=True)
         _make_folder("synthetic", root, args)
+    odd = make_odd(root, args.odd_share, args.quality)
     shutil.rmtree(packed, ignore_errors=True)
     pack(root, packed, progress=False, verify=False)
     reader = open_dataset(packed)
     sizes = [len(reader[i][0]) for i in range(len(reader))]
     figure("data.source", source)
     figure("data.images", len(reader))
+    figure("data.odd", ", ".join(f"{kind} {n}" for kind, n in odd.items()) or "none")
     figure("data.mean_kb", float(np.mean(sizes)) / 1024)
     figure("data.seconds", time.perf_counter() - t0)
     figure("data.packed", str(packed))
@@ -208,18 +133,13 @@ def doctor_figures(path: Path) -> None:
         figure(f"doctor.hw_decoder.{k}", v)
     pre = r["decoder_preallocation"] or {}
     figure("doctor.decoder_device_padding_mib", round(pre.get("device_total", 0) / 2**20))
+    probe = r.get("decoder_probe") or {}
+    for k in ("crop_window", "nvjpeg", "hw_backend", "hw_engines", "hw_cores", "seconds"):
+        figure(f"doctor.decoder_probe.{k}", probe.get(k, "not tried (no GPU)"))
+    figure("doctor.known_defects", "; ".join(d["ref"] for d in r.get("known_defects") or []) or "none listed")
 
 
 # --------------------------------------------------------------------------- decode differences
-def _pillow(data: np.ndarray) -> np.ndarray:
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data.tobytes())) as im:
-        return np.asarray(im.convert("RGB"))
-
-
 def _dali_decode(datas: list[np.ndarray], device: str, device_id: int | None, **kw: Any) -> list[np.ndarray]:
     from nvidia.dali import fn, pipeline_def, types
 
@@ -247,10 +167,37 @@ def _levels(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, int]:
     return float(np.mean([d.mean() for d in diffs])), int(max(d.max() for d in diffs))
 
 
+def compare_images(gpu: torch.Tensor, cpu: torch.Tensor, names: list[str]) -> dict[str, Any]:
+    """GPU against CPU output of the same images (N, C, H, W, in pixel levels): the mean difference, its p99
+    over every pixel (read from a histogram, not a first slice), the worst image with its own mean and
+    largest difference, the images off the CPU's by more than `CORRUPT_MEAN_LEVELS` on average and those
+    that came out flat (std under `FLAT_LEVELS`) where the CPU's vary (an image the decoder skipped)."""
+    d = (gpu.float() - cpu.float()).abs()
+    per_mean = d.mean(dim=(1, 2, 3))
+    per_max = d.amax(dim=(1, 2, 3))
+    hist = torch.bincount(d.round().clamp(max=255).to(torch.int64).flatten(), minlength=256)
+    p99 = int(torch.searchsorted(hist.cumsum(0), 0.99 * d.numel()).item())
+    worst = int(per_mean.argmax())
+    flat = (gpu.float().std(dim=(1, 2, 3)) < FLAT_LEVELS) & (cpu.float().std(dim=(1, 2, 3)) >= 4 * FLAT_LEVELS)
+    off = per_mean > CORRUPT_MEAN_LEVELS
+    bad = [names[i] for i in torch.nonzero(off | flat).flatten().tolist()]
+    return {
+        "images": len(names),
+        "mean_levels": float(d.mean()),
+        "p99_levels": p99,
+        "worst_image": f"{names[worst]}: mean {float(per_mean[worst]):.2f}, max {float(per_max[worst]):.0f} levels",
+        "flat_images": int(flat.sum()),
+        "corrupt": bad,
+    }
+
+
 def step_decode(args: argparse.Namespace) -> None:
     """The doctor's report (``--doctor-json``), then how far the decoders are from Pillow, in pixel levels:
     DALI's CPU decoder, the `mixed` GPU decoder as training uses it (fancy chroma upsampling) and with
-    DALI's default; then the whole eval transform, DALIIterator on the GPU against DALIIterator on the CPU."""
+    DALI's default; then the whole eval transform, DALIIterator on the GPU against DALIIterator on the CPU,
+    over ``--eval-images`` (`compare_images`). The step fails when a GPU image is off the CPU's or flat."""
+    from gpu_corpus import pillow_rgb
+
     from dali_fast import DALIIterator, open_dataset
     from dali_fast.transforms.recipe import Recipe
 
@@ -260,7 +207,7 @@ def step_decode(args: argparse.Namespace) -> None:
     reader = open_dataset(args.data)
     n = min(args.images, len(reader))
     datas = [np.asarray(reader[i][0]) for i in range(n)]
-    ref = [_pillow(d) for d in datas]
+    ref = [pillow_rgb(d.tobytes()) for d in datas]
     cpu = _dali_decode(datas, "cpu", None)
     mean, top = _levels(cpu, ref)
     figure("decode.images", n)
@@ -268,6 +215,7 @@ def step_decode(args: argparse.Namespace) -> None:
     figure("decode.dali_cpu_vs_pillow.max_levels", top)
     if not gpu:
         figure("decode.mixed_vs_pillow", "n/a (no GPU)")
+        figure("decode.corrupt_images", "n/a (no GPU)")
         return
     dev = torch.cuda.current_device()
     fancy = _dali_decode(datas, "mixed", dev, jpeg_fancy_upsampling=True)
@@ -282,19 +230,33 @@ def step_decode(args: argparse.Namespace) -> None:
     recipe = Recipe(image_size=args.image_size)
     std = torch.tensor(recipe.std_255).view(1, 3, 1, 1)
     mean_t = torch.tensor(recipe.mean_255).view(1, 3, 1, 1)
+    m = min(args.eval_images, len(reader))
     outs = {}
     for device in ("cuda", "cpu"):
-        loader = DALIIterator(reader, min(n, 64), train=False, device=device, recipe=recipe)
-        xs = []
-        for k, (x, _) in enumerate(loader):
+        loader = DALIIterator(reader, 128, train=False, device=device, recipe=recipe)
+        xs, got = [], 0
+        for x, _ in loader:
             xs.append(x.float().cpu() * std + mean_t)
-            if (k + 1) * min(n, 64) >= n:
+            got += len(x)
+            if got >= m:
                 break
         loader.close()
-        outs[device] = torch.cat(xs)
-    d = (outs["cuda"] - outs["cpu"]).abs()
-    figure("decode.loader_eval_gpu_vs_cpu.mean_levels", float(d.mean()))
-    figure("decode.loader_eval_gpu_vs_cpu.p99_levels", float(torch.quantile(d.flatten()[:1_000_000], 0.99)))
+        outs[device] = torch.cat(xs)[:m]
+    found = compare_images(outs["cuda"], outs["cpu"], [f"{i} ({reader.source(i)})" for i in range(m)])
+    for k in ("images", "mean_levels", "p99_levels", "worst_image", "flat_images"):
+        figure(f"decode.loader_eval_gpu_vs_cpu.{k}", found[k])
+    figure("decode.corrupt_images", len(found["corrupt"]))
+    if found["corrupt"]:
+        figure("decode.corrupt_examples", "; ".join(found["corrupt"][:5]))
+        FAILED.append(f"{len(found['corrupt'])} GPU images are off the CPU's or flat, e.g. {found['corrupt'][0]}")
+
+
+# --------------------------------------------------------------------------- the odd-JPEG corpus
+def step_odd(args: argparse.Namespace) -> None:
+    """The odd-JPEG corpus (``--corpus``: images and manifest.json) decoded alone each by `mixed` (or DALI's
+    CPU decoder without a GPU) and compared with Pillow per kind (`gpu_corpus.corpus_step`)."""
+    gpu = gpu_wanted(args)
+    corpus_step(args.corpus, gpu, torch.cuda.current_device() if gpu else None, figure, FAILED)
 
 
 # --------------------------------------------------------------------------- failure paths
@@ -389,215 +351,6 @@ def step_failures(args: argparse.Namespace) -> None:
         release_unused_memory()
 
 
-# --------------------------------------------------------------------------- the loader's ceiling
-def _timed_source() -> dict[str, float]:
-    """Time every call of the external source (the callback DALI runs on the training thread)."""
-    from dali_fast.loaders.dali_pipeline import BatchSource
-
-    stats = {"seconds": 0.0, "calls": 0}
-    real = BatchSource.__call__
-    if getattr(real, "_timed", False):
-        return real._stats  # type: ignore[attr-defined]
-
-    @functools.wraps(real)
-    def timed(self: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real(self)
-        finally:
-            stats["seconds"] += time.perf_counter() - t0
-            stats["calls"] += 1
-
-    timed._timed, timed._stats = True, stats  # type: ignore[attr-defined]
-    BatchSource.__call__ = timed  # type: ignore[method-assign]
-    return stats
-
-
-def run_epochs(loader: Any, first: int, epochs: int, gpu: bool) -> tuple[float, int]:
-    """Epochs ``first`` .. ``first + epochs - 1`` of ``loader``, no model: (seconds, images)."""
-    t0, images = time.perf_counter(), 0
-    for epoch in range(first, first + epochs):
-        loader.set_epoch(epoch)
-        for _, y in loader:
-            images += len(y)
-        sync(gpu)
-    return time.perf_counter() - t0, images
-
-
-def step_ceiling(args: argparse.Namespace) -> None:
-    """DALIIterator img/s (no model) at each thread count, the share of the wall time spent in the
-    external-source callback, the JPEG engine's and the GPU's utilization, and how training decodes; beside
-    each, the plain-DALI reference rows on the same images (`gpu_plain_dali`: "whole", the whole-image decode
-    on the JPEG engine then `fn.random_resized_crop`; "roi", DALI's crop-window decoder), and TorchIterator
-    with ``--workers``. The step fails when the GPU has a JPEG engine and it stayed idle under DALIIterator."""
-    from gpu_plain_dali import plain_epochs
-
-    from dali_fast import DALIIterator, TorchIterator, open_dataset
-    from dali_fast.transforms.decode_choice import jpeg_engine
-
-    gpu = gpu_wanted(args)
-    reader = open_dataset(args.data)
-    folder = args.images_dir or Path(args.data).parent / "images"
-    nvml, handle = open_nvml(gpu)
-    engine = jpeg_engine(torch.cuda.current_device()) if gpu else None
-    figure("ceiling.jpeg_engine", {True: "yes", False: "no", None: "unknown"}[engine] if gpu else "n/a (no GPU)")
-    # TorchIterator first: its worker processes fork before any DALI pipeline has run in this process.
-    workers = args.workers
-    loader = TorchIterator(
-        reader, args.batch_size, num_workers=workers, device=device_name(gpu), image_size=args.image_size
-    )
-    try:
-        run_epochs(loader, 0, 1, gpu)  # warm-up: the workers start
-        seconds, images = run_epochs(loader, 1, args.epochs, gpu)
-    finally:
-        if hasattr(loader, "close"):
-            loader.close()
-    torch_rate = images / seconds
-    figure(f"ceiling.torch_{workers}_workers.img_per_s", torch_rate)
-    stats = _timed_source()
-    idle: list[str] = []
-    threads_list = [int(t) for t in args.threads.split(",")]
-    for threads in threads_list:
-        key = f"ceiling.dali_{threads}_threads"
-        loader = DALIIterator(
-            reader, args.batch_size, device=device_name(gpu), num_threads=threads, image_size=args.image_size
-        )
-        figure(f"{key}.train_decode", loader.train_decode)
-        try:
-            run_epochs(loader, 0, 1, gpu)  # warm-up: the pipeline's build and first fills are not timed
-            stats["seconds"], stats["calls"] = 0.0, 0
-            with EngineSampler(nvml, handle) as sampler:
-                seconds, images = run_epochs(loader, 1, args.epochs, gpu)
-        finally:
-            loader.close()
-        rate = images / seconds
-        figure(f"{key}.img_per_s", rate)
-        if stats["calls"]:
-            figure(f"{key}.source_share", stats["seconds"] / seconds)
-            figure(f"{key}.source_ms_per_batch", 1000 * stats["seconds"] / stats["calls"])
-        else:
-            figure(f"{key}.source_share", "n/a (the source is not called in this process)")
-        sampler.report(key)
-        if engine and sampler.jpeg and max(sampler.jpeg) == 0:
-            idle.append(f"DALIIterator with {threads} threads")
-        figure(f"{key}.vs_torch", rate / torch_rate)
-        kinds = ("whole", "roi") if threads == threads_list[-1] else ("whole",)
-        for kind in kinds:
-            ref = f"ceiling.plain_dali_{kind}_{threads}_threads"
-            epoch, close = plain_epochs(
-                folder,
-                kind,
-                batch_size=args.batch_size,
-                threads=threads,
-                size=args.image_size,
-                gpu=gpu,
-                device_id=torch.cuda.current_device() if gpu else None,
-            )
-            try:
-                epoch()  # warm-up
-                t0, images = time.perf_counter(), 0
-                with EngineSampler(nvml, handle) as sampler:
-                    for _ in range(args.epochs):
-                        images += epoch()
-                    sync(gpu)
-                plain = images / (time.perf_counter() - t0)
-            finally:
-                close()
-            figure(f"{ref}.img_per_s", plain)
-            sampler.report(ref)
-            if kind == "whole":
-                figure(f"{key}.vs_plain_dali_whole", rate / plain)
-                if engine and sampler.jpeg and max(sampler.jpeg) == 0:
-                    idle.append(f"plain DALI ({kind}) with {threads} threads")
-    verdict, failure = engine_verdict(gpu, engine, nvml is not None, idle)
-    figure("ceiling.jpeg_engine_busy", verdict)
-    if failure is not None:
-        FAILED.append(failure)
-
-
-def engine_verdict(gpu: bool, engine: bool | None, sampled: bool, idle: list[str]) -> tuple[str, str | None]:
-    """(the figure, why the step fails or None): it fails when the GPU has a JPEG engine, NVML was read,
-    and the engine stayed idle (0 % at every sample) under one of the rows named in ``idle``."""
-    if not gpu:
-        return "n/a (no GPU)", None
-    if engine is not True:
-        return ("n/a (no JPEG engine)" if engine is False else "n/a (NVML cannot tell)"), None
-    if not sampled:
-        return "n/a (no NVML reading)", None
-    if idle:
-        return f"NO: idle under {', '.join(idle)}", f"the JPEG engine stayed idle under {', '.join(idle)}"
-    return "yes", None
-
-
-# --------------------------------------------------------------------------- model throughput
-def step_models(args: argparse.Namespace) -> None:
-    """Each model trained (bf16 autocast on a GPU, channels_last) from DALIIterator, against the same
-    model fed one batch already on the device (its ceiling: ``dali_vs_ceiling``, the goal 0.9 or more);
-    GPU and JPEG-engine utilization (the engine's over warm-up and timed epochs); memory as NVML sees this
-    process against what torch's allocator reserved."""
-    from dali_fast import DALIIterator, open_dataset
-    from dali_fast.train.monitor import UtilizationMonitor
-    from dali_fast.train.trainer import Trainer
-
-    gpu = gpu_wanted(args)
-    reader = open_dataset(args.data)
-    nvml, handle = open_nvml(gpu)
-    classes = len(reader.classes)
-    S, bs = args.image_size, args.batch_size
-    for name in args.models.split(","):
-        key = f"models.{name}"
-        trainer = Trainer(name, classes)
-        figure(f"{key}.precision", str(trainer.amp_dtype).replace("torch.", "") if trainer.amp else "float32")
-        x = torch.randn(bs, 3, S, S, device=trainer.device)
-        if gpu:  # as the model takes it (DALI's channels_last output is a view, no copy): the ceiling has no copy
-            x = x.contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, classes, (bs,), device=trainer.device)
-        for _ in range(args.warmup_steps):  # cudnn picks its kernels for this shape
-            trainer.step(x, y)
-        sync(gpu)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            trainer.step(x, y)
-        sync(gpu)
-        ceiling = args.steps * bs / (time.perf_counter() - t0)
-        figure(f"{key}.ceiling_img_per_s", ceiling)
-        if gpu:
-            torch.cuda.reset_peak_memory_stats()
-        fmt = torch.channels_last if gpu else torch.contiguous_format
-        loader = DALIIterator(reader, bs, device=device_name(gpu), image_size=S, memory_format=fmt, drop_last=True)
-        figure(f"{key}.train_decode", loader.train_decode)
-        seconds = images = 0
-        engine = EngineSampler(nvml, handle)
-        with engine, UtilizationMonitor(interval=0.1, device_index=torch.cuda.current_device() if gpu else 0) as mon:
-            try:
-                for epoch in range(args.epochs + 1):
-                    loader.set_epoch(epoch)
-                    t0 = time.perf_counter()
-                    n = 0
-                    with mon.phase("timed" if epoch else "warmup"):
-                        for images_b, labels_b in loader:
-                            trainer.step(images_b, labels_b)
-                            n += len(labels_b)
-                        sync(gpu)
-                    if epoch:
-                        seconds += time.perf_counter() - t0
-                        images += n
-            finally:
-                loader.close()
-        rate = images / seconds
-        util = mon.summary("timed")
-        figure(f"{key}.dali_img_per_s", rate)
-        figure(f"{key}.dali_vs_ceiling", rate / ceiling)
-        figure(f"{key}.{util['kind']}_util_mean", util["mean"])
-        figure(f"{key}.jpeg_util_mean", float(np.mean(engine.jpeg)) if engine.jpeg else "n/a (no NVML reading)")
-        if gpu:
-            figure(f"{key}.nvml_used_gib", gib(util["peak_mem"]))
-            figure(f"{key}.torch_reserved_gib", gib(torch.cuda.max_memory_reserved()))
-        del trainer, x, y
-        if gpu:
-            torch.cuda.empty_cache()
-
-
 # --------------------------------------------------------------------------- the controller
 def step_controller(args: argparse.Namespace) -> None:
     """The batch-size controller over three epochs after a forced shrink (an out-of-memory reported in
@@ -646,15 +399,26 @@ def step_controller(args: argparse.Namespace) -> None:
         figure("controller.old_pipeline_left_gib", gib(at_start[1] - at_start[0]))
 
 
+# --------------------------------------------------------------------------- the answers
+def step_answers(args: argparse.Namespace) -> None:
+    """The answers summary.md ends with (`gpu_answers`), from the figures the other steps wrote in ``--out``."""
+    for key, value in answers(load_figures(args.out)).items():
+        figure(f"answers.{key}", value)
+
+
 # --------------------------------------------------------------------------- command line
 STEPS = {
     "data": step_data,
     "decode": step_decode,
+    "odd": step_odd,
     "failures": step_failures,
     "ceiling": step_ceiling,
+    "plain-rows": step_plain_rows,
     "models": step_models,
     "controller": step_controller,
+    "answers": step_answers,
 }
+NEEDS_NO_DATA = ("data", "odd", "answers")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -668,14 +432,20 @@ def parser() -> argparse.ArgumentParser:
         "--images-dir", type=Path, help="ceiling: the ImageFolder the plain-DALI rows read (default: DATA/../images)"
     )
     ap.add_argument("--images", type=int, default=4096, help="data: images to make; decode: images to compare")
+    ap.add_argument("--eval-images", type=int, default=1024, help="decode: images of the GPU-vs-CPU eval comparison")
+    ap.add_argument("--odd-share", type=float, default=0.1, help="data: share of progressive/4:4:4/gray/2-6 MP/EXIF")
+    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="odd: a folder of images and manifest.json")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--size", default="500x375", help="data: WIDTHxHEIGHT of the photos")
     ap.add_argument("--quality", type=int, default=95)
     ap.add_argument("--jobs", type=int, default=8, help="data: processes making photos")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up epoch)")
+    ap.add_argument("--epochs", type=int, default=1, help="ceiling, models: fewest timed epochs (after a warm-up)")
+    ap.add_argument("--min-seconds", type=float, default=3.0, help="ceiling, models: shortest timed window")
     ap.add_argument("--threads", default="8,16", help="ceiling: DALI threads to compare")
+    ap.add_argument("--loads", default="0.65,0.99", help="ceiling: hw_decoder_load values of the top-thread rows")
+    ap.add_argument("--kind", choices=("whole", "roi"), default="roi", help="plain-rows: the plain-DALI pipeline")
     ap.add_argument("--workers", type=int, default=16, help="ceiling: TorchIterator's worker processes")
     ap.add_argument("--models", default="resnet50,resnet18")
     ap.add_argument("--steps", type=int, default=30, help="models: timed steps of the on-device ceiling")
@@ -686,7 +456,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.step != "data" and (args.data is None or not Path(args.data).exists()):
+    if args.step not in NEEDS_NO_DATA and (args.data is None or not Path(args.data).exists()):
         ap.error(f"{args.step} needs --data: a packed data set (run the data step first)")
     args.out.mkdir(parents=True, exist_ok=True)
     FIGURES.clear()
@@ -696,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         STEPS[args.step](args)
     finally:
         figure(f"{args.step}.step_seconds", time.perf_counter() - t0)
-        (args.out / f"{args.step}.json").write_text(json.dumps(FIGURES, indent=1, default=str))
+        save(args.out, args.step)
     if FAILED:
         print(f"{args.step} FAILED: {'; '.join(FAILED)}", flush=True)
         return 1

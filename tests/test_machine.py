@@ -149,3 +149,26 @@ def test_one_visible_gpu_per_process_is_device_0_whatever_the_local_rank(monkeyp
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert system.local_device_index() == 0  # no LOCAL_WORLD_SIZE: rank 3 still cannot be device 3 of 1
+
+
+@pytest.mark.parametrize(
+    "visible, remapped",
+    [
+        (None, False),
+        ("", False),
+        ("0", False),
+        ("0,1,2,3", False),
+        ("1", True),  # CUDA device 0 is NVML device 1
+        ("4,5,6,7", True),
+        ("1,0", True),
+        ("GPU-8932f937-d72c", True),  # UUIDs: CUDA's numbering cannot be read as NVML's
+    ],
+)
+def test_devices_are_remapped_when_cuda_visible_devices_renumbers_them(monkeypatch, visible, remapped):
+    from dali_fast.machine import devices_remapped
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert devices_remapped() is remapped

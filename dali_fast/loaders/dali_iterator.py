@@ -19,11 +19,11 @@ import torch
 from ..data.base import Reader
 from ..machine import local_device_index
 from ..transforms.dali import default_num_threads, pool_host_buffers
-from ..transforms.decode_choice import choose_train_decode, jpeg_engine, requested_train_decode
+from ..transforms.decode_choice import decide_train_decode, requested_train_decode
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
-from .batch_targets import batch_targets
+from .batch_targets import batch_targets, to_device
 from .dali_pipeline import (
     BatchSource,
     ReadAheadError,
@@ -69,7 +69,7 @@ class DALIIterator(LoaderBase):
             - ``drop_last``: leave out each epoch's last, short batch.
             - ``cache_bytes``: bytes of encoded records an LRU cache in this process keeps (0: none).
             - ``controller``: a `BatchSizeController`, which sets the batch size between epochs.
-            - ``num_threads``: decode threads; None: one per CPU of this rank.
+            - ``num_threads``: decode threads; None: one per CPU of this rank (on a GPU at most 8).
             - ``dtype``: the images' dtype (default: the recipe's, float32).
             - ``rank``, ``world_size``: this process's shard (None: the process group's, else ``RANK`` and
               ``WORLD_SIZE``, else one process).
@@ -101,8 +101,7 @@ class DALIIterator(LoaderBase):
             ) from e
         pool_host_buffers()  # before the process's first pipeline
         self.device_id = local_device_index() if self.gpu else None
-        engine = jpeg_engine(self.device_id) if self.gpu and requested == "auto" else None
-        self.train_decode = choose_train_decode(self.gpu, engine, requested)  # "whole" or "roi"
+        self.train_decode = decide_train_decode(self.gpu, self.device_id, requested)  # "whole" or "roi", logged
         self.pipelines_built = 0
         self.build_seconds = 0.0  # spent building pipelines (graph and operators), for reports apart from img/s
         self._kept: _Kept | None = None  # the pipeline of the last epoch that ended normally
@@ -214,7 +213,7 @@ class DALIIterator(LoaderBase):
                 # The labels (or target rows) of the records the batch holds, from the source: they skip the
                 # pipeline, and go to the images' device once
                 targets = batch_targets(self._targets, fed.kept, torch.from_numpy(fed.labels))
-                yield images, targets.to(images.device, non_blocking=True), fed.consumed, fed.batches
+                yield images, to_device(targets, images.device), fed.consumed, fed.batches
         finally:
             if ended:
                 self._kept = kept
@@ -225,6 +224,9 @@ class DALIIterator(LoaderBase):
                 # one was still running were seen to crash.
                 shutdown_pipeline(kept.pipeline)
             del it, kept
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "train_decode": self.train_decode}  # how its images were decoded
 
     def _release_stale(self, batch_size: int) -> None:
         """Shut down the kept pipeline when the coming pass needs another batch size or image size (a

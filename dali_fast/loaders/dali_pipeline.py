@@ -1,4 +1,5 @@
-"""`DALIIterator`'s pipeline: the external-source batch callable that feeds it (`BatchSource`) and its build.
+"""`DALIIterator`'s pipeline: the external-source batch callable that feeds it (`BatchSource`) and its build
+(with the `mixed` decoder set up for the data set's image sizes, `sample_sizes`).
 
 The source owns the epoch's cursor: it is armed with the epoch's list of index batches and
 hands them out in order, raising StopIteration when the list is done. DALI calls it ahead of
@@ -37,7 +38,7 @@ import numpy as np
 
 from ..data.base import CheckedBatch, Reader, batch_reader, read_checked
 from ..data.checks import pillow_reason
-from ..transforms.dali import augment
+from ..transforms.dali import MixedDecoder, augment, sample_sizes
 from ..transforms.recipe import Recipe
 from .bad_records import BadRecordError, SkipLog, bad_record_message
 
@@ -342,8 +343,11 @@ def build_pipeline(
     decode: str | None = None,
 ):
     """Build the decode → (random-resized-)crop → augment → normalize/flip → erase pipeline, fed by ``source``
-    (``decode``: how training decodes, "whole" or "roi", see `transforms.dali.augment`)."""
+    (``decode``: how training decodes, "whole" or "roi", see `transforms.dali.augment`); on a GPU the
+    `mixed` decoder is set up for ``max_batch`` images of the source's data set (`MixedDecoder.for_data`)."""
     from nvidia.dali import pipeline_def
+
+    decoder = MixedDecoder.for_data(num_threads, sample_sizes(source.reader), max_batch) if gpu else None
 
     conditionals = {"enable_conditionals": True} if train and recipe.auto_augment is not None else {}
 
@@ -377,6 +381,7 @@ def build_pipeline(
             num_threads=num_threads,
             erase=erase,
             decode=decode,
+            decoder=decoder,
         )
 
     p = pipe()

@@ -1,5 +1,6 @@
 """`diagnose`: the readings of `doctor.probe` turned into report lines and at most one problem, the first that
-stops the GPU path, with what to do. It reads nothing itself, so every branch is checked with given readings."""
+stops the GPU path or would slow or crash training on it, with what to do. It reads nothing itself, so every
+branch is checked with given readings."""
 
 from __future__ import annotations
 
@@ -78,7 +79,51 @@ def _report(r: Readings) -> list[str]:
             lines.append("hw decoder  present but stayed idle while DALI decoded (hw_decoder_load=1)")
         else:
             lines.append(f"hw decoder  unknown ({h.get('error', 'NVML could not read the JPEG engine')})")
+    lines += _probe_lines(r)
+    for d in r.known_defects:
+        fixed = f"fixed in {'.'.join(map(str, d['fixed']))}" if d["fixed"] else "no fixed release known"
+        lines.append(
+            f"defect      {d['library']} {d['version']} ({d['ref']}; {fixed}): {d['what']}, seen on {d['gpus']}; "
+            f"what dali_fast does: {d['dali_fast']}"
+        )
     return lines
+
+
+def _probe_lines(r: Readings) -> list[str]:
+    p = r.decoder_probe
+    if p is None:
+        return []
+    where = f"GPU {p['device']}" + (f" ({p['name']})" if p.get("name") else "")
+    if p.get("hw_backend") is None:
+        backend = "not asked" + (f" ({'; '.join(p['notes'])})" if p.get("notes") else "")
+    elif p["hw_backend"]:
+        backend = f"yes, {p.get('hw_engines')} engine(s) of {p.get('hw_cores')} cores"
+    else:
+        backend = f"no (status {p.get('hw_status')})"
+    lines = [f"nvJPEG      {p.get('nvjpeg')} on {where}: hardware backend {backend} (what nvImageCodec checks)"]
+    if p["crop_ok"]:
+        lines.append('crop window ok: decoders.image_random_crop on device="mixed" decoded in a child process')
+    else:
+        lines.append(f'crop window {p["crop_window"].upper()} on device="mixed" in a child process')
+    choice, _ = _training_decode(r)
+    if choice is not None:
+        lines.append(f"training    decodes {TRAIN_DECODE_WORDS[choice]} on {where}")
+    return lines
+
+
+def _training_decode(r: Readings) -> tuple[str | None, bool]:
+    """(how training decodes on the probed GPU, whether it would decode crop windows there before the
+    probe's verdict) as `decode_choice.decide_train_decode` decides, from the readings."""
+    p = r.decoder_probe
+    if p is None or r.train_decode not in TRAIN_DECODES:
+        return None, False
+    engine = (r.hw_decoder or {}).get("jpeg_engine") if r.train_decode == "auto" else None
+    choice = choose_train_decode(True, engine, r.train_decode)
+    if choice != "roi":
+        return choice, False
+    if r.train_decode == "auto" and (p.get("hw_backend") or not p["crop_ok"]):
+        return "whole", True
+    return "roi", True
 
 
 def _problem(r: Readings) -> str | None:
@@ -107,7 +152,32 @@ def _problem(r: Readings) -> str | None:
         return f"NVIDIA DALI is not installed ({r.dali_error}): pip install nvidia-dali-cuda120"
     if r.gpu_decode is not None and not r.gpu_decode["ok"]:
         return f'DALI cannot decode a JPEG with device="mixed": {r.gpu_decode["error"]}'
-    return None
+    h = r.hw_decoder or {}
+    if h.get("jpeg_engine") and h.get("used") is False:
+        return (
+            f"the hardware JPEG engine of GPU {h.get('device')} ({h.get('name')}) stayed idle while DALI decoded "
+            "whole images with hw_decoder_load=1: training would decode on the CPU threads, at about a quarter of "
+            "its speed; check that nvJPEG builds its hardware backend (doctor --json: decoder_probe) and that no "
+            "MIG slice or container setting hides the engine"
+        )
+    return _crop_window_problem(r)
+
+
+def _crop_window_problem(r: Readings) -> str | None:
+    """The crop-window probe failed on a GPU where training would decode crop windows."""
+    p = r.decoder_probe
+    _, would_use = _training_decode(r)
+    if p is None or p["crop_ok"] or not would_use or (r.train_decode == "auto" and p.get("hw_backend")):
+        return None
+    what = f"DALI's crop-window decode {p['crop_window']} on GPU {p['device']} ({p.get('name')})"
+    version = r.dali_libs.get("nvImageCodec", "?")
+    if r.train_decode == "roi":
+        return f"{what} and {TRAIN_DECODE_ENV}=roi asks training to decode crop windows: unset it or set it to 'whole'"
+    return (
+        f"{what}, where training would decode crop windows (NVML sees no JPEG engine): the loader decodes whole "
+        f"images instead, more slowly; nvImageCodec {version} has this defect (NVIDIA/nvImageCodec#55): use a "
+        f"DALI whose nvImageCodec fixes it, or set {TRAIN_DECODE_ENV}=whole to accept whole images"
+    )
 
 
 def _visibility_problem(r: Readings) -> str:

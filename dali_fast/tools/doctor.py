@@ -1,9 +1,11 @@
 """`dali-fast doctor`: can this machine run the GPU path, and if not, the one thing to fix first.
 
 `probe()` reads the machine (Python, torch and its CUDA build, the driver and GPUs through NVML,
-DALI, a real decode of an embedded JPEG on the CPU and with ``device="mixed"``, the hardware JPEG
-engine's utilization while DALI decodes). `diagnosis.diagnose()` turns those readings into report lines
-and at most one problem.
+DALI and the nvImageCodec and nvJPEG it decodes with, a real decode of an embedded JPEG on the CPU and
+with ``device="mixed"``, the hardware JPEG engine's utilization while DALI decodes whole images, and
+nvJPEG's hardware backend and a crop-window decode probed in a child process), and the known decode
+defects of those releases (`known_defects`). `diagnosis.diagnose()` turns those readings into report
+lines and at most one problem.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ import numpy as np
 
 from ..machine import nvml_handle
 from ..transforms.decode_choice import TRAIN_DECODE_ENV, has_jpeg_engine
+from ..transforms.decode_probe import nvjpeg_version, probe_decoders
+from .known_defects import defects_for
 
 log = logging.getLogger(__name__)
 
 TORCH_CUDA12_INDEX = "https://download.pytorch.org/whl/cu128"
+DOCTOR_PROBE_SECONDS = 30.0  # the crop-window child: DALI's import, CUDA's start, three small batches
 
 # A 64x48 baseline JPEG (gradient with white rows), so the decode check needs no file.
 _TEST_JPEG_B64 = (
@@ -68,13 +73,15 @@ class Readings:
     nvml_error: str | None = None
     driver: str | None = None
     driver_cuda: str | None = None  # the newest CUDA version the driver supports
-    gpus: list[dict[str, Any]] = field(default_factory=list)  # name, memory_gib, jpeg_engine
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # name, memory_gib, jpeg_engine, compute_capability
     dali: str | None = None
     dali_error: str | None = None
     dali_libs: dict[str, str] = field(default_factory=dict)
     cpu_decode: dict[str, Any] | None = None  # ok, mean_diff, error
     gpu_decode: dict[str, Any] | None = None
-    hw_decoder: dict[str, Any] | None = None  # jpeg_engine, peak_util, used
+    hw_decoder: dict[str, Any] | None = None  # jpeg_engine, peak_util, used; device, name (the CUDA device)
+    decoder_probe: dict[str, Any] | None = None  # `decode_probe.DecoderProbe` of the CUDA device, with its name
+    known_defects: list[dict[str, Any]] = field(default_factory=list)  # `known_defects.defects_for`
     decoder_preallocation: dict[str, int] | None = None  # what one GPU pipeline's decoder preallocates
     quick: bool = False  # NVML only: no CUDA context, no DALI
     train_decode: str = "auto"  # how training is asked to decode (DALI_FAST_TRAIN_DECODE), see decode_choice
@@ -133,6 +140,10 @@ def probe_nvml(r: Readings, nvml: Any = None) -> None:
                 gpu["jpeg_engine"] = has_jpeg_engine(nvml, h)
             except Exception:  # noqa: BLE001 - unknown, not absent
                 gpu["jpeg_engine"] = None
+            try:
+                gpu["compute_capability"] = ".".join(map(str, nvml.nvmlDeviceGetCudaComputeCapability(h)))
+            except Exception:  # noqa: BLE001 - an old driver or library: the generation is not known
+                gpu["compute_capability"] = None
             r.gpus.append(gpu)
     except Exception as e:  # noqa: BLE001
         r.nvml_error = str(e) or type(e).__name__
@@ -160,6 +171,9 @@ def probe_dali(r: Readings) -> None:
             r.dali_libs["CUDA"] = _cuda_version(cuda)
     except Exception:  # noqa: BLE001 - versions are extra information
         log.debug("DALI library versions unreadable", exc_info=True)
+    nvjpeg = nvjpeg_version()  # the library nvImageCodec loads, read without a GPU
+    if nvjpeg is not None:
+        r.dali_libs["nvJPEG"] = nvjpeg
 
 
 def _reference() -> np.ndarray:
@@ -231,10 +245,12 @@ def large_test_jpeg(width: int = HW_CHECK_SIZE[0], height: int = HW_CHECK_SIZE[1
 
 
 def hw_decoder_check(
-    device_id: int, seconds: float = HW_CHECK_SECONDS, nvml: Any = None, batch: int = HW_CHECK_BATCH
+    device_id: int, seconds: float | None = None, nvml: Any = None, batch: int = HW_CHECK_BATCH
 ) -> dict[str, Any]:
-    """Decode batches of large JPEGs (`large_test_jpeg`) with ``hw_decoder_load=1`` for ``seconds`` and read
-    NVML's JPEG-engine utilization meanwhile; returns its peak, whether it was used, and the decode rate."""
+    """Decode batches of large JPEGs (`large_test_jpeg`) with ``hw_decoder_load=1`` for ``seconds`` (default
+    `HW_CHECK_SECONDS`) and read NVML's JPEG-engine utilization meanwhile; returns its peak, whether it was
+    used, and the decode rate."""
+    seconds = HW_CHECK_SECONDS if seconds is None else seconds
     try:
         if nvml is None:
             import pynvml as nvml
@@ -295,7 +311,19 @@ def probe(quick: bool = False, nvml: Any = None) -> Readings:
             from ..machine import local_device_index
 
             device = local_device_index()
+            name = _device_name(device)
             r.gpu_decode = decode_check("mixed", device)
             if not quick and r.gpu_decode["ok"] and r.nvml_error is None:
-                r.hw_decoder = hw_decoder_check(device)
+                r.hw_decoder = {**hw_decoder_check(device), "device": device, "name": name}
+            r.decoder_probe = {**probe_decoders(device, timeout=DOCTOR_PROBE_SECONDS).to_dict(), "name": name}
+    r.known_defects = defects_for(r.dali_libs, r.gpus)
     return r
+
+
+def _device_name(device: int) -> str | None:
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_name(device))
+    except Exception:  # noqa: BLE001 - the name only labels the lines
+        return None

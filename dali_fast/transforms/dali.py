@@ -1,22 +1,28 @@
 """The DALI side of the recipe: the operators after the external source (`augment`: decode, crop, resize,
 automatic augmentation, flip, normalize, erase; training decodes as `decode_choice` says), and how a
-pipeline's decoding is sized (threads, and the `mixed` decoder's memory paddings within fixed budgets).
-DALI is imported inside the functions, so importing this module needs no DALI.
+pipeline's decoding is set up (threads; the `mixed` decoder's memory paddings within fixed budgets, its
+preallocation hints from the data set's image sizes, its load on the JPEG engine and its thread affinity:
+`MixedDecoder`). DALI is imported inside the functions, so importing this module needs no DALI.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..machine import cpus_per_local_rank
-from .decode_choice import HW_DECODER_LOAD, choose_train_decode
+from ..data.base import Reader, StreamingReader, provides
+from ..machine import cpus_per_local_rank, devices_remapped
+from .decode import stored_size
+from .decode_choice import HW_DECODER_LOAD, choose_train_decode, hw_decoder_load
 from .recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -92,18 +98,21 @@ def augment(
     layout: str = "CHW",
     erase=None,
     decode: str | None = None,
+    decoder: MixedDecoder | None = None,
 ):
     """The operators after the source, inside a pipeline definition, as ``recipe`` says.
 
     Train: random-resized-crop, automatic augmentation, random horizontal flip, normalize, random erasing
     (``erase``: per-sample (top, left, h, w) boxes from the source). The crop follows ``decode`` ("whole",
     "roi"; None: `choose_train_decode` without NVML's answer, so "whole" on a GPU, "roi" on the CPU):
-    "whole" decodes the whole image (on a GPU with the JPEG engine taking `HW_DECODER_LOAD` of the work)
+    "whole" decodes the whole image (on a GPU with the JPEG engine taking ``decoder.hw_load`` of the work)
     then `fn.random_resized_crop` crops and resizes it on the device; "roi" decodes only the crop window
     (`fn.decoders.image_random_crop`) then resizes it. Both draw the window by one rule (DALI's
     `RandomCropAttr`: area in ``recipe.scale``, aspect ratio in ``recipe.ratio``, 10 attempts, then the
-    whole image cut to the nearest allowed ratio). Eval: resize the shorter side, centre crop, normalize.
-    ``num_threads`` is the pipeline's: the `mixed` decoder's memory paddings are sized per thread.
+    image cut to the nearest allowed ratio, shrunk to the largest allowed area and placed at random; where
+    torchvision and `TorchIterator` centre that last window and keep its full side, DALI's differs). Eval:
+    resize the shorter side, centre crop, normalize. ``num_threads`` is the pipeline's; ``decoder`` sets up
+    the `mixed` decoder (default: `MixedDecoder.for_data` of ``num_threads``, without preallocation hints).
     """
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
@@ -111,10 +120,12 @@ def augment(
     S = recipe.image_size
     decode_device = "mixed" if gpu else "cpu"
     interp = {"interp_type": getattr(types, DALI_INTERP[recipe.interpolation])}
+    if gpu and decoder is None:
+        decoder = MixedDecoder.for_data(num_threads, (), 1)
     if train:
         how = choose_train_decode(gpu, None, decode or "auto")
         crop = {"random_area": list(recipe.scale), "random_aspect_ratio": list(recipe.ratio), "num_attempts": 10}
-        extra = gpu_decoder_arguments(num_threads, roi=how == "roi") if gpu else {}
+        extra = decoder.arguments(roi=how == "roi") if decoder is not None and gpu else {}
         if how == "whole":
             images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
             images = fn.random_resized_crop(images, size=[S, S], **crop, **interp)
@@ -125,7 +136,7 @@ def augment(
             images = auto_augment(images, recipe)
         mirror = fn.random.coin_flip(probability=recipe.hflip) if recipe.hflip > 0 else 0
     else:
-        extra = gpu_decoder_arguments(num_threads) if gpu else {}
+        extra = decoder.arguments() if decoder is not None and gpu else {}
         images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **extra)
         images = fn.resize(images, resize_shorter=recipe.resize_shorter, **interp)
         mirror = 0
@@ -149,22 +160,112 @@ def augment(
     return images
 
 
-def gpu_decoder_arguments(num_threads: int, roi: bool = False) -> dict[str, Any]:
-    """The `mixed` decoder's arguments: bounded memory paddings for ``num_threads`` threads; for whole
-    images, chroma upsampled the "fancy" way, as DALI's CPU decoder, Pillow and `TorchIterator` do (DALI's
-    default for `mixed` is another filter: the same JPEG would train on other pixels on a GPU), with
-    `HW_DECODER_LOAD` of the work on the hardware JPEG engine. A crop window (``roi``) keeps the GPU
-    decoder's own upsampling: nvImageCodec does not decode a window with fancy upsampling on the GPU's
-    decoders (its nvJPEG extension refuses it: "may produce wrong results on image edge") and falls back
-    to a path whose Huffman stage runs on the CPU threads."""
-    pre = decoder_preallocation(num_threads, gpu=True)
-    out: dict[str, Any] = {
-        "device_memory_padding": pre["device_padding"],
-        "host_memory_padding": pre["host_padding"],
-    }
-    if not roi:
-        out.update(jpeg_fancy_upsampling=True, hw_decoder_load=HW_DECODER_LOAD)
-    return out
+# The hardware decoder preallocates for ``max batch`` images of the hinted size (nvImageCodec's
+# nvjpegDecodeBatchedPreAllocate, taken here as 3 bytes a pixel); the hint is shrunk to keep that within this.
+HW_HINT_BUDGET = 512 * 2**20
+HINT_PERCENTILE = 99  # the hint covers this share of the data set's widths and of its heights
+
+
+def preallocation_hints(sizes: Sequence[tuple[int, int]], max_batch: int) -> tuple[int, int]:
+    """``(width, height)`` for the `mixed` decoder's ``preallocate_width_hint`` / ``preallocate_height_hint``:
+    the `HINT_PERCENTILE` of the widths and of the heights in ``sizes`` (the data set's, stored), shrunk with
+    its aspect kept until ``max_batch`` images of it fit `HW_HINT_BUDGET`; (0, 0), DALI's "no hint", without
+    sizes. Without hints the engine's buffers grow during the first epoch, as larger images come."""
+    if not sizes or max_batch < 1:
+        return 0, 0
+    widths, heights = sorted(w for w, _ in sizes), sorted(h for _, h in sizes)
+    k = min(len(sizes) - 1, math.ceil(HINT_PERCENTILE / 100 * len(sizes)) - 1)
+    width, height = widths[k], heights[k]
+    shrink = min(1.0, math.sqrt(HW_HINT_BUDGET / (max_batch * width * height * 3)))
+    return max(1, int(width * shrink)), max(1, int(height * shrink))
+
+
+def decoder_affinity(dali_version: str | None = None) -> bool:
+    """The `mixed` decoder's ``affine``: True (DALI ties each decoding thread to the GPU's CPUs, as NVML
+    names them, within the thread's own CPU set) unless this DALI looks that set up by the CUDA index
+    read as an NVML index (releases before 1.40; NVIDIA/DALI PR #5566 reads it by UUID) while
+    CUDA_VISIBLE_DEVICES remaps the devices: it would then pin the threads to another GPU's socket, so
+    they are left to the process's own CPU set (False)."""
+    if not devices_remapped():
+        return True
+    if dali_version is None:
+        import nvidia.dali
+
+        dali_version = nvidia.dali.__version__
+    try:
+        major, minor = (int(x) for x in dali_version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (1, 40)
+
+
+# Records whose stored sizes set the `mixed` decoder's preallocation hints: spread evenly over the data set,
+# more where a read is a view of a map (a packed set), none from a reader that streams remote shards.
+SIZE_SAMPLE_VIEWS = 256
+SIZE_SAMPLE_FILES = 64
+
+
+def sample_sizes(reader: Reader) -> list[tuple[int, int]]:
+    """The stored (width, height) of records spread evenly over ``reader`` (JPEG and PNG headers; others
+    are left out); none from a reader of streamed shards, where a read may fetch a whole shard."""
+    if provides(reader, StreamingReader) or len(reader) == 0:
+        return []
+    count = SIZE_SAMPLE_VIEWS if getattr(reader, "reads_views", False) else SIZE_SAMPLE_FILES
+    sizes = []
+    for i in np.unique(np.linspace(0, len(reader) - 1, min(count, len(reader))).astype(np.int64)).tolist():
+        try:
+            size = stored_size(reader[i][0])
+        except Exception:  # noqa: BLE001 - a bad record is the feed's to name; here it only has no size
+            size = None
+        if size is not None:
+            sizes.append(size)
+    return sizes
+
+
+@dataclass(frozen=True)
+class MixedDecoder:
+    """How one pipeline's `mixed` decoder is set up.
+
+    Args:
+        threads: the pipeline's threads: nvJPEG's memory paddings are per thread, within fixed budgets.
+        hw_load: the share of whole-image JPEG work for the hardware engine (`decode_choice.hw_decoder_load`).
+        width_hint: the hardware decoder's preallocation width (`preallocation_hints`; 0: none).
+        height_hint: its preallocation height.
+        affine: tie the decoding threads to the GPU's CPUs (`decoder_affinity`).
+    """
+
+    threads: int
+    hw_load: float = HW_DECODER_LOAD
+    width_hint: int = 0
+    height_hint: int = 0
+    affine: bool = True
+
+    @classmethod
+    def for_data(cls, threads: int, sizes: Sequence[tuple[int, int]], max_batch: int) -> MixedDecoder:
+        """The decoder for a pipeline of ``max_batch`` images drawn from images of ``sizes``: the load from
+        the environment (or ours), hints from the sizes, the affinity rule for this process."""
+        width, height = preallocation_hints(sizes, max_batch)
+        return cls(threads, hw_decoder_load(), width, height, decoder_affinity())
+
+    def arguments(self, roi: bool = False) -> dict[str, Any]:
+        """The decoder's arguments: bounded memory paddings, the preallocation hints, the thread affinity;
+        for whole images, chroma upsampled the "fancy" way, as DALI's CPU decoder, Pillow and
+        `TorchIterator` do (DALI's default for `mixed` is another filter: the same JPEG would train on other
+        pixels on a GPU), with ``hw_load`` of the work on the hardware JPEG engine. A crop window (``roi``)
+        keeps the GPU decoder's own upsampling: with nvJPEG older than 13.2 nvImageCodec refuses a window
+        with fancy upsampling on both its GPU decoders (nvJPEG may get its one-pixel edge wrong) and hands
+        it to its CPU decoder."""
+        pre = decoder_preallocation(self.threads, gpu=True)
+        out: dict[str, Any] = {
+            "device_memory_padding": pre["device_padding"],
+            "host_memory_padding": pre["host_padding"],
+            "affine": self.affine,
+        }
+        if self.width_hint > 0 and self.height_hint > 0:
+            out.update(preallocate_width_hint=self.width_hint, preallocate_height_hint=self.height_hint)
+        if not roi:
+            out.update(jpeg_fancy_upsampling=True, hw_decoder_load=self.hw_load)
+        return out
 
 
 DALI_INTERP = {

@@ -1,6 +1,8 @@
 """How DALI decodes training images on this machine: the whole image (on a GPU's hardware JPEG engine) or
 only the crop window, chosen by whether the GPU has the engine (read through NVML, as `dali-fast doctor`
-reads it) and by what the user asks for. Imports neither torch nor DALI, so `doctor --quick` stays light.
+reads it, then asked of nvJPEG in a child process), whether a crop-window decode survives on this GPU
+(`decode_probe`), and by what the user asks for; and the share of the work the engine takes. Imports
+neither torch nor DALI, so `doctor --quick` stays light.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ log = logging.getLogger(__name__)
 
 # The share of JPEG work the `mixed` decoder sends to the hardware JPEG engine when it decodes whole images
 # (DALI's default, 0.65, leaves a third to the CUDA decoder, whose Huffman stage runs on the CPU threads).
+# 0.99 was chosen from one mean on an H200; DALI went back to 0.65 because 0.90 raised its decoder's p99
+# and maximum (NVIDIA/DALI PR #6366). gpu_check measures both, p99 included; this value stays until a run
+# decides. DALI_FAST_HW_DECODER_LOAD sets another.
 HW_DECODER_LOAD = 0.99
+HW_DECODER_LOAD_ENV = "DALI_FAST_HW_DECODER_LOAD"
 
 # How training decodes: "whole" decodes the whole image (on a GPU with fancy chroma upsampling and the
 # JPEG engine), then crops on the device; "roi" decodes only the crop window; "auto" picks (see below).
@@ -42,11 +48,13 @@ def choose_train_decode(gpu: bool, jpeg_engine: bool | None, requested: str = "a
     """How training decodes, "whole" or "roi": ``requested`` unless it is "auto", which picks the faster.
 
     - CPU-only mode: "roi" (libjpeg-turbo decodes only the crop window's rows and columns: less work).
-    - A GPU with a hardware JPEG engine (``jpeg_engine`` True): "whole". nvImageCodec does not give the
-      engine a crop window with fancy chroma upsampling; it decodes one where the Huffman stage runs on the
-      CPU threads, which left an H200's engine idle at a quarter of the whole-image speed.
+    - A GPU with a hardware JPEG engine (``jpeg_engine`` True): "whole". With nvJPEG older than 13.2,
+      nvImageCodec refuses a crop window with fancy chroma upsampling on both its GPU decoders (nvJPEG may
+      get the window's one-pixel edge wrong) and leaves it to its CPU decoder, which left an H200's engine
+      idle at a quarter of the whole-image speed.
     - A GPU without one (``jpeg_engine`` False): "roi", with the CUDA decoder's own chroma upsampling (with
-      fancy upsampling a window is not decoded on the GPU at all).
+      fancy upsampling the window would go to the CPU decoder, as above); `decide_train_decode` probes
+      such a GPU first.
     - Unknown (``jpeg_engine`` None: NVML unreadable): "whole", the choice whose pixels are Pillow's.
     """
     if requested not in TRAIN_DECODES:
@@ -56,6 +64,68 @@ def choose_train_decode(gpu: bool, jpeg_engine: bool | None, requested: str = "a
     if not gpu:
         return "roi"
     return "roi" if jpeg_engine is False else "whole"
+
+
+def hw_decoder_load(value: str | None = None) -> float:
+    """The `mixed` decoder's ``hw_decoder_load`` for whole images: ``value``, else the
+    ``DALI_FAST_HW_DECODER_LOAD`` environment variable, else `HW_DECODER_LOAD`; a value that is not a number
+    from 0 to 1 is a one-line ValueError naming where it came from."""
+    where = "hw_decoder_load"
+    if value is None:
+        value, where = os.environ.get(HW_DECODER_LOAD_ENV), HW_DECODER_LOAD_ENV
+        if not value:
+            return HW_DECODER_LOAD
+    try:
+        load = float(value)
+    except ValueError:
+        load = -1.0
+    if not 0.0 <= load <= 1.0:
+        raise ValueError(f"{where}={value!r}: use a share from 0 to 1 (0.65 is DALI's default, {HW_DECODER_LOAD} ours)")
+    return load
+
+
+def decide_train_decode(gpu: bool, device_id: int | None, requested: str = "auto") -> str:
+    """How a loader on this device trains: `choose_train_decode` with NVML's answer, made safe, and logged.
+
+    Where the choice would be the crop window on a GPU (no engine seen by NVML, or "roi" asked for), the
+    GPU is first probed in a child process (`decode_probe.probe_once`): if nvJPEG builds its hardware
+    backend there (what nvImageCodec checks), "auto" decodes whole images on it; if the crop-window decode
+    crashed or failed in the child, "auto" decodes whole images and says why in one warning line, and an
+    explicit "roi" is kept with that warning (the process may crash as the child did).
+    """
+    if not gpu:
+        choice = choose_train_decode(False, None, requested)
+        log.info("training decodes %s on the CPU (%s)", _WORDS[choice], _asked(requested))
+        return choice
+    engine = jpeg_engine(device_id or 0) if requested == "auto" else None
+    choice = choose_train_decode(True, engine, requested)
+    why = {True: "NVML sees a JPEG engine", False: "NVML sees no JPEG engine", None: "NVML cannot tell"}[engine]
+    if requested != "auto":
+        why = "NVML not asked"
+    if choice == "roi":
+        from .decode_probe import probe_once
+
+        found = probe_once(device_id or 0)
+        if requested == "auto" and found.hw_backend:
+            choice, why = "whole", "nvJPEG builds its hardware backend, though NVML sees no JPEG engine"
+        elif not found.crop_ok:
+            line = (
+                f"the crop-window decode {found.crop_window} in a probe on CUDA device {device_id or 0} "
+                "(NVIDIA/nvImageCodec#55 in nvImageCodec 0.9.0)"
+            )
+            if requested == "auto":
+                log.warning("%s: training decodes whole images instead", line)
+                return "whole"
+            log.warning("%s; %s, so training decodes crop windows anyway", line, _asked(requested))
+    log.info("training decodes %s on CUDA device %s (%s; %s)", _WORDS[choice], device_id, why, _asked(requested))
+    return choice
+
+
+_WORDS = {"whole": "whole images", "roi": "the crop window only"}
+
+
+def _asked(requested: str) -> str:
+    return "chosen automatically" if requested == "auto" else f"train_decode={requested!r} asked for"
 
 
 def has_jpeg_engine(nvml: Any, handle: Any) -> bool:

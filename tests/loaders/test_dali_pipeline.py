@@ -1,4 +1,5 @@
-"""DALIIterator's external source: the plan handed out in order, read in batches, each with its boxes."""
+"""DALIIterator's external source: the plan handed out in order, read in batches, each with its boxes; and the
+labels' way to the images' device (through page-locked memory)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,38 @@ def test_source_hands_out_the_plan_read_in_batches_with_each_batch_s_boxes():
     with pytest.raises(BadRecordError) as e:
         raising()
     assert str(e.value).startswith("record 2 (mem://2.jpg): truncated JPEG")
+
+
+def test_labels_and_target_rows_reach_a_gpu_through_page_locked_memory(monkeypatch):
+    """From pageable memory a ``non_blocking`` copy to the GPU is staged by the host and waits: the rows are
+    pinned first, then copied asynchronously (recorded here at torch's boundary; on the CPU, a plain copy)."""
+    import torch
+
+    from dali_fast.loaders.batch_targets import to_device
+
+    rows = torch.arange(6, dtype=torch.float32).view(3, 2)
+    assert to_device(rows, torch.device("cpu")) is rows
+    calls = []
+
+    class Pinned:
+        def to(self, device, non_blocking=False):
+            calls.append(("to", str(device), non_blocking))
+            return "on the GPU"
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append(("pin", self.tolist())) or Pinned())
+    assert to_device(rows, torch.device("cuda", 1)) == "on the GPU"
+    assert calls == [("pin", [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]), ("to", "cuda:1", True)]
+
+
+@pytest.mark.gpu
+def test_gpu_rows_reach_the_device_intact_through_pinned_memory():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dali_fast.loaders.batch_targets import to_device
+
+    rows = torch.randn(256, 1000)
+    out = to_device(rows, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert out.is_cuda and torch.equal(out.cpu(), rows)

@@ -59,6 +59,9 @@ class FakeNvml:
             raise FakeNVMLError("Not Supported")
         return (0, 166666)
 
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        return [(9, 0), (8, 6)][h]
+
 
 def test_probe_nvml_reads_driver_and_gpus():
     r, fake = Readings(), FakeNvml()
@@ -66,8 +69,8 @@ def test_probe_nvml_reads_driver_and_gpus():
     assert r.nvml_error is None and fake.shut
     assert (r.driver, r.driver_cuda) == ("570.86.15", "12.8")
     assert r.gpus == [
-        {"index": 0, "name": "NVIDIA H200", "memory_gib": 139.7, "jpeg_engine": True},
-        {"index": 1, "name": "NVIDIA A10", "memory_gib": 22.4, "jpeg_engine": False},
+        {"index": 0, "name": "NVIDIA H200", "memory_gib": 139.7, "jpeg_engine": True, "compute_capability": "9.0"},
+        {"index": 1, "name": "NVIDIA A10", "memory_gib": 22.4, "jpeg_engine": False, "compute_capability": "8.6"},
     ]
 
 
@@ -226,3 +229,83 @@ def test_mixed_decode_check_upsamples_chroma_like_the_cpu_decoder(monkeypatch):
 
     shutdown_pipeline(p)
     assert seen[0]["device"] == "mixed" and seen[0]["jpeg_fancy_upsampling"] is True
+
+
+def _gpu_host_doctor(monkeypatch, nvml, crop_window="ok", hw_backend=True):
+    """`dali-fast doctor` on a GPU host seen through fakes at its boundaries: NVML (``nvml``, as the module
+    `pynvml`), torch's CUDA, the decode pipelines and the crop-window child; the checks' own logic is real."""
+    import sys
+
+    import dali_fast.tools.doctor as doctor
+    from dali_fast.transforms.decode_probe import DecoderProbe
+
+    def torch_with_cuda(r):
+        r.torch, r.torch_cuda, r.cuda_available = "2.13.0+cu128", "12.8", True
+
+    class Pipe:
+        def run(self):
+            time.sleep(0.01)
+
+        def _shutdown(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(doctor, "probe_torch", torch_with_cuda)
+    monkeypatch.setattr(doctor, "probe_dali", lambda r: setattr(r, "dali", "2.4.0"))
+    monkeypatch.setattr(doctor, "decode_check", lambda device, device_id=None: {"ok": True, "mean_diff": 0.4})
+    monkeypatch.setattr(doctor, "_decode_pipeline", lambda *a: Pipe())
+    monkeypatch.setattr(doctor, "nvml_handle", lambda nvml, i: i)
+    monkeypatch.setattr(doctor, "HW_CHECK_SECONDS", 0.2)
+    monkeypatch.setattr(doctor, "_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr("dali_fast.machine.local_device_index", lambda: 0)
+    found = DecoderProbe("0", crop_window=crop_window, nvjpeg="12.4.0", hw_backend=hw_backend, rc=0)
+    monkeypatch.setattr(doctor, "probe_decoders", lambda device, timeout: found)
+
+
+def test_doctor_exits_1_when_the_engine_stays_idle_on_whole_images(monkeypatch, capsys):
+    """NVML sees a JPEG engine on GPU 0 but reads 0 % while DALI decodes whole megapixel JPEGs: training
+    would decode on the CPU threads at a quarter of its speed, so doctor fails, naming the GPU."""
+    _gpu_host_doctor(monkeypatch, FakeNvml())  # its engine reads (0, window): idle
+    assert main(["doctor"]) == 1
+    out, err = capsys.readouterr()
+    assert "hw decoder  present but stayed idle while DALI decoded (hw_decoder_load=1)" in out
+    assert err == (
+        "dali-fast doctor: the GPU path cannot run: the hardware JPEG engine of GPU 0 (NVIDIA H100 80GB HBM3) "
+        "stayed idle while DALI decoded whole images with hw_decoder_load=1: training would decode on the CPU "
+        "threads, at about a quarter of its speed; check that nvJPEG builds its hardware backend (doctor --json: "
+        "decoder_probe) and that no MIG slice or container setting hides the engine\n"
+    )
+
+    class Busy(FakeNvml):
+        def nvmlDeviceGetJpgUtilization(self, h):
+            return (41, 166666)
+
+    _gpu_host_doctor(monkeypatch, Busy())
+    assert main(["doctor"]) == 0
+    assert "hw decoder  used: JPEG engine utilization reached 41 %" in capsys.readouterr().out
+
+
+def test_doctor_exits_1_when_the_crop_window_child_dies_on_a_gpu_that_would_use_it(monkeypatch, capsys):
+    class NoEngine(FakeNvml):
+        def nvmlDeviceGetJpgUtilization(self, h):
+            raise FakeNVMLError("Not Supported")
+
+    _gpu_host_doctor(monkeypatch, NoEngine(), crop_window="crashed (SIGSEGV, rc -11)", hw_backend=False)
+    monkeypatch.delenv("DALI_FAST_TRAIN_DECODE", raising=False)
+    assert main(["doctor", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(
+        "dali-fast doctor: the GPU path cannot run: DALI's crop-window decode crashed (SIGSEGV, rc -11) on GPU 0 "
+        "(NVIDIA H100 80GB HBM3), where training would decode crop windows"
+    )
+    import json
+
+    readings = json.loads(out)["readings"]
+    assert readings["decoder_probe"]["crop_window"] == "crashed (SIGSEGV, rc -11)"
+    assert readings["decoder_probe"]["crop_ok"] is False and readings["hw_decoder"]["jpeg_engine"] is False
+    _gpu_host_doctor(monkeypatch, FakeNvml(), crop_window="crashed (SIGSEGV, rc -11)")  # the engine: whole images
+    monkeypatch.setattr(FakeNvml, "nvmlDeviceGetJpgUtilization", lambda self, h: (30, 166666))
+    assert main(["doctor"]) == 0  # training would not decode crop windows here
+    out = capsys.readouterr().out
+    assert 'crop window CRASHED (SIGSEGV, RC -11) on device="mixed" in a child process' in out
+    assert "training    decodes whole images, cropped on the GPU on GPU 0 (NVIDIA H100 80GB HBM3)" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from spies import record_dali_ops
@@ -181,3 +182,143 @@ def test_randaugment_builds_without_dali_origin_traces_and_leaves_them_on(monkey
     assert plain > 0  # the operators of the recipe itself keep their origin (errors name the user's line)
     assert build(Recipe(image_size=32, auto_augment="randaugment", num_ops=4)) == plain  # was 1,183 more
     assert dali_trace.is_tracing_enabled()
+
+
+def _passthrough_decoders(monkeypatch) -> list[tuple[str, dict]]:
+    """DALI's decoders and the operators after them replaced by recorders that hand their input on, so a
+    pipeline with a `mixed` decoder builds on a machine without a GPU; returns the recorded (op, kwargs)."""
+    import nvidia.dali.fn as fn
+
+    seen: list[tuple[str, dict]] = []
+
+    def record(name):
+        def op(data, *args, **kwargs):
+            seen.append((name, kwargs))
+            return data
+
+        return op
+
+    monkeypatch.setattr(fn.decoders, "image", record("decode"))
+    monkeypatch.setattr(fn.decoders, "image_random_crop", record("decode_roi"))
+    for name in ("random_resized_crop", "resize", "crop_mirror_normalize"):
+        monkeypatch.setattr(fn, name, record(name))
+    return seen
+
+
+def _build_gpu_graph(reader, *, train=True, decode=None, max_batch=64):
+    from dali_fast.loaders.bad_records import SkipLog
+    from dali_fast.loaders.dali_pipeline import BatchSource, build_pipeline, shutdown_pipeline
+
+    source = BatchSource(reader, [np.arange(min(4, len(reader)))], "raise", SkipLog())
+    p = build_pipeline(
+        source,
+        max_batch=max_batch,
+        train=train,
+        recipe=Recipe(image_size=32),
+        gpu=True,
+        device_id=None,  # built without a device: the recorded decoders stand in for `mixed`
+        seed=1,
+        num_threads=4,
+        prefetch=1,
+        decode=decode,
+    )
+    shutdown_pipeline(p)
+    return source
+
+
+def test_the_built_gpu_graph_carries_the_hints_the_load_and_the_affinity_rule(monkeypatch):
+    """The pipeline a GPU loader builds: the `mixed` decoder's preallocation hints are the 99th percentile of
+    the data set's stored widths and heights (here 4 images in 1,000 are larger, 2 of them in the sample of
+    256, and the p99 takes the bulk's sides), its hw_decoder_load the environment's (else ours), and its
+    affinity follows the rule."""
+    pytest.importorskip("nvidia.dali")
+    from builders import IndexReader, jpeg_bytes
+
+    import dali_fast.transforms.dali as graph
+
+    class Packed(IndexReader):
+        reads_views = True  # as a packed set: its reads are views, 256 records are sampled
+
+    small, large = jpeg_bytes(120, 90), jpeg_bytes(640, 480)
+    reader = Packed([large if i % 250 == 0 else small for i in range(1000)])
+    assert graph.sample_sizes(reader).count((640, 480)) == 2 and len(graph.sample_sizes(reader)) == 256
+    seen = _passthrough_decoders(monkeypatch)
+    monkeypatch.delenv("DALI_FAST_HW_DECODER_LOAD", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _build_gpu_graph(reader)
+    (name, kw), *_ = seen
+    assert name == "decode" and kw["device"] == "mixed"
+    assert (kw["preallocate_width_hint"], kw["preallocate_height_hint"]) == (120, 90)
+    assert kw["hw_decoder_load"] == 0.99 and kw["affine"] is True and kw["jpeg_fancy_upsampling"] is True
+    seen.clear()
+    reader = IndexReader([large if i % 2 else small for i in range(100)])  # half are large: the p99 is
+    monkeypatch.setenv("DALI_FAST_HW_DECODER_LOAD", "0.65")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # remapped devices, on this DALI (>= 1.40): pinned
+    _build_gpu_graph(reader, train=False)
+    kw = seen[0][1]
+    assert (kw["preallocate_width_hint"], kw["preallocate_height_hint"]) == (640, 480)
+    assert kw["hw_decoder_load"] == 0.65 and kw["affine"] is True
+    seen.clear()
+    monkeypatch.setattr("nvidia.dali.__version__", "1.36.0")  # an older DALI reads NVML by CUDA's index
+    _build_gpu_graph(reader, decode="roi")
+    kw = seen[0][1]
+    assert seen[0][0] == "decode_roi" and kw["affine"] is False and "hw_decoder_load" not in kw
+    assert kw["preallocate_width_hint"] == 640
+    assert graph.decoder_affinity("1.36.0") is False and graph.decoder_affinity("2.4.0") is True
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the same numbering as NVML's
+    assert graph.decoder_affinity("1.36.0") is True
+
+
+def test_preallocation_hints_stay_within_their_budget_and_keep_the_aspect():
+    from dali_fast.transforms.dali import HW_HINT_BUDGET, preallocation_hints
+
+    assert preallocation_hints([], 256) == (0, 0)  # DALI's "no hint"
+    sizes = [(500, 375)] * 99 + [(6000, 4000)]
+    assert preallocation_hints(sizes, 256) == (500, 375)  # the p99, not the one giant
+    w, h = preallocation_hints([(4000, 3000)] * 10, 256)
+    assert 256 * w * h * 3 <= HW_HINT_BUDGET < 256 * (w + 2) * (h + 2) * 3  # as large as the budget allows
+    assert abs(w / h - 4 / 3) < 0.01
+    assert preallocation_hints([(4000, 3000)], 1) == (4000, 3000)
+
+
+def test_sizes_are_sampled_from_the_reader_and_never_from_streamed_shards():
+    from builders import IndexReader, jpeg_bytes
+
+    from dali_fast.transforms.dali import SIZE_SAMPLE_FILES, sample_sizes
+
+    reader = IndexReader([jpeg_bytes(40 + i, 30) for i in range(200)] + [b"not an image"])
+    sizes = sample_sizes(reader)
+    assert len(sizes) == SIZE_SAMPLE_FILES - 1  # spread over all 201 records; the last, not an image, left out
+    assert sizes[0] == (40, 30) and all(h == 30 for _, h in sizes)
+
+    class Streamed(IndexReader):
+        streaming, shard_bounds, shuffle_window = True, np.array([0, 201]), 1
+
+        def schedule(self, order, then=None):
+            raise AssertionError
+
+        def advance(self, count):
+            raise AssertionError
+
+        def __getitem__(self, i):
+            raise AssertionError("a streamed shard was read to size the decoder")
+
+    assert sample_sizes(Streamed(reader.items)) == []
+
+
+def test_the_load_comes_from_the_environment_in_one_line(monkeypatch):
+    from builders import one_line
+
+    from dali_fast.transforms.decode_choice import HW_DECODER_LOAD, hw_decoder_load
+
+    monkeypatch.delenv("DALI_FAST_HW_DECODER_LOAD", raising=False)
+    assert hw_decoder_load() == HW_DECODER_LOAD == 0.99  # today's value, until a GPU run decides
+    monkeypatch.setenv("DALI_FAST_HW_DECODER_LOAD", "0.65")
+    assert hw_decoder_load() == 0.65 and hw_decoder_load("1") == 1.0
+    for bad in ("1.5", "fast"):
+        monkeypatch.setenv("DALI_FAST_HW_DECODER_LOAD", bad)
+        with pytest.raises(ValueError) as e:
+            hw_decoder_load()
+        assert one_line(e) == (
+            f"DALI_FAST_HW_DECODER_LOAD={bad!r}: use a share from 0 to 1 (0.65 is DALI's default, 0.99 ours)"
+        )

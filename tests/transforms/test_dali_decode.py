@@ -82,6 +82,8 @@ def test_the_loader_reads_the_engine_as_doctor_does_and_decides_once(monkeypatch
 
     import dali_fast.loaders.base as base
     import dali_fast.loaders.dali_iterator as dali_iterator
+    import dali_fast.transforms.decode_choice as decode_choice
+    import dali_fast.transforms.decode_probe as decode_probe
     from dali_fast import DALIIterator
 
     monkeypatch.setitem(sys.modules, "pynvml", _Nvml())
@@ -97,9 +99,10 @@ def test_the_loader_reads_the_engine_as_doctor_does_and_decides_once(monkeypatch
     assert DALIIterator(reader, 2, device="cpu", train_decode="whole").train_decode == "whole"
     monkeypatch.setattr(base, "cuda_usable", lambda: True)  # a GPU loader, built but never run here
     monkeypatch.setattr(dali_iterator, "local_device_index", lambda: 1)
+    monkeypatch.setattr(decode_probe, "probe_once", lambda i: decode_probe.DecoderProbe(str(i), crop_window="ok"))
     asked = []
     for engine, expected in ((True, "whole"), (False, "roi"), (None, "whole")):
-        monkeypatch.setattr(dali_iterator, "jpeg_engine", lambda i, e=engine: asked.append(i) or e)
+        monkeypatch.setattr(decode_choice, "jpeg_engine", lambda i, e=engine: asked.append(i) or e)
         assert DALIIterator(reader, 2, device="cuda").train_decode == expected
     assert asked == [1, 1, 1]  # the loader's own device
     assert DALIIterator(reader, 2, device="cuda", train_decode="roi").train_decode == "roi" and len(asked) == 3
