@@ -45,9 +45,8 @@ class LoaderBase:
 
     The position is the number of this rank's samples already *yielded* in the current epoch
     (not the number handed to a prefetching backend), so ``state_dict()`` taken inside the loop
-    resumes at exactly the next sample. ``last_indices`` holds the data set indices of the last yielded
-    batch's rows, in order (a record skipped as undecodable is not among them, so `gather_outputs` of the
-    rows and these indices lines up), for exact evaluation and audits.
+    resumes at exactly the next sample. ``last_indices``: the data set indices of the last yielded batch's
+    rows, in order (a skipped record is not among them: `gather_outputs` of rows and indices lines up).
 
     A backend is a subclass that calls ``super().__init__(dataset, batch_size, **kwargs)`` first and
     writes two methods, which the base does not:
