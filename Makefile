@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on CPU-only machines (CI) pip resolves this to the local CPU wheel, so the
 	# project's `torch>=2.3` below installs nothing more. Any failure stops the build (no `|| true`).
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[dev,lightning,accelerate,webdataset,parquet,cloud,cloud-test,writers-test,docs]'
+	$(PIP) install --quiet -e '.[dev,opencv,lightning,accelerate,webdataset,parquet,cloud,cloud-test,writers-test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)

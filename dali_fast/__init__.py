@@ -1,4 +1,12 @@
-"""dali_fast: feed the GPU. A DALI pipeline behind a PyTorch iterator, with a pure-PyTorch fallback."""
+"""dali_fast: feed the GPU. A DALI pipeline behind a PyTorch iterator, with a pure-PyTorch fallback.
+
+Five wings under a thin face, data flowing one way (data -> transforms -> loaders -> train and tools ->
+cli): ``data/``, ``transforms/``, ``loaders/``, ``train/``, ``tools/``. The face: this module's public
+names (loaded on first use), ``cli`` (the `dali-fast` command) with ``cli_options`` (its parser) and
+``cli_values`` (its value types), ``__main__``, ``lightning`` (`DaliFastDataModule`); and three helpers
+every wing may use: ``machine`` (readings of the machine), ``files`` (atomic writes, cache folders) and
+``text`` (counted nouns, progress bars).
+"""
 
 from __future__ import annotations
 
@@ -17,11 +25,11 @@ _HOME = {
     "LRUCache": ".data.cache",
     "MemmapReader": ".data.packed",
     "MixupCutmix": ".transforms.mix",
-    "PackReport": ".data.pack_report",
+    "PackReport": ".data.pack.report",
     "Progressive": ".transforms.recipe",
     "Recipe": ".transforms.recipe",
     "RemoteDataError": ".data.remote.errors",
-    "ShardReport": ".data.shard_writer",
+    "ShardReport": ".data.pack.tar_writer",
     "TorchIterator": ".loaders.torch_iterator",
     "create_optimized_dataloader": ".loaders.dataloader",
     "gather_outputs": ".train.distributed",
@@ -30,8 +38,8 @@ _HOME = {
     "make_synthetic": ".data.synthetic",
     "normalize_images": ".transforms.batch",
     "open_dataset": ".data.open",
-    "pack": ".data.writer",
-    "write_shards": ".data.shard_writer",
+    "pack": ".data.pack.packed",
+    "write_shards": ".data.pack.tar_writer",
 }
 
 __all__ = [

@@ -71,7 +71,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         opened = options if is_remote(args.src) else {}  # a URL's cache and storage options, the class map
         src, targets = open_dataset(args.src, **opened, classes=args.classes, **targets), {}
     if args.format == "webdataset":
-        from .data.shard_pack import pack_shards
+        from .data.pack.webdataset import pack_shards
 
         if args.shard_size == 0:
             raise UserError("--shard-size 0: shards need a size; give one such as 256M, or leave it out")
@@ -83,7 +83,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         report = pack_shards(src, args.dst, verify=not args.no_verify, shuffle=not args.no_shuffle, **kw, **targets)
         print(report.summary())
         return 0
-    from .data.writer import pack
+    from .data.pack.packed import pack
 
     unused = _changed(args, ("prefix", "no_shuffle"))
     if unused:

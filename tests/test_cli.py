@@ -124,8 +124,8 @@ def test_each_command_takes_only_the_options_it_honours(argv, capsys):
 def test_inspect_on_every_kind_of_data_set(tmp_path, cache, capsys):
     from builders import write_shards  # skipped without the webdataset package
 
+    from dali_fast.data.pack.packed import pack
     from dali_fast.data.synthetic import make_synthetic
-    from dali_fast.data.writer import pack
 
     write_shards(tmp_path / "shards")
     make_synthetic(tmp_path / "folder", images=6, classes=2, progress=False)

@@ -14,7 +14,7 @@ from builders import jpeg_bytes, make_folder
 
 from dali_fast.cli import main
 from dali_fast.data.open import open_dataset
-from dali_fast.data.writer import pack
+from dali_fast.data.pack.packed import pack
 
 # A folder no one can make files in, root included (permission bits do not stop root); Linux only.
 NOWHERE = {"proc": Path("/proc/dali_fast_nowhere"), "sys": Path("/sys/dali_fast_nowhere")}
@@ -152,7 +152,7 @@ def test_pack_counts_what_is_not_an_image_apart_and_names_each(tmp_path, caplog,
     (src / "b" / "more").symlink_to(tmp_path / "elsewhere" / "x", target_is_directory=True)
     (src / "b" / "notes.txt").write_text("x")
     (src / "b" / "tiff.jpg").write_bytes(b"II*\x00" + bytes(60))  # a TIFF signature, and no directory
-    with caplog.at_level(logging.WARNING, logger="dali_fast.data.writer"):
+    with caplog.at_level(logging.WARNING, logger="dali_fast.data.pack.packed"):
         report = pack(src, tmp_path / "p", progress=False)
     assert report.records == 4
     packed = open_dataset(tmp_path / "p")  # sources relative to the pack's root, the link's path kept

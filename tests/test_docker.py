@@ -77,12 +77,12 @@ def test_requirements_come_from_pyproject_without_drift():
     deps = {req_name(r): r for r in pyproject()["project"]["dependencies"]}
     cmds = pip_installs()
     # The project itself is installed from the copied pyproject.toml: its dependencies are exactly pyproject's.
-    assert any(c == ["."] for c in cmds), cmds
+    assert any(c == [".[opencv]"] for c in cmds), cmds  # the image has the opencv extra
     assert any(c == ["--no-deps", "."] for c in cmds), cmds
     copies = [rest.split() for word, rest in instructions() if word == "COPY"]
     assert ["pyproject.toml", "README.md", "./"] in copies
     # Anything named explicitly must be a pyproject dependency with the same specifier.
-    named = [w for c in cmds for w in c if not w.startswith("-") and w != "." and not w.startswith("http")]
+    named = [w for c in cmds for w in c if not w.startswith("-") and not w.startswith(".") and not w.startswith("http")]
     assert named, "the Dockerfile installs torch's CUDA build explicitly"
     for req in named:
         assert req_name(req) in deps, f"{req} is not a dependency in pyproject.toml"
@@ -104,7 +104,7 @@ def test_install_commands_are_the_readmes():
 def test_dependency_layer_comes_before_the_code():
     steps = instructions()
     index = {i: (w, r) for i, (w, r) in enumerate(steps)}
-    deps_at = next(i for i, (w, r) in index.items() if w == "RUN" and "pip install ." in r)
+    deps_at = next(i for i, (w, r) in index.items() if w == "RUN" and "pip install \".[opencv]\"" in r)
     code_at = next(i for i, (w, r) in index.items() if w == "COPY" and r.startswith("dali_fast"))
     assert deps_at < code_at
     assert not any(w == "COPY" and r.split()[0] in (".", "./") for w, r in steps), "no COPY of the whole context"

@@ -19,7 +19,7 @@ DOCUMENTED = [
     ("dali_fast.transforms.mix", "MixupCutmix"),
     ("dali_fast.transforms.mix", "soft_target_cross_entropy"),
     ("dali_fast.data.open", "open_dataset"),
-    ("dali_fast.data.writer", "pack"),
+    ("dali_fast.data.pack.packed", "pack"),
     ("dali_fast.loaders.factory", "make_loader"),
 ]
 

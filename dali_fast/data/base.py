@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -194,8 +195,32 @@ def _forget_pool() -> None:
     _pool, _pool_lock = None, threading.Lock()
 
 
+class ProcessStateReader(Protocol):
+    """A reader with state of its own process (a row-group LRU, download threads, pins) that a forked child
+    (a DataLoader worker) must not inherit: `reset_after_fork` has it start afresh there."""
+
+    def reset_process_state(self) -> None: ...
+
+
+_FORK_RESETS: weakref.WeakSet = weakref.WeakSet()
+
+
+def reset_after_fork(reader: ProcessStateReader) -> None:
+    """Call ``reader.reset_process_state()`` in every forked child of this process, for as long as the
+    reader lives: a lock a reader thread held at the fork, a cache or a download stream are the parent's."""
+    _FORK_RESETS.add(reader)
+
+
+# pragma: no mutate start (runs in forked children, where mutmut does not follow; the fork tests cover it)
+def _after_fork_in_child() -> None:
+    _forget_pool()
+    for reader in list(_FORK_RESETS):
+        reader.reset_process_state()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+# pragma: no mutate end
 
 
 def read_parallel(read: Callable[[T], R], items: Sequence[T]) -> list[R]:

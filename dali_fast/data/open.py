@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from .format import INDEX_FILE
 from .packed import MemmapReader
 from .parquet_index import is_parquet
 from .remote.store import is_remote
-from .shards import is_webdataset
+from .shards import expand_braces, is_webdataset
 from .webdataset import WebDatasetReader
 
 
@@ -64,7 +63,7 @@ def open_dataset(
             from .remote.parquet import RemoteParquetReader  # pyarrow, fsspec and its backends load with it
 
             return RemoteParquetReader(str(path), classes=classes, **reader_kw)  # type: ignore[arg-type]
-        from .remote.reader import RemoteShardsReader  # fsspec and its backends load with it
+        from .remote.webdataset import RemoteShardsReader  # fsspec and its backends load with it
 
         return RemoteShardsReader(str(path), **targets, **reader_kw)  # type: ignore[arg-type]
     p = Path(path)
@@ -97,7 +96,7 @@ def open_dataset(
 def _remote_parquet(url: str, reader_kw: dict[str, object]) -> bool:
     """Whether ``url`` names Parquet files: by the name it spells (a brace pattern's first choice), or for a
     folder (neither .tar nor .parquet at its end) by one listing of it."""
-    name = re.sub(r"\{([^{},]*)[^{}]*\}", r"\1", url)  # {a.parquet,b.parquet} -> a.parquet
+    name = expand_braces(url)[0]  # a pattern's first name: {a.parquet,b.parquet} -> a.parquet
     if name.endswith(".parquet"):
         return True
     if name.endswith(".tar") or name != url:

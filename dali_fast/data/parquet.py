@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import numpy as np
 
 from ..files import default_cache_dir
 from ..text import plural
-from .base import CheckedBatch, read_parallel
+from .base import CheckedBatch, read_parallel, reset_after_fork
 from .cache import LRUCache
 from .checks import check_index, check_label
 from .classes import class_map, remap_labels
@@ -49,20 +48,6 @@ ROW_GROUP_CACHE = 256 << 20  # bytes of row groups kept per process (a set this 
 MAX_WINDOW = 64  # row groups shuffled together at most (more costs memory, not mixing that matters)
 NULL_LABEL = "null label"
 
-_READERS: weakref.WeakSet = weakref.WeakSet()
-
-
-# pragma: no mutate start (runs in forked children, where mutmut does not follow; the fork test covers it)
-def _reset_readers_in_child() -> None:
-    """A forked child (a DataLoader worker) starts without its parent's row groups, whose lock a reader
-    thread of the parent may have held at the fork."""
-    for reader in list(_READERS):
-        reader._reset_process_state()  # noqa: SLF001
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_readers_in_child)
-# pragma: no mutate end
 
 
 class ParquetReader:
@@ -152,8 +137,8 @@ class ParquetReader:
         if shuffle_window is None:
             shuffle_window = max(1, min(MAX_WINDOW, self.row_group_cache // max(1, 2 * biggest)))
         self.shuffle_window = int(min(shuffle_window, len(self.group_rows)))
-        self._reset_process_state()
-        _READERS.add(self)
+        self.reset_process_state()
+        reset_after_fork(self)
 
     # ------------------------------------------------------------------ open
     def _use_classes(self, names: list[str] | None, declared: Sequence[str] | None) -> None:
@@ -347,7 +332,7 @@ class ParquetReader:
         """``count`` more records delivered (nothing to release for local files)."""
 
     # ------------------------------------------------------------------ processes
-    def _reset_process_state(self) -> None:
+    def reset_process_state(self) -> None:
         """This process's own row groups (an unpickled reader, a forked child, a new reader)."""
         self._cache = LRUCache(self.row_group_cache)
         self._meta = dict(self._meta)
@@ -360,8 +345,8 @@ class ParquetReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pq = pyarrow_parquet()
-        self._reset_process_state()
-        _READERS.add(self)
+        self.reset_process_state()
+        reset_after_fork(self)
 
     def cache_stats(self) -> dict[str, float]:
         """This process's row-group LRU: hits, misses, hit_rate, evictions, bytes."""

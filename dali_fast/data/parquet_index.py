@@ -58,13 +58,20 @@ def pyarrow_parquet() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- the files
-def _folder_files(folder: Path) -> list[Path]:
-    """The folder's own .parquet files, else those of its ``data/`` folder (a Hugging Face snapshot)."""
-    for where in (folder, folder / "data"):
-        found = sorted(p for p in where.glob("*.parquet") if p.is_file())  # none in a folder that is not there
-        if found:
-            return found
+def folder_files(root: str, found: Sequence[str]) -> list[str]:
+    """The Parquet files of a folder, local or at a URL: its own, else those of its ``data/`` folder (a
+    Hugging Face snapshot). ``found``: the .parquet paths under ``root``, joined with ``/``, in order."""
+    for where in (root, f"{root}/data"):
+        mine = [p for p in found if p.rsplit("/", 1)[0] == where]
+        if mine:
+            return mine
     return []
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """`folder_files` of a local folder (a folder that is not there holds none)."""
+    found = sorted(str(p) for where in (folder, folder / "data") for p in where.glob("*.parquet") if p.is_file())
+    return [Path(p) for p in folder_files(str(folder), found)]
 
 
 def is_parquet(path: str | os.PathLike) -> bool:
@@ -91,7 +98,7 @@ def expand_parquet(spec: str | os.PathLike) -> list[Path]:
         files = _folder_files(Path(text))
         if not files:
             raise FileNotFoundError(f"{text}: no .parquet files in this folder or in its data/ folder")
-        _one_split(files, text)
+        check_one_split([str(f) for f in files], text)
         return files
     names: list[str] = []
     for pattern in expand_braces(text):
@@ -109,18 +116,22 @@ def expand_parquet(spec: str | os.PathLike) -> list[Path]:
     return [Path(n) for n in names]
 
 
-def _one_split(files: list[Path], where: str) -> None:
+def check_one_split(files: Sequence[str], where: str) -> None:
+    """Refuse, in one line naming the pattern to use, ``files`` (paths or URLs) of several Hugging Face
+    splits (``train-00000-of-00002.parquet`` beside ``test-00000-of-00001.parquet``): a folder's or a
+    snapshot's files are one split, locally and at a URL."""
     splits: dict[str, int] = {}
     for f in files:
-        m = HF_SHARD.match(f.name)
+        m = HF_SHARD.match(f.rsplit("/", 1)[-1])
         split = m.group("split") if m else ""
         splits[split] = splits.get(split, 0) + 1
     if len(splits) > 1:
         named = ", ".join(f"{s or '(other)'} ({plural(n, 'file')})" for s, n in sorted(splits.items()))
         first = next(s for s in sorted(splits) if s)
+        folder = files[0].rsplit("/", 1)[0]
         raise ValueError(
             f"{where}: holds the files of several splits: {named}; open one split with a pattern, "
-            f"e.g. open_dataset('{files[0].parent / first}-*.parquet')"
+            f"e.g. open_dataset('{folder}/{first}-*.parquet')"
         )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..files import atomic_dir, cache_folder, default_cache_dir
 from ..text import progress_bar
-from .writer import pack
+from .pack.packed import pack
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,9 @@ boundary it runs on:
 
 - every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, resume, ranks, the controller's
   hooks), ``passes.py`` (a pass's lifetime), ``bad_records.py`` (what a bad record raises or counts),
+  ``order.py`` (what every epoch order shares, and how a saved position carries to another world size),
   ``sampler.py`` (the random-access epoch order), ``shard_order.py`` (the order that streams shards),
+  ``batch_targets.py`` (a batch's labels or target rows on the output device),
   ``controller.py`` + ``memory_probes.py`` (`BatchSizeController` and the memory it reads), ``factory.py``
   (`make_loader`: a backend by name);
 - `DALIIterator`: ``dali_iterator.py`` (the iterator, and what DALI's failures say) and

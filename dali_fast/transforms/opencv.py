@@ -5,11 +5,11 @@ and the uint8 → float32 normalizing conversion of a batch.
 Each kernel is SIMD code that works in one pass over strided memory: OpenCV resizes a crop without copying
 it out of the decoded image first, splits channels with vector shuffles (numpy's and torch's transposing
 copies move one byte at a time), and normalizes with one multiply-add per pixel where torch makes three
-passes. Measured on 2 cores (docs/bench.md): 9-13 % less CPU per image in `TorchIterator`'s processes.
+passes (docs/bench.md has what that saves, measured).
 
-OpenCV (``opencv-python-headless``, or any wheel that provides ``cv2``) is a dependency; where it does not
-import, or ``DALI_FAST_OPENCV=0`` is set, each function returns False and the caller does the step with torch
-and numpy. The split and the mirror are exact either way; the conversion differs by float rounding
+OpenCV is the optional extra ``opencv`` (``opencv-python-headless``; any wheel that provides ``cv2``
+serves). Where it does not import, or ``DALI_FAST_OPENCV=0`` is set, each function returns False and the
+caller does the step with torch and numpy. The split and the mirror are exact either way; the conversion differs by float rounding
 (under 1e-6 here); the plain bilinear resize by at most 1 level (OpenCV's 11-bit weights against torch's:
 both within 1 level of the interpolation's definition). Pillow's filters (upscales, 2x+ shrinks) stay torch's.
 """
@@ -40,7 +40,7 @@ def opencv() -> ModuleType | None:
     except ImportError as e:
         log.info(
             "OpenCV does not import (%s): TorchIterator resizes, splits channels and normalizes with torch's "
-            "kernels, 10-15 %% more CPU per image; pip install opencv-python-headless",
+            "kernels, at more CPU per image (docs/bench.md); pip install 'dali-fast[opencv]'",
             e,
         )
         return None

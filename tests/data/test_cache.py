@@ -103,8 +103,8 @@ def test_cached_values_are_private_copies_not_views_of_the_file(tmp_path):
     from builders import jpeg_bytes, make_folder
 
     from dali_fast.data.format import DATA_FILE
+    from dali_fast.data.pack.packed import pack
     from dali_fast.data.packed import MemmapReader
-    from dali_fast.data.writer import pack
 
     src = make_folder(tmp_path / "src", {"a": [jpeg_bytes(40, 30), jpeg_bytes(30, 40)]})
     pack(src, tmp_path / "p", progress=False)

@@ -98,7 +98,7 @@ def test_an_image_folder_split_lacking_a_folder(tmp_path, cache):
 def test_packs_shards_and_bare_labels_on_a_declared_map(tmp_path, cache):
     from builders import write_shards
 
-    from dali_fast.data.writer import pack
+    from dali_fast.data.pack.packed import pack
 
     make_folder(tmp_path / "val", {c: [jpeg_bytes()] for c in ("cat", "fish")})
     pack(tmp_path / "val", tmp_path / "packed", progress=False)

@@ -12,7 +12,7 @@ from spies import ConcurrencySpy
 
 from dali_fast.data.folder import ImageFolderReader
 from dali_fast.data.open import open_dataset
-from dali_fast.data.writer import pack
+from dali_fast.data.pack.packed import pack
 
 
 def test_image_folder_reader_same_interface(small_folder, tmp_path):

@@ -1,5 +1,7 @@
 """`open_dataset`: which reader opens what, and what it says about what it cannot open."""
 
+from pathlib import Path
+
 import pytest
 from builders import jpeg_bytes, one_line
 
@@ -20,7 +22,7 @@ def test_open_dataset_errors(tmp_path):
 
 
 def test_a_url_opens_remote_shards_with_the_keywords(monkeypatch):
-    import dali_fast.data.remote.reader as remote
+    import dali_fast.data.remote.webdataset as remote
 
     opened = []
     monkeypatch.setattr(remote, "RemoteShardsReader", lambda url, **kw: opened.append((url, kw)) or "remote")
@@ -32,7 +34,7 @@ def test_a_url_opens_remote_shards_with_the_keywords(monkeypatch):
 def test_a_folder_is_told_by_what_it_holds_and_a_mix_is_refused(tmp_path, cache):
     from builders import write_shards  # skipped without the webdataset package
 
-    from dali_fast.data.writer import pack
+    from dali_fast.data.pack.packed import pack
 
     write_shards(tmp_path / "shards")
     assert type(open_dataset(tmp_path / "shards")).__name__ == "WebDatasetReader"
@@ -85,8 +87,15 @@ def test_a_packed_folder_that_also_holds_shards_opens_as_the_pack(tmp_path, cach
     """index.bin makes a folder a pack, whatever else it holds (shards written beside it, say)."""
     from builders import jpeg_bytes, make_folder, write_shards
 
-    from dali_fast.data.writer import pack
+    from dali_fast.data.pack.packed import pack
 
     pack(make_folder(tmp_path / "src", {"a": [jpeg_bytes()] * 3}), tmp_path / "p", progress=False)
     write_shards(tmp_path / "p")  # .tar files beside the pack's files
     assert type(open_dataset(tmp_path / "p")).__name__ == "MemmapReader" and len(open_dataset(tmp_path / "p")) == 3
+
+
+def test_urls_are_remote_and_paths_are_not():
+    from dali_fast.data.remote.store import is_remote
+
+    assert is_remote("s3://b/x.tar") and is_remote("gs://b/x-{0..3}.tar") and is_remote("https://h/x.tar")
+    assert not is_remote("data/train") and not is_remote("file:///data/x.tar") and not is_remote(Path("s3:/x"))

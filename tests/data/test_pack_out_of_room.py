@@ -11,7 +11,7 @@ import sys
 import pytest
 from builders import make_folder, photo
 
-from dali_fast.data.writer import pack
+from dali_fast.data.pack.packed import pack
 
 
 def _photos(root, n: int = 12):
@@ -54,7 +54,7 @@ def test_a_file_size_limit_is_one_line_exit_2_and_nothing_left(tmp_path, cache, 
 
 def test_a_full_disk_is_the_same_line(tmp_path, cache, monkeypatch):
     """A full disk (ENOSPC) is injected at the writer's first data write: the same one line, nothing left."""
-    from dali_fast.data import writer
+    from dali_fast.data.pack import packed as writer
 
     src = _photos(tmp_path / "src", 2)
 

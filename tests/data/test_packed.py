@@ -11,8 +11,8 @@ from builders import EOI, SOI, SOS, jpeg_bytes, make_folder, one_line
 from dali_fast.data.checks import QUICK_MIN, check_encoded
 from dali_fast.data.format import DATA_FILE, FORMAT_VERSION, HEADER_DTYPE, INDEX_FILE, RECORD_DTYPE
 from dali_fast.data.open import open_dataset
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.packed import MemmapReader
-from dali_fast.data.writer import pack
 
 
 def test_memmap_views_are_zero_copy_and_read_only(small_folder, tmp_path):

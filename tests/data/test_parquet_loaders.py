@@ -304,7 +304,7 @@ def test_pack_takes_any_reader_as_its_source(tmp_path, workers):
 
 
 def test_read_rows_without_a_reader_says_so():
-    from dali_fast.data.pack_sources import read_rows, use_reader
+    from dali_fast.data.pack.sources import read_rows, use_reader
 
     use_reader(None)
     with pytest.raises(RuntimeError, match=r"^pack's reader is not set in this process \(use_reader\)$"):

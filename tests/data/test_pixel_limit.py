@@ -13,8 +13,8 @@ from PIL import Image
 
 from dali_fast.data.checks import check_encoded
 from dali_fast.data.format import DATA_FILE
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.packed import MemmapReader
-from dali_fast.data.writer import pack
 from dali_fast.loaders.bad_records import BadRecordError
 
 # New names are imported in the tests that use them (see test_damaged_jpeg.py).

@@ -14,7 +14,7 @@ from builders import jpeg_bytes, make_folder, one_line
 
 from dali_fast import open_dataset, pack, write_shards
 from dali_fast.cli import main
-from dali_fast.data.shard_pack import pack_shards
+from dali_fast.data.pack.webdataset import pack_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,7 +145,7 @@ def test_refusals_are_one_line_before_any_work(small_folder, tmp_path):
 
 
 def test_a_failing_pack_leaves_no_destination(small_folder, tmp_path, monkeypatch):
-    from dali_fast.data import shard_writer
+    from dali_fast.data.pack import tar_writer as shard_writer
 
     def full(*_a, **_k):
         raise OSError(28, "No space left on device")

@@ -18,7 +18,7 @@ import pytest
 from builders import jpeg_bytes, one_line, png_bytes
 
 from dali_fast import open_dataset, write_shards
-from dali_fast.data.shard_writer import DEFAULT_SHARD_SIZE, encode_target
+from dali_fast.data.pack.tar_writer import DEFAULT_SHARD_SIZE, encode_target
 from dali_fast.data.shards import index_shard, scan_tar
 from dali_fast.data.webdataset import WebDatasetReader
 

@@ -123,7 +123,7 @@ def test_a_key_that_comes_back_later_is_another_sample_as_webdataset_yields_it(t
 
 
 def test_pack_counts_what_a_duplicate_key_leaves_out(tmp_path, cache):
-    from dali_fast.data.writer import pack
+    from dali_fast.data.pack.packed import pack
 
     shard = _tar(
         tmp_path / "s.tar",
@@ -186,7 +186,7 @@ def test_json_labels_must_be_whole_numbers(tmp_path, cache):
 
 def test_pack_of_a_negative_label_is_one_line_exit_2_and_a_label_jump_is_named(tmp_path, cache, capsys, caplog):
     from dali_fast.cli import main
-    from dali_fast.data.writer import pack
+    from dali_fast.data.pack.packed import pack
 
     shard = _tar(tmp_path / "neg.tar", [("a.jpg", jpeg_bytes()), ("a.cls", b"-1")])
     assert main(["pack", str(shard), str(tmp_path / "p")]) == 2  # was an OverflowError traceback

@@ -341,7 +341,7 @@ def test_remote_shards_carry_target_lists(tmp_path, monkeypatch):
     pytest.importorskip("moto")
     from object_store import S3Server
 
-    from dali_fast.data.remote.reader import RemoteShardsReader
+    from dali_fast.data.remote.webdataset import RemoteShardsReader
 
     shards = write_shards(tmp_path / "shards", "multihot", "list")
     server = S3Server()

@@ -13,7 +13,7 @@ from builders import jpeg_bytes, one_line
 from target_sets import K, N, row, write_folder, write_parquet, written
 
 from dali_fast import TorchIterator, open_dataset, pack
-from dali_fast.data.shard_pack import pack_shards
+from dali_fast.data.pack.webdataset import pack_shards
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -15,9 +15,9 @@ from builders import IndexReader, jpeg_bytes, make_folder, one_line
 
 from dali_fast.data.format import DATA_FILE, HEADER_DTYPE, INDEX_FILE, RECORD_DTYPE
 from dali_fast.data.open import open_dataset
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.packed import MemmapReader
 from dali_fast.data.synthetic import make_synthetic
-from dali_fast.data.writer import pack
 
 
 def source_items(root: Path):
@@ -249,7 +249,7 @@ def test_pack_argument_messages(small_folder, tmp_path):
 
 
 def test_a_failing_pack_leaves_nothing(small_folder, tmp_path, monkeypatch):
-    import dali_fast.data.writer as writer
+    import dali_fast.data.pack.packed as writer
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
@@ -261,7 +261,7 @@ def test_a_failing_pack_leaves_nothing(small_folder, tmp_path, monkeypatch):
 
 
 def test_pack_summary_line_exactly(tmp_path):
-    from dali_fast.data.pack_report import PackReport
+    from dali_fast.data.pack.report import PackReport
 
     report = PackReport(dst=tmp_path / "p", records=12, classes=3, data_bytes=3 * 2**20 + 2**19, seconds=2.25)
     report.reencoded, report.skipped = 2, [("a.jpg", "empty file")]

@@ -14,8 +14,8 @@ import pytest
 from builders import jpeg_bytes, make_folder
 
 from dali_fast.data.format import DATA_FILE, INDEX_FILE
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.packed import MemmapReader
-from dali_fast.data.writer import pack
 
 
 @pytest.mark.parametrize("max_side", [None, 128])
@@ -162,7 +162,7 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
     is not re-run in each worker) and its workers die with this process."""
     import multiprocessing
 
-    import dali_fast.data.writer as writer
+    import dali_fast.data.pack.packed as writer
     from dali_fast.machine import die_with_parent
 
     monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
@@ -172,7 +172,7 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
     started.clear()
     for name, workers in (("same", cpus), ("more", cpus + 1)):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="dali_fast.data.writer"):
+        with caplog.at_level("WARNING", logger="dali_fast.data.pack.packed"):
             pack(small_folder, tmp_path / name, progress=False, workers=workers)
         assert sorted(MemmapReader(tmp_path / name).records["crc32"]) == want
         said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -194,7 +194,7 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
 def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_every_cpu(tmp_path, monkeypatch, pools):
     """workers=None: under PACK_SMALL images, this process packs (starting workers would cost more than the
     work), however many CPUs there are; from PACK_SMALL images on, one worker per CPU. The bytes are the same."""
-    import dali_fast.data.writer as writer
+    import dali_fast.data.pack.packed as writer
 
     monkeypatch.setattr(writer, "available_cpus", lambda: 2)
     n = writer.PACK_SMALL
@@ -223,7 +223,7 @@ def test_a_reader_packs_with_workers_on_linux_and_in_this_process_elsewhere(
 ):
     """A reader reaches the workers by fork: on Linux its records are read by the workers asked for; where
     the start method is not fork, by this process alone. The bytes are those of a pack in this process."""
-    import dali_fast.data.writer as writer
+    import dali_fast.data.pack.packed as writer
 
     monkeypatch.setattr(writer, "available_cpus", lambda: 2)
     pack(small_folder, tmp_path / "ref", progress=False, workers=1)

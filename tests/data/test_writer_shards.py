@@ -5,8 +5,8 @@ from builders import jpeg_bytes, one_line
 
 from dali_fast.data.format import DATA_FILE
 from dali_fast.data.open import open_dataset
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.packed import MemmapReader
-from dali_fast.data.writer import pack
 
 
 def test_a_sharded_pack_holds_the_same_records(photo_folder, tmp_path):

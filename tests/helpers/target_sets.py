@@ -14,7 +14,7 @@ import torch
 from builders import jpeg_bytes
 
 from dali_fast import pack
-from dali_fast.data.shard_pack import pack_shards
+from dali_fast.data.pack.webdataset import pack_shards
 
 
 def loader_class(backend: str):

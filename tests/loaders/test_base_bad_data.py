@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import odd_images
 import pytest
 from builders import IndexReader, jpeg_bytes
@@ -93,3 +94,26 @@ def test_unreadable_files_in_a_folder_are_bad_records(make, tmp_path):
     loader = make(reader, 3, train=False, on_error="skip")
     labels, sizes = epoch_labels(loader, 0)
     assert sizes == [2, 2] and loader.skipped == 2
+
+
+def test_a_skipped_record_is_counted_each_time_and_logged_once(caplog):
+    from dali_fast.loaders.bad_records import SkipLog
+
+    skips = SkipLog()
+    with caplog.at_level(logging.WARNING, logger="dali_fast.loaders.bad_records"):
+        for _ in range(2):
+            skips.add(3, "mem://3.jpg", "not an image")
+    assert skips.count == 2
+    assert [r.getMessage() for r in caplog.records] == ["skipping record 3 (mem://3.jpg): not an image"]
+    # each skip is held until the batch it came from is yielded, a backend working ahead or not
+    assert skips.yielded(np.array([1, 3, 5]), 2).tolist() == [1, 5] and skips.yielded(np.array([3, 7]), 1).tolist() == [7]
+    assert skips.yielded(np.array([3, 9]), 2).tolist() == [3, 9] and not skips.pending  # none held: none left out
+
+
+def test_a_bad_record_message_names_the_record_and_both_ways_out(index_reader):
+    from dali_fast.loaders.bad_records import bad_record_message
+
+    assert bad_record_message(index_reader, 4, "not an image") == (
+        "record 4 (mem://4.jpg): not an image; remove or re-pack it, "
+        "or skip bad records with on_error='skip' (dali-fast: --on-error skip)"
+    )

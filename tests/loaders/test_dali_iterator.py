@@ -1,4 +1,4 @@
-"""DALIIterator specifics (the shared contract runs in test_loaders_base.py for both backends): its
+"""DALIIterator specifics (the shared contract runs in the test_base_*.py files for both backends): its
 pipeline kept between epochs, and what its failures say."""
 
 from __future__ import annotations
@@ -418,8 +418,8 @@ def test_dali_finds_a_packed_record_damaged_inside_after_packing_by_decoding(on_
     from builders import make_folder
 
     from dali_fast.data.format import DATA_FILE
+    from dali_fast.data.pack.packed import pack
     from dali_fast.data.packed import MemmapReader
-    from dali_fast.data.writer import pack
 
     cls = loader_class("dali")
     images = [jpeg_bytes(40 + k, 30, (40 * k, 90, 200)) for k in range(6)]

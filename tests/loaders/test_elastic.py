@@ -434,8 +434,8 @@ def test_torchrun_two_ranks_killed_mid_epoch_then_resumed_on_one(tmp_path):
 
     from dali_fast.data.base import split
     from dali_fast.data.open import open_dataset
+    from dali_fast.data.pack.packed import pack
     from dali_fast.data.synthetic import make_synthetic
-    from dali_fast.data.writer import pack
     from dali_fast.train.checkpoint import load_checkpoint, read_index_records
 
     skip_without_enough_gpus(2)

@@ -203,8 +203,8 @@ def test_train_s_held_out_accuracy_on_two_ranks_equals_one_process_s(tmp_path):
 
     from dali_fast.data.base import split
     from dali_fast.data.open import open_dataset
+    from dali_fast.data.pack.packed import pack
     from dali_fast.data.synthetic import make_synthetic
-    from dali_fast.data.writer import pack
     from dali_fast.loaders.factory import make_loader
     from dali_fast.train.checkpoint import load_checkpoint
     from dali_fast.train.trainer import Trainer

@@ -1,5 +1,5 @@
 """One pass over a loader: close() ends it for every backend (the loader contract runs it end to end in
-test_loaders_base.py); here the wrapping itself and the pass token."""
+test_base_*.py); here the wrapping itself and the pass token."""
 
 from dali_fast.loaders.passes import CLOSED, Pass, close_ends_the_pass, end_pass
 

@@ -1,4 +1,4 @@
-"""TorchIterator specifics (the shared contract runs in test_iterator.py for both backends)."""
+"""TorchIterator specifics (the shared contract runs in the test_base_*.py files for both backends)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from builders import IndexReader, first_batch
 
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.synthetic import make_synthetic
-from dali_fast.data.writer import pack
 from dali_fast.loaders.torch_iterator import TorchIterator
 from dali_fast.transforms.resize import random_resized_crop_box
 

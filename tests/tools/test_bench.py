@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.synthetic import make_synthetic
-from dali_fast.data.writer import pack
 from dali_fast.tools.bench import run_bench
 from dali_fast.tools.bench_table import markdown_table
 from dali_fast.tools.report import bench_summary
@@ -17,18 +17,16 @@ def tiny_packed(tmp_path_factory):
     return root
 
 
+def bench(data, loaders: list[str], out, **kw):
+    """`run_bench` as these tests call it: one timed epoch of batches of 8 at 32 px, no progress bar."""
+    settings = {"epochs": 1, "batch_size": 8, "image_size": 32, **kw}
+    return run_bench(str(data), loaders=loaders, out=out, progress=False, **settings)
+
+
 def test_bench_writes_results_and_png(tiny_packed, tmp_path):
     pytest.importorskip("nvidia.dali")
     out = tmp_path / "out"
-    result = run_bench(
-        str(tiny_packed / "images"),
-        loaders=["baseline", "torch", "dali"],
-        epochs=1,
-        batch_size=8,
-        image_size=32,
-        out=out,
-        progress=False,
-    )
+    result = bench(tiny_packed / "images", ["baseline", "torch", "dali"], out)
     data = json.loads((out / "results.json").read_text())
     assert [r["loader"] for r in data["rows"]] == ["baseline", "torch", "dali"]
     for r in data["rows"]:
@@ -52,17 +50,7 @@ def test_bench_writes_results_and_png(tiny_packed, tmp_path):
 
 def test_bench_with_model_and_cache(tiny_packed, tmp_path):
     pytest.importorskip("nvidia.dali")
-    result = run_bench(
-        str(tiny_packed / "packed"),
-        loaders=["dali"],
-        epochs=2,
-        batch_size=12,
-        image_size=32,
-        model="resnet_tiny",
-        cache_bytes=2**26,
-        out=tmp_path,
-        progress=False,
-    )
+    result = bench(tiny_packed / "packed", ["dali"], tmp_path, epochs=2, batch_size=12, model="resnet_tiny", cache_bytes=2**26)
     row = result["rows"][0]
     # Warm-up and steady state apart: the warm-up fills the cache, the two timed epochs hit every time.
     assert row["cache_warmup"]["misses"] == 36 and row["cache_warmup"]["hits"] == 0
@@ -142,15 +130,7 @@ def test_the_limit_row_measures_decode_only_with_the_same_processes(tiny_packed,
     as many processes as the loaders get; each loader row reads as a share of it."""
     from dali_fast.machine import available_cpus
 
-    result = run_bench(
-        str(tiny_packed / "images"),
-        loaders=["baseline", "torch"],
-        epochs=1,
-        batch_size=8,
-        image_size=32,
-        out=tmp_path,
-        progress=False,
-    )
+    result = bench(tiny_packed / "images", ["baseline", "torch"], tmp_path)
     limit = json.loads((tmp_path / "results.json").read_text())["limit"]
     assert limit["loader"] == "limit" and "error" not in limit
     assert limit["images_per_epoch"] == 36 and limit["img_per_s"] > 0 and limit["workers"] == available_cpus()
@@ -161,16 +141,7 @@ def test_the_limit_row_measures_decode_only_with_the_same_processes(tiny_packed,
     assert lines[-1].startswith(f"| limit: decode only, {available_cpus()} processes | ") and lines[-1].endswith(
         " 100% |"
     )
-    without = run_bench(
-        str(tiny_packed / "images"),
-        loaders=["torch"],
-        epochs=1,
-        batch_size=8,
-        image_size=32,
-        out=tmp_path,
-        progress=False,
-        limit=False,
-    )
+    without = bench(tiny_packed / "images", ["torch"], tmp_path, limit=False)
     assert without["limit"] is None and "of limit" not in without["table"] and "of_limit" not in without["rows"][0]
 
 
@@ -203,16 +174,7 @@ def test_alternate_times_the_rows_in_turn(tiny_packed, tmp_path, monkeypatch):
         real(self)
 
     monkeypatch.setattr(bench_rows.Row, "epoch", spy)
-    result = run_bench(
-        str(tiny_packed / "packed"),
-        loaders=["baseline", "torch"],
-        epochs=2,
-        batch_size=8,
-        image_size=32,
-        out=tmp_path,
-        progress=False,
-        alternate=True,
-    )
+    result = bench(tiny_packed / "packed", ["baseline", "torch"], tmp_path, epochs=2, alternate=True)
     assert order == [("limit", 0), ("baseline", 0), ("torch", 0)] + [
         (name, e) for e in (1, 2) for name in ("limit", "baseline", "torch")
     ]
@@ -232,17 +194,7 @@ def test_a_row_failing_while_alternating_is_named_and_the_others_finish(tiny_pac
         real(self)
 
     monkeypatch.setattr(bench_rows.Row, "epoch", flaky)
-    result = run_bench(
-        str(tiny_packed / "packed"),
-        loaders=["baseline", "torch"],
-        epochs=2,
-        batch_size=8,
-        image_size=32,
-        out=tmp_path,
-        progress=False,
-        alternate=True,
-        limit=False,
-    )
+    result = bench(tiny_packed / "packed", ["baseline", "torch"], tmp_path, epochs=2, alternate=True, limit=False)
     assert result["rows"][1] == {"loader": "torch", "augment": "none", "error": "RuntimeError: decode worker lost"}
     assert len(result["rows"][0]["epoch_times"]) == 2
 
@@ -267,17 +219,7 @@ def test_bench_progressive_rows_follow_the_ramp(tiny_packed, tmp_path, capsys):
 
 
 def test_isolate_runs_each_loader_in_a_fresh_process_and_keeps_the_row_order(tiny_packed, tmp_path):
-    result = run_bench(
-        str(tiny_packed / "images"),
-        loaders=["baseline", "torch"],
-        epochs=1,
-        batch_size=12,
-        image_size=24,
-        out=tmp_path,
-        progress=False,
-        isolate=True,
-        limit=False,
-    )
+    result = bench(tiny_packed / "images", ["baseline", "torch"], tmp_path, batch_size=12, image_size=24, isolate=True, limit=False)
     assert [r["loader"] for r in result["rows"]] == ["baseline", "torch"] and result["limit"] is None
     for r in result["rows"]:
         assert "error" not in r and r["images_per_epoch"] == 36 and r["pss_peak_bytes"] > 50 * 2**20

@@ -109,3 +109,17 @@ def test_inspect_verify_names_and_counts_the_refused_file_and_passes_the_rest(tm
     assert f"verify:   1 bad record of {len(MANIFEST)}; remove or replace them (pack leaves them out)" in lines
     bad = [line for line in lines if line.startswith("bad:")]
     assert len(bad) == 1 and bad[0].endswith("truncated.jpg): truncated JPEG (no end-of-image marker)"), lines
+
+
+def test_the_script_makes_the_committed_corpus_byte_for_byte(tmp_path):
+    """scripts/odd_jpegs.py makes the committed corpus again, byte for byte (where Debian's tools are installed)."""
+    import ctypes.util
+    import subprocess
+    import sys
+
+    if shutil.which("cjpeg") is None or ctypes.util.find_library("turbojpeg") is None:
+        pytest.skip("needs Debian's libjpeg-turbo-progs and libturbojpeg0 (apt-get install)")
+    subprocess.run([sys.executable, str(CORPUS.parents[2] / "scripts" / "odd_jpegs.py"), str(tmp_path)], check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in CORPUS.iterdir())
+    for made in tmp_path.iterdir():
+        assert made.read_bytes() == (CORPUS / made.name).read_bytes(), made.name

@@ -19,8 +19,8 @@ from train_runs import (
 )
 
 from dali_fast.data.open import open_dataset
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.synthetic import make_synthetic
-from dali_fast.data.writer import pack
 from dali_fast.train.checkpoint import load_checkpoint
 from dali_fast.train.run import run_train
 from dali_fast.transforms.recipe import Progressive, Recipe

@@ -13,8 +13,8 @@ import pytest
 from builders import IndexReader, jpeg_bytes, make_folder
 from PIL import Image
 
+from dali_fast.data.pack.packed import pack
 from dali_fast.data.packed import MemmapReader
-from dali_fast.data.writer import pack
 from dali_fast.loaders.bad_records import BadRecordError
 from dali_fast.loaders.torch_iterator import TorchIterator
 from dali_fast.tools.inspect import inspect_dataset

@@ -151,7 +151,7 @@ def test_a_missing_opencv_is_said_once_with_the_fix(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger=ocv.__name__):
         assert ocv.opencv() is None and ocv.opencv() is None
     said = [r.getMessage() for r in caplog.records if r.name == ocv.__name__]
-    assert len(said) == 1 and "pip install opencv-python-headless" in said[0]
+    assert len(said) == 1 and "pip install 'dali-fast[opencv]'" in said[0]
 
 
 def test_torch_iterator_with_and_without_opencv_within_a_level(monkeypatch):

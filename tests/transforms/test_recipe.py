@@ -14,6 +14,7 @@ from default_output import GOLDEN, ListReader, fingerprint, images, versions
 from loader_cases import loader
 from PIL import Image
 
+from dali_fast.transforms.autoaugment import OPS
 from dali_fast.transforms.recipe import IMAGENET_MEAN, IMAGENET_STD, Recipe
 
 BACKENDS = ["torch", "dali"]
@@ -348,3 +349,16 @@ def test_recipe_at_epoch_and_describe():
     assert described == {"function": f"{__name__}.test_recipe_at_epoch_and_describe.<locals>.steps"}
     # an eval resize fixed below a training size does not stop the larger training size
     assert Recipe(image_size=160, eval_resize_size=180, resolution=lambda e: 224).at_epoch(0).image_size == 224
+
+
+@pytest.mark.parametrize("name", sorted(set(OPS) - {"Identity"}))
+def test_every_pillow_operation_changes_an_image(name):
+    """The Pillow twins of DALI's automatic augmentations: each does something (at a middle magnitude) and
+    keeps the size."""
+    y, x = np.mgrid[0:32, 0:32]
+    noise = np.random.default_rng(0).integers(0, 40, (32, 32, 3))
+    im = Image.fromarray((np.stack([x * 5, y * 5, (x + y) * 2], -1) + noise).astype(np.uint8))
+    magnitude = {"Posterize": 2, "Solarize": 128, "Rotate": 30, "TranslateX": 8, "TranslateY": 8}.get(name, 0.5)
+    out = OPS[name](im, magnitude, 128)
+    assert out.size == im.size and out.mode == "RGB"
+    assert not np.array_equal(np.asarray(out), np.asarray(im))

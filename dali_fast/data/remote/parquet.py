@@ -28,13 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from ...files import cache_folder
 from ...text import plural
 from ..parquet import ROW_GROUP_CACHE, ParquetReader
 from ..parquet_group import RowGroup
 from ..parquet_index import pyarrow_parquet
 from ..path_refs import EMBED
-from .cache import ShardCache
 from .parquet_index import RangeFile, RemoteIndex, chunk_range, list_parquet, parse_footer
 from .store import CHUNK_BYTES, ShardChanged, ShardDownloader, ShardError, ShardInfo
 from .streamed import Streamed
@@ -94,17 +92,10 @@ class RemoteParquetReader(Streamed, ParquetReader):
             raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive number of row groups")
         if row_group_cache < 0:
             raise ValueError(f"row_group_cache={row_group_cache}: must be >= 0 bytes")
-        if not isinstance(download_threads, int) or download_threads < 1:
-            raise ValueError(f"download_threads={download_threads!r}: must be a positive integer")
-        if retry_seconds < 0 or timeout <= 0 or chunk_bytes < 1:
-            raise ValueError("retry_seconds must be >= 0, timeout and chunk_bytes > 0")
+        root = self._setup(cache_dir, cache_limit, download_threads, retry_seconds, timeout, chunk_bytes, prefetch_next_epoch)
         self.spec = self.path = str(spec)
         self._meta: dict[int, Any] = {}
-        self.download_threads = download_threads
-        self.prefetch_next_epoch = bool(prefetch_next_epoch)
         options = dict(storage_options or {})
-        root = Path(cache_dir) if cache_dir is not None else cache_folder("remote")
-        self.cache = ShardCache(root / "shards", cache_limit)
         fs, self.infos = list_parquet(self.spec, options)
         self.files = [info.url for info in self.infos]
         files = ShardDownloader(self.infos, options, retry_seconds=1.0, timeout=float(timeout), chunk_bytes=1, fs=fs)
@@ -124,7 +115,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
         self._bad: dict[int, Any] = {}  # row groups that failed, with the error: reading them raises it
         self.chunk_bytes = np.array([c.size for c in self.chunks], dtype=np.int64)
         self._use_index(found.index, True if streaming is None else streaming, shuffle_window, row_group_cache, classes)
-        self._check_budget()
+        self._check_budget(self.chunk_bytes, "row group")
 
     # ------------------------------------------------------------------ open
     def _chunks(self, group_file: np.ndarray, leaf: str) -> list[ShardInfo]:
@@ -143,17 +134,6 @@ class RemoteParquetReader(Streamed, ParquetReader):
         if md is None:
             md = self._meta[k] = parse_footer(self._footers[k])
         return md
-
-    def _check_budget(self) -> None:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        need = ranks * 2 * self.shuffle_window * int(self.chunk_bytes.max())
-        if self.cache.limit < need:
-            given = f"cache_limit={self.cache.limit}" if self.cache.limit_given else f"cache_dir {self.cache.folder}"
-            raise ValueError(
-                f"{given}: too small for {ranks} rank(s) on this node each reading shuffle windows of "
-                f"{self.shuffle_window} row group(s) of up to {int(self.chunk_bytes.max())} bytes; give a cache of "
-                f">= {need} bytes (--cache-limit, cache_limit, or a larger disk) or a smaller shuffle_window"
-            )
 
     # ------------------------------------------------------------------ the row groups
     def _fetch(
@@ -214,10 +194,10 @@ class RemoteParquetReader(Streamed, ParquetReader):
         return np.searchsorted(self.shard_bounds, records, side="right") - 1
 
     # ------------------------------------------------------------------ processes
-    def _reset_process_state(self) -> None:
+    def reset_process_state(self) -> None:
         """This process's row groups, downloads and connections, fresh (a new reader, an unpickled one, a
         forked child: its parent's pins and threads are not its own)."""
-        super()._reset_process_state()
+        super().reset_process_state()
         self._start_stream([c.key() for c in self.chunks], [c.url for c in self.chunks], self.chunk_bytes)
 
     def __getstate__(self) -> dict[str, Any]:

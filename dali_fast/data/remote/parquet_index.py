@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from ...files import atomic_write
-from ...text import plural
 from ..base import read_parallel
 from ..parquet_columns import Columns, find_columns
-from ..parquet_index import HF_SHARD, load_or_build, pyarrow_parquet
+from ..parquet_index import check_one_split, folder_files, load_or_build, pyarrow_parquet
 from ..shards import refuse_mixed_folder
 from .errors import RemoteDataError, StoreFailedError, classify
 from .store import ShardDownloader, ShardInfo, list_shards
@@ -33,23 +32,13 @@ MAGIC = b"PAR1"
 
 
 # ---------------------------------------------------------------------------------------------- the files
-def folder_files(root: str, found: list[str]) -> list[str]:
-    """The Parquet files of a folder URL: its own, else those of its ``data/`` folder (a Hugging Face
-    snapshot), as a local folder is read (``found``: every .parquet path under ``root``)."""
-    for where in (root, f"{root}/data"):
-        mine = [p for p in found if p.rsplit("/", 1)[0] == where]
-        if mine:
-            return mine
-    return []
-
-
 def list_parquet(spec: str, storage_options: dict[str, Any] | None) -> tuple[Any, list[ShardInfo]]:
     """(fsspec filesystem, the files ``spec`` names with their sizes and identities): one ``.parquet`` URL,
     a brace pattern, a ``*`` pattern (``s3://bucket/data/train-*.parquet``), or a folder (its own files or
     its ``data/`` folder's, of one split). Errors as `store.list_shards`'s."""
     fs, infos = list_shards(spec, storage_options, suffix=".parquet", folder=folder_files)
     if "*" not in spec and "{" not in spec:  # a folder (or one file: one split) is one split; a pattern is as given
-        _one_split(infos, spec)
+        check_one_split([info.url for info in infos], spec)
     return fs, infos
 
 
@@ -68,22 +57,6 @@ def holds_parquet(url: str, storage_options: dict[str, Any] | None) -> bool:
     parquet = folder_files(root.rstrip("/"), [p for p in found if p.endswith(".parquet")])
     refuse_mixed_folder(url, sorted(p.rpartition("/")[2] for p in found if p.endswith(".tar")), parquet)
     return bool(parquet)
-
-
-def _one_split(infos: list[ShardInfo], spec: str) -> None:
-    splits: dict[str, int] = {}
-    for info in infos:
-        m = HF_SHARD.match(info.url.rsplit("/", 1)[-1])
-        split = m.group("split") if m else ""
-        splits[split] = splits.get(split, 0) + 1
-    if len(splits) > 1:
-        named = ", ".join(f"{s or '(other)'} ({plural(n, 'file')})" for s, n in sorted(splits.items()))
-        first = next(s for s in sorted(splits) if s)
-        folder = infos[0].url.rsplit("/", 1)[0]
-        raise ValueError(
-            f"{spec}: holds the files of several splits: {named}; open one split with a pattern, "
-            f"e.g. open_dataset('{folder}/{first}-*.parquet')"
-        )
 
 
 def file_identity(info: ShardInfo) -> str:

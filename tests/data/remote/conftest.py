@@ -30,3 +30,18 @@ def s3(server, tmp_path, monkeypatch):
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def empty_bucket(server, tmp_path, monkeypatch, request):
+    """The test module's ``BUCKET``, empty, on the server; the loader's caches under tmp_path, no
+    ``AWS_ENDPOINT_URL`` (each test names the endpoint), and no s3fs file system left behind."""
+    server.start() if server._server is None else None  # noqa: SLF001 - a test may leave it stopped
+    server.reset()
+    server.client.create_bucket(Bucket=request.module.BUCKET)
+    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    yield server
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()

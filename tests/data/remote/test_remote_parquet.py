@@ -51,15 +51,8 @@ def upload(server, local: Path, *, bad: dict | None = None, split: str = "train"
 
 
 @pytest.fixture
-def s3pq(server, tmp_path, monkeypatch):
-    """An empty bucket on the server, the caches under tmp_path, and no s3fs file system left behind."""
-    server.start() if server._server is None else None  # noqa: SLF001
-    server.reset()
-    server.client.create_bucket(Bucket=BUCKET)
-    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    yield server
-    s3fs.S3FileSystem.clear_instance_cache()
+def s3pq(empty_bucket):
+    return empty_bucket
 
 
 def opts(server, tmp_path: Path, cache: str = "cache", **kw) -> dict:

@@ -25,18 +25,14 @@ GiB = 1 << 30
 
 
 @pytest.fixture
-def url(server, tmp_path, monkeypatch):
+def url(empty_bucket, tmp_path, monkeypatch):
     """One Parquet file of three row groups (the last the largest) on the server."""
-    server.start() if server._server is None else None  # noqa: SLF001
-    server.reset()
-    server.client.create_bucket(Bucket=BUCKET)
+    server = empty_bucket
     images = [jpeg_bytes(24 + 8 * i, 20 + 4 * i) for i in range(6)]
     pq.write_table(pa.table({"image": images, "label": [0, 1] * 3}), tmp_path / "t.parquet", row_group_size=2)
     server.client.put_object(Bucket=BUCKET, Key="b/one.parquet", Body=(tmp_path / "t.parquet").read_bytes())
-    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    yield f"s3://{BUCKET}/b/one.parquet"
-    s3fs.S3FileSystem.clear_instance_cache()
+    return f"s3://{BUCKET}/b/one.parquet"
 
 
 def opener(server, tmp_path):
@@ -58,15 +54,15 @@ def test_the_budget_is_two_windows_of_the_largest_row_group_per_rank(server, url
     said = refusal(open_, url, cache_limit=2 * biggest - 1, shuffle_window=1)
     assert said == (
         f"cache_limit={2 * biggest - 1}: too small for 1 rank(s) on this node each reading shuffle windows of 1 "
-        f"row group(s) of up to {biggest} bytes; give a cache of >= {2 * biggest} bytes (--cache-limit, "
-        "cache_limit, or a larger disk) or a smaller shuffle_window"
+        f"row group(s) of up to {biggest} bytes; use cache_limit >= {2 * biggest} (two windows per rank) or a "
+        "smaller shuffle_window"
     )
     said = refusal(open_, url, cache_limit=4 * biggest - 1, shuffle_window=2)
-    assert f"shuffle windows of 2 row group(s) of up to {biggest} bytes; give a cache of >= {4 * biggest} " in said
+    assert f"shuffle windows of 2 row group(s) of up to {biggest} bytes; use cache_limit >= {4 * biggest} " in said
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # three ranks on this node share the cache
     said = refusal(open_, url, cache_limit=6 * biggest - 1, shuffle_window=1)
     assert said.startswith(f"cache_limit={6 * biggest - 1}: too small for 3 rank(s) on this node") and (
-        f">= {6 * biggest} bytes" in said
+        f">= {6 * biggest} (two windows" in said
     )
     assert len(open_(url, cache_limit=6 * biggest, shuffle_window=1)) == 6
 
@@ -83,7 +79,8 @@ def test_without_a_limit_the_refusal_names_the_cache_folder(server, url, tmp_pat
 
     monkeypatch.setattr(shutil, "disk_usage", usage)
     said = refusal(open_, url, shuffle_window=1)
-    assert said.startswith(f"cache_dir {folder / 'shards'}: too small for 1 rank(s) on this node")
+    assert said.startswith(f"cache_dir {folder / 'shards'}: its disk can spare ")  # the shard reader's words
+    assert "too little for 1 rank(s) on this node each reading shuffle windows of 1 row group(s)" in said
 
 
 def test_settings_are_checked_at_open_and_default_as_the_shard_reader(server, url, tmp_path):

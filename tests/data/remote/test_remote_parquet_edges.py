@@ -27,15 +27,8 @@ BUCKET = "edges"  # moto keeps one store per process: a bucket of this file's ow
 
 
 @pytest.fixture
-def s3e(server, tmp_path, monkeypatch):
-    """An empty bucket on the server, the caches under tmp_path, and no s3fs file system left behind."""
-    server.start() if server._server is None else None  # noqa: SLF001
-    server.reset()
-    server.client.create_bucket(Bucket=BUCKET)
-    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    yield server
-    s3fs.S3FileSystem.clear_instance_cache()
+def s3e(empty_bucket):
+    return empty_bucket
 
 
 def put(server, key: str, body: bytes) -> str:

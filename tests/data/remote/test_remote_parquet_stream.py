@@ -29,20 +29,16 @@ ROWS = 8  # two row groups of four
 
 
 @pytest.fixture
-def s3g(server, tmp_path, monkeypatch):
+def s3g(empty_bucket, tmp_path):
     """A bucket holding one Parquet file of two row groups; the caches under tmp_path."""
-    server.start() if server._server is None else None  # noqa: SLF001
-    server.reset()
-    server.client.create_bucket(Bucket=BUCKET)
+    server = empty_bucket
     images = [jpeg_bytes(40 + 3 * i, 30) for i in range(ROWS)]
     pq.write_table(pa.table({"image": images, "label": [i % 3 for i in range(ROWS)]}), tmp_path / "t.parquet",
                    row_group_size=4)  # fmt: skip
     server.client.put_object(Bucket=BUCKET, Key=KEY, Body=(tmp_path / "t.parquet").read_bytes())
-    monkeypatch.setenv("DALI_FAST_CACHE", str(tmp_path / "dali_fast_cache"))
     server.images = images
     yield server
     server.unstall()
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def reader(server, tmp_path, **kw):

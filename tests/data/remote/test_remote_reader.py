@@ -16,7 +16,7 @@ import pytest
 from contract import each_once, run_save_load_state
 
 from dali_fast import open_dataset
-from dali_fast.data.remote.reader import RemoteShardsReader
+from dali_fast.data.remote.webdataset import RemoteShardsReader
 from dali_fast.loaders.bad_records import BadRecordError
 from dali_fast.loaders.torch_iterator import TorchIterator
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..text import plural
+from ...text import plural
 
 
 @dataclass

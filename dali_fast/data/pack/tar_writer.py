@@ -26,12 +26,12 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..files import atomic_file, check_writable_folder, clean_stale
-from ..text import plural
-from .base import check_on_error
-from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded
-from .remote.store import is_remote, url_to_fs
-from .shards import MAX_LABEL
+from ...files import atomic_file, check_writable_folder, clean_stale
+from ...text import plural
+from ..base import check_on_error
+from ..checks import JPEG_SOI, PNG_SIGNATURE, check_encoded
+from ..remote.store import is_remote, url_to_fs
+from ..shards import MAX_LABEL
 
 log = logging.getLogger(__name__)
 

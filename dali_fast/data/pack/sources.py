@@ -15,18 +15,18 @@ from typing import Any
 
 import numpy as np
 
-from .base import LabelledReader, Reader, provides, read_batch_checked
-from .checks import JPEG_SOI, PNG_SIGNATURE, check_encoded, pillow_reason
-from .folder import LABELS_CSV, read_labels_csv, scan_image_folder
-from .targets import ListTargets, reader_targets
-from .verify import verdict
-from .webdataset import WebDatasetReader
+from ..base import LabelledReader, Reader, provides, read_batch_checked
+from ..checks import JPEG_SOI, PNG_SIGNATURE, check_encoded, pillow_reason
+from ..folder import LABELS_CSV, read_labels_csv, scan_image_folder
+from ..targets import ListTargets, reader_targets
+from ..verify import verdict
+from ..webdataset import WebDatasetReader
 
 _READER: Reader | None = None
 
 
 # pragma: no mutate start (decoding and re-encoding with Pillow; its results are tested through pack)
-def _prepare(raw: bytes, verify: bool, max_side: int | None, name: str) -> tuple[bytes | None, str | None, bool]:
+def prepare(raw: bytes, verify: bool, max_side: int | None, name: str) -> tuple[bytes | None, str | None, bool]:
     """(bytes to store, reason it was left out, whether it was re-encoded) for the image file ``name``.
 
     ``verify`` decodes it by the one rule (`verdict`: a JPEG strictly, so that damage libjpeg-turbo
@@ -54,15 +54,21 @@ def _prepare(raw: bytes, verify: bool, max_side: int | None, name: str) -> tuple
     return raw, None, False
 
 
+PACKED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "PPM")  # what the structural check reads (PPM: PGM too)
+
+
 def _unsupported(raw: bytes) -> str | None:
-    """ "unsupported format X" for an image Pillow knows that is neither JPEG nor PNG, else None."""
+    """ "unsupported format X" for an image Pillow knows that the loaders do not read (GIF, JPEG 2000...),
+    else None (then the structural or decoding reason stands)."""
     if raw[:3] == JPEG_SOI or raw[:8] == PNG_SIGNATURE:
         return None
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(raw)) as im:
-            return f"unsupported format {im.format}; only JPEG and PNG are packed"
+            if im.format in PACKED_FORMATS:
+                return None
+            return f"unsupported format {im.format}; the formats packed are JPEG, PNG, WebP, BMP, TIFF and PPM/PGM"
     except Exception:  # noqa: BLE001 - not an image Pillow knows either: the structural reason stands
         return None
 
@@ -156,7 +162,7 @@ def _load_one(source: Source, name: str, verify: bool, max_side: int | None) -> 
             raw = Path(source).read_bytes()
     except OSError as e:
         return None, f"unreadable: {e}", False
-    return _prepare(raw, verify, max_side, name)
+    return prepare(raw, verify, max_side, name)
 
 
 # pragma: no mutate start (runs only in worker processes, where mutmut cannot map tests to it; the
@@ -189,7 +195,7 @@ def load(source: Source, name: str, verify: bool, max_side: int | None) -> tuple
 
 
 def _prepare_read(raw: bytes | None, why: str | None, verify: bool, max_side: int | None, name: str) -> tuple:
-    return (None, why, False) if raw is None else _prepare(raw, verify, max_side, name)
+    return (None, why, False) if raw is None else prepare(raw, verify, max_side, name)
 
 
 def use_reader(reader: Reader | None) -> None:

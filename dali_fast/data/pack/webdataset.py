@@ -10,26 +10,24 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..files import atomic_dir
-from ..machine import available_cpus, die_with_parent
-from ..text import plural, progress_bar
-from .base import Reader, StreamingReader, provides, read_batch_checked
-from .folder import ImageFolderReader, scan_image_folder
-from .open import open_dataset
-from .pack_sources import _prepare
-from .remote.store import is_remote, url_to_fs
-from .shard_writer import DEFAULT_SHARD_SIZE, ShardReport, check_shard_arguments, stale_shards, write_shards
-from .targets import check_target, reader_targets
-from .writer import PACK_CHUNK, PACK_SMALL, PACK_WINDOW
+from ...files import atomic_dir
+from ...machine import available_cpus
+from ...text import plural, progress_bar
+from ..base import Reader, StreamingReader, provides, read_batch_checked
+from ..folder import ImageFolderReader, scan_image_folder
+from ..open import open_dataset
+from ..remote.store import is_remote, url_to_fs
+from ..targets import check_target, reader_targets
+from .pool import PACK_CHUNK, PACK_SMALL, prepared_in_order
+from .sources import prepare
+from .tar_writer import DEFAULT_SHARD_SIZE, ShardReport, check_shard_arguments, stale_shards, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +38,13 @@ Prepared = tuple[bytes | None, str | None, bool]  # (bytes to write, why it is l
 def _prepare_chunk(
     raws: list[bytes | None], names: list[str], verify: bool, max_side: int | None, max_image_pixels: int | None
 ) -> list[Prepared]:
-    """`_prepare` of each record (named by ``names`` in its reasons), under the parent's pixel limit (a
+    """`sources.prepare` of each record (named by ``names`` in its reasons), under the parent's pixel limit (a
     spawned worker would start from Pillow's default)."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = max_image_pixels
     return [
-        (None, None, False) if raw is None else _prepare(raw, verify, max_side, name)
+        (None, None, False) if raw is None else prepare(raw, verify, max_side, name)
         for raw, name in zip(raws, names, strict=True)
     ]
 
@@ -73,61 +71,31 @@ def _read(reader: Reader, chunk: np.ndarray) -> tuple[list[bytes | None], list[A
 def _records(
     reader: Reader, order: np.ndarray, verify: bool, max_side: int | None, workers: int, report: ShardReport, bar: Any
 ) -> Iterator[tuple[bytes, Any]]:
-    """(bytes, target) of each good record in ``order``: prepared here, or by ``workers`` processes with at
-    most ``workers * PACK_WINDOW`` chunks in flight. What is left out goes to ``report.skipped``."""
+    """(bytes, target) of each good record in ``order``: read here a chunk at a time, prepared by
+    `pool.prepared_in_order`. What is left out goes to ``report.skipped``."""
+    from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
+
     streaming = provides(reader, StreamingReader)
     if streaming:
         reader.schedule(order)  # type: ignore[attr-defined]  # remote shards download ahead, in this order
-    chunks = (order[k : k + PACK_CHUNK] for k in range(0, len(order), PACK_CHUNK))
-    pool = None
-    if workers > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
 
-        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),))
-    pending: deque = deque()
-    from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
+    def tasks() -> Iterator[tuple[tuple, tuple]]:
+        for k in range(0, len(order), PACK_CHUNK):
+            chunk = order[k : k + PACK_CHUNK]
+            raws, targets, bad = _read(reader, chunk)
+            names = [reader.source(i) for i in chunk.tolist()]
+            if streaming:
+                reader.advance(len(chunk))  # type: ignore[attr-defined]
+            yield (chunk, targets, bad), (raws, names, verify, max_side, Image.MAX_IMAGE_PIXELS)
 
-    def submit() -> None:
-        chunk = next(chunks, None)
-        if chunk is None:
-            return
-        raws, targets, bad = _read(reader, chunk)
-        names = [reader.source(i) for i in chunk.tolist()]
-        if streaming:
-            reader.advance(len(chunk))  # type: ignore[attr-defined]
-        if pool is None:
-            pending.append((chunk, targets, bad, _prepare_chunk(raws, names, verify, max_side, Image.MAX_IMAGE_PIXELS)))
-        else:
-            pending.append(
-                (
-                    chunk,
-                    targets,
-                    bad,
-                    pool.submit(_prepare_chunk, raws, names, verify, max_side, Image.MAX_IMAGE_PIXELS),
-                )
-            )
-
-    try:
-        for _ in range(max(1, workers) * PACK_WINDOW):
-            submit()
-        while pending:
-            chunk, targets, bad, result = pending.popleft()
-            submit()
-            prepared = result if pool is None else result.result()
-            for pos, (i, (payload, reason, reencoded)) in enumerate(zip(chunk.tolist(), prepared, strict=True)):
-                bar.update(1)
-                if payload is None:
-                    report.skipped.append((reader.source(i), bad.get(pos) or reason or "rejected"))
-                    continue
-                report.reencoded += reencoded
-                yield payload, targets[pos]
-    finally:
-        if pool is not None:
-            for *_, future in pending:
-                future.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
+    for (chunk, targets, bad), prepared in prepared_in_order(tasks(), _prepare_chunk, workers):
+        for pos, (i, (payload, reason, reencoded)) in enumerate(zip(chunk.tolist(), prepared, strict=True)):
+            bar.update(1)
+            if payload is None:
+                report.skipped.append((reader.source(i), bad.get(pos) or reason or "rejected"))
+                continue
+            report.reencoded += reencoded
+            yield payload, targets[pos]
 
 
 def pack_shards(

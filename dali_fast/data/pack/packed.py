@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from ..files import atomic_dir
-from ..machine import available_cpus, die_with_parent
-from ..text import plural, progress_bar
-from .base import Reader
-from .format import (
+from ...files import atomic_dir
+from ...machine import available_cpus
+from ...text import plural, progress_bar
+from ..base import Reader
+from ..format import (
     DATA_FILE,
     FORMAT_VERSION,
     HEADER_DTYPE,
@@ -36,62 +36,32 @@ from .format import (
     encode_targets,
     record_dtype,
 )
-from .open import open_dataset
-from .pack_report import PackReport
-from .pack_sources import Item, PackSources, load, load_chunk, pack_sources, reader_sources, use_reader
-from .parquet_index import is_parquet
-from .remote.store import is_remote
-from .shards import is_webdataset
-from .targets import check_target
+from ..open import open_dataset
+from ..parquet_index import is_parquet
+from ..remote.store import is_remote
+from ..shards import is_webdataset
+from ..targets import check_target
+from .pool import PACK_CHUNK, PACK_SMALL, prepared_in_order
+from .report import PackReport
+from .sources import Item, PackSources, load_chunk, pack_sources, reader_sources, use_reader
 
 log = logging.getLogger(__name__)
-
-
-PACK_CHUNK = 16  # images per task handed to a worker
-PACK_WINDOW = 4  # tasks in flight per worker: what bounds the memory of a pack
-PACK_SMALL = 256  # below this many images the default is one process (starting workers costs more)
 
 
 def _prepared(
     items: list[Item], verify: bool, max_side: int | None, workers: int
 ) -> Iterator[tuple[Item, tuple[bytes | None, str | None, bool]]]:
-    """(path, label, prepared) for each item, in order: in this process, or by ``workers`` processes with
-    at most ``workers * PACK_WINDOW * PACK_CHUNK`` images in flight."""
-    if workers <= 1:
-        for item in items:
-            yield item, load(item.source, item.shown, verify, max_side)
-        return
-    import multiprocessing
-    from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
-
-    chunks = (items[i : i + PACK_CHUNK] for i in range(0, len(items), PACK_CHUNK))
-    # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
-    # every worker unless it guards itself with `if __name__ == "__main__"`.
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    """(item, prepared) for each item, in order, read and prepared by `pool.prepared_in_order` (a chunk of
+    `PACK_CHUNK` images per task)."""
     from PIL import Image  # its MAX_IMAGE_PIXELS goes with each task
 
-    # workers die with this process, even when it is killed: no worker is left waiting for tasks forever
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-        pending: deque = deque()
+    def tasks() -> Iterator[tuple[list[Item], tuple]]:
+        for k in range(0, len(items), PACK_CHUNK):
+            chunk = items[k : k + PACK_CHUNK]
+            yield chunk, ([(item.source, item.shown) for item in chunk], verify, max_side, Image.MAX_IMAGE_PIXELS)
 
-        def submit() -> None:
-            chunk = next(chunks, None)
-            if chunk is not None:
-                sources = [(item.source, item.shown) for item in chunk]
-                pending.append((chunk, pool.submit(load_chunk, sources, verify, max_side, Image.MAX_IMAGE_PIXELS)))
-
-        for _ in range(workers * PACK_WINDOW):
-            submit()
-        try:
-            while pending:
-                chunk, future = pending.popleft()
-                submit()
-                for item, result in zip(chunk, future.result(), strict=True):
-                    yield item, result
-        finally:
-            for _, future in pending:
-                future.cancel()
+    for chunk, results in prepared_in_order(tasks(), load_chunk, workers):
+        yield from zip(chunk, results, strict=True)
 
 
 class _DataWriter:

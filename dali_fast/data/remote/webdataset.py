@@ -27,7 +27,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,31 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from ...files import atomic_write, cache_folder
-from ..base import check_on_error
+from ...files import atomic_write
+from ..base import check_on_error, reset_after_fork
 from ..checks import check_index
 from ..member_index import MemberIndexReader
 from ..shards import index_shard
 from ..targets import attach_targets, check_target
-from .cache import ShardCache, close_lock, open_lock
+from .cache import close_lock, open_lock
 from .index_file import crc_file, load_index, pack_index
 from .store import CHUNK_BYTES, PERMANENT, ShardDownloader, ShardError, list_shards
 from .streamed import Streamed
 
 log = logging.getLogger(__name__)
 
-_READERS: weakref.WeakSet = weakref.WeakSet()
-
-
-def _reset_readers_in_child() -> None:
-    """A forked child (a DataLoader worker) starts each reader's per-process state afresh: its parent's
-    pins are not its own (the cache closes their locks) and its download threads did not survive."""
-    for reader in list(_READERS):
-        reader._reset_process_state()  # noqa: SLF001
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_readers_in_child)
 
 
 class RemoteShardsReader(Streamed, MemberIndexReader):
@@ -106,19 +93,13 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
     ) -> None:
         check_target(target, num_classes)
         self.lists = target not in (None, "class")
-        for name, value in (("shuffle_window", shuffle_window), ("download_threads", download_threads)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be a positive integer")
-        if retry_seconds < 0 or timeout <= 0 or chunk_bytes < 1:
-            raise ValueError("retry_seconds must be >= 0, timeout and chunk_bytes > 0")
+        if not isinstance(shuffle_window, int) or shuffle_window < 1:
+            raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive integer")
+        root = self._setup(cache_dir, cache_limit, download_threads, retry_seconds, timeout, chunk_bytes, prefetch_next_epoch)
         self.spec = str(spec)
         self.label_key = label_key
         self.on_error = check_on_error(on_error)
         self.shuffle_window = shuffle_window
-        self.download_threads = download_threads
-        self.prefetch_next_epoch = bool(prefetch_next_epoch)
-        root = Path(cache_dir) if cache_dir is not None else cache_folder("remote")
-        self.cache = ShardCache(root / "shards", cache_limit)
         self.index_dir = Path(index_dir) if index_dir is not None else root / "index"
         fs, self.infos = list_shards(self.spec, dict(storage_options or {}))
         self.store = ShardDownloader(
@@ -132,12 +113,12 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
         self.shards = [s.url for s in self.infos]
         self.shard_bytes = np.array([s.size for s in self.infos], dtype=np.int64)
         self.path = self.spec
-        self._check_budget()  # before any download
+        self._check_budget(self.shard_bytes, "shard")  # before any download
         self._bad: dict[int, ShardError] = {}  # shards that failed, with the error: reading them raises it
-        self._reset_process_state()
+        self.reset_process_state()
         self._build(classes)
         attach_targets(self, target, num_classes)
-        _READERS.add(self)
+        reset_after_fork(self)
 
     # ------------------------------------------------------------------ open: the index
     def _build(self, classes: Sequence[str] | None) -> None:
@@ -172,24 +153,6 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
             where, reason = (self.damaged or self.skipped)[0]
             raise ValueError(f"{where}: {reason}; fix the shard, or open it with on_error='skip'")
         self._index_done("remote shard", classes)
-
-    def _check_budget(self) -> None:
-        limit = self.cache.limit
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        need = ranks * 2 * self.shuffle_window * int(self.shard_bytes.max())
-        if limit < need and not self.cache.limit_given:
-            raise ValueError(
-                f"cache_dir {self.cache.folder}: its disk can spare {limit} bytes (its free space less a margin), "
-                f"too little for {ranks} rank(s) on this node each reading shuffle windows of {self.shuffle_window} "
-                f"shard(s) of up to {int(self.shard_bytes.max())} bytes ({need} bytes); free space there, choose a "
-                "cache folder on a larger disk (--cache-dir, cache_dir), or use a smaller shuffle_window"
-            )
-        if limit < need:
-            raise ValueError(
-                f"cache_limit={limit}: too small for {ranks} rank(s) on this node each reading shuffle windows of "
-                f"{self.shuffle_window} shard(s) of up to {int(self.shard_bytes.max())} bytes; use cache_limit >= "
-                f"{need} (two windows per rank) or a smaller shuffle_window"
-            )
 
     @property
     def _salt(self) -> str:
@@ -313,7 +276,7 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
         return self._shard_of[records]
 
     # ------------------------------------------------------------------ processes
-    def _reset_process_state(self) -> None:
+    def reset_process_state(self) -> None:
         """Per-process state, fresh: in a new reader, after unpickling, and in a forked child (whose
         pins were its parent's and whose threads did not survive the fork)."""
         self._start_stream([info.key() for info in self.infos], self.shards, self.shard_bytes)
@@ -324,8 +287,8 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._pid = None
-        self._reset_process_state()
-        _READERS.add(self)
+        self.reset_process_state()
+        reset_after_fork(self)
 
     def __repr__(self) -> str:
         return f"RemoteShardsReader({len(self.shards)} shards, records={len(self)}, classes={len(self.classes)})"
