@@ -36,18 +36,18 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def pools(monkeypatch) -> list[int]:
-    """The worker count of every process pool started (pack_shards makes its pool on first use)."""
-    import concurrent.futures
+    """The worker count of every process pool started (the packs' ordered pool makes one per pack)."""
+    from dali_fast.data.pack import pool
 
     started: list[int] = []
-    real = concurrent.futures.ProcessPoolExecutor
+    real = pool.ProcessPoolExecutor
 
     class Counted(real):
         def __init__(self, max_workers=None, *args, **kwargs):
             started.append(max_workers)
             super().__init__(max_workers, *args, **kwargs)
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
+    monkeypatch.setattr(pool, "ProcessPoolExecutor", Counted)
     return started
 
 

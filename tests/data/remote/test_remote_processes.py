@@ -163,7 +163,7 @@ def test_bench_runs_every_loader_on_a_url_it_opens_once(s3, tmp_path, monkeypatc
     """`dali-fast bench s3://...` takes the URL `train` and `inspect` take (it once became ``s3:/...``, "the
     pattern matches no file"), opens it once and reads every sample in each row."""
     from dali_fast import cli
-    from dali_fast.data.remote import reader as remote_reader
+    from dali_fast.data.remote import webdataset as remote_reader
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
     opened = []
