@@ -17,7 +17,6 @@ the other splits.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -163,11 +162,3 @@ def remap_labels(labels: np.ndarray, remap: np.ndarray | None, own: int) -> np.n
     ok = (labels >= 0) & (labels < own)
     out[ok] = remap[labels[ok]]
     return out
-
-
-def classes_digest(classes: Sequence[str]) -> str:
-    """A short digest of a class list (a loader's state holds it: a resume on another map is refused)."""
-    h = hashlib.sha1()
-    for name in classes:
-        h.update(name.encode("utf-8", "surrogateescape") + b"\n")
-    return h.hexdigest()[:16]

@@ -141,3 +141,60 @@ def test_class_map_rules():
         class_map(None, np.array([0, 3]), ["x", "y"], where="w", source=str)
     with pytest.raises(ValueError, match=f"more than {MAX_CLASSES:,}"):
         class_map(None, np.array([0, 2**40]), None, where="w", source=str)
+
+
+def test_class_lists_are_checked_in_one_line_each(monkeypatch):
+    from dali_fast.data import classes as cm
+
+    assert cm.check_classes(("a", "b")) == ["a", "b"]
+    for given, says in (
+        ("abc", "w: a list of class names, not str"),
+        (None, "w: a list of class names, not NoneType"),
+        (["a", 3], "w: class 3 is not a name; every class is a non-empty string"),
+        (["", "a"], "w: class '' is not a name; every class is a non-empty string"),
+        ([], "w: no class names; list one name per class, in index order"),
+    ):
+        with pytest.raises(ValueError) as e:
+            cm.check_classes(given, "w")
+        assert str(e.value) == says
+    monkeypatch.setattr(cm, "MAX_CLASSES", 3)
+    assert cm.check_classes(["a", "b", "c"], "w") == ["a", "b", "c"]  # exactly the most
+    with pytest.raises(ValueError, match="^w: 4 classes, more than 3$"):
+        cm.check_classes(["a", "b", "c", "d"], "w")
+    assert cm.classes_of_labels(np.array([0, 2]), str) == ["0", "1", "2"]
+    with pytest.raises(ValueError, match=r"^1: label 5 would make 6 classes, more than 3; a label is a class index"):
+        cm.classes_of_labels(np.array([1, 5, 0]), str)  # source(1): where the largest label is
+    assert cm.classes_of_labels(np.array([], np.int64), str) == [] and cm.classes_of_labels(np.array([-1]), str) == []
+
+
+def test_class_list_files_edges(tmp_path):
+    (tmp_path / "bom.txt").write_bytes("\ufeffcat\ndog\n".encode())  # a BOM, as spreadsheets write
+    assert read_classes_file(tmp_path / "bom.txt") == ["cat", "dog"]
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError) as e:
+        read_classes_file(tmp_path / "latin.txt")
+    assert str(e.value).startswith(f"{tmp_path / 'latin.txt'}: cannot read the class list (") and "UTF-8" in str(e.value)
+    (tmp_path / "bad.json").write_text("[1, ")
+    with pytest.raises(ValueError) as e:
+        read_classes_file(tmp_path / "bad.json")
+    assert str(e.value).startswith(f"{tmp_path / 'bad.json'}: not valid JSON (") and str(e.value).endswith(
+        "; give a JSON list of names, or one name per line"
+    )
+    (tmp_path / "dup.json").write_text('["a", "a"]')
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'dup.json'}: class 'a' is listed twice"):
+        read_classes_file(tmp_path / "dup.json")
+    (tmp_path / "flag.json").write_text('{"a": 0, "b": true}')
+    with pytest.raises(ValueError) as e:
+        read_classes_file(tmp_path / "flag.json")
+    assert str(e.value) == f"{tmp_path / 'flag.json'}: a JSON object maps each class name to its index (an integer)"
+    (tmp_path / "empty_name.json").write_text('{"": 0}')
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'empty_name.json'}: class '' is not a name"):
+        read_classes_file(tmp_path / "empty_name.json")
+
+
+def test_index_names_are_bare_labels_whatever_the_list_declares():
+    """A reader whose own classes are "0".."K-1" (bare labels) keeps its labels; the list names them."""
+    classes, remap = class_map(["0", "1", "2"], np.array([2, 0]), ["cat", "dog", "fish"], where="w", source=str)
+    assert classes == ["cat", "dog", "fish"] and remap is None
+    classes, remap = class_map(["1", "0"], np.array([0, 1]), ["0", "1"], where="w", source=str)  # named "1", "0"
+    assert remap.tolist() == [1, 0]

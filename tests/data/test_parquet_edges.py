@@ -270,3 +270,23 @@ def test_without_pyarrow_the_error_says_how_to_install_it(monkeypatch):
         pyarrow_parquet()
     assert one_line(e) == "reading Parquet needs pyarrow: pip install 'dali-fast[parquet]'"
     assert isinstance(e.value, ImportError) and isinstance(e.value, ValueError)
+
+
+def test_a_row_group_reads_its_path_references_and_names_what_is_wrong(tmp_path):
+    """Rows whose image is a path reference: the file's bytes, their verdict, and a file that cannot be read
+    named with its path; the group's size counts them."""
+    (tmp_path / "good.jpg").write_bytes(sample(0))
+    (tmp_path / "bad.jpg").write_bytes(b"not an image")
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    rows = [{"bytes": sample(1), "path": None}, None, None, None, {"bytes": sample(2), "path": None}]
+    refs = {1: str(tmp_path / "gone.jpg"), 2: str(tmp_path / "good.jpg"), 3: str(tmp_path / "bad.jpg")}
+    group = RowGroup(pa.chunked_array([pa.array(rows, image_type)]), "bytes", refs)
+    assert [bytes(group.view(r)) for r in (0, 2, 4)] == [sample(1), sample(0), sample(2)]
+    assert group.reasons == [
+        None,
+        f"unreadable: {tmp_path / 'gone.jpg'}: No such file or directory",  # and the rows after it still read
+        None,
+        "not an image (unknown signature: not JPEG, PNG, WebP, BMP, TIFF, PPM or PGM)",
+        None,
+    ]
+    assert group.nbytes == group.data.nbytes + group.offsets.nbytes + len(sample(0)) + len(b"not an image")
