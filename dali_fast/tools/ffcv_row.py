@@ -39,14 +39,9 @@ def ffcv_missing() -> str | None:
     return None if importlib.util.find_spec("ffcv") is not None else FFCV_HINT
 
 
-def ffcv_spec(recipe: Recipe) -> dict[str, list[tuple[str, dict[str, Any]]]]:
-    """The FFCV pipelines that do what ``recipe`` does in training, as (operation name, arguments) per field.
-
-    Random-resized crop at the recipe's scale and ratio, horizontal flip at its probability, then
-    normalization by its mean and std (0-255 scale, before `ToTorchImage`: FFCV hangs the other way round)
-    into float32 or float16, or none for uint8 output; NCHW contiguous or channels_last as the recipe says.
-    Settings FFCV has no operation for are a one-line ValueError.
-    """
+def check_crop_flip_only(recipe: Recipe, row: str) -> None:
+    """A one-line ValueError for the settings a peer's row (FFCV's, SPDL's) has no operation for: those
+    rows run a random-resized crop, a flip and normalization, bilinear, and nothing else."""
     unsupported = [
         name
         for name, on in (
@@ -59,9 +54,20 @@ def ffcv_spec(recipe: Recipe) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     ]
     if unsupported:
         raise ValueError(
-            f"the ffcv row runs crop, flip and normalize only, not {', '.join(unsupported)}; "
-            "leave ffcv out of --loaders or drop those settings"
+            f"the {row} row runs crop, flip and normalize only, not {', '.join(unsupported)}; "
+            f"leave {row} out of --loaders or drop those settings"
         )
+
+
+def ffcv_spec(recipe: Recipe) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """The FFCV pipelines that do what ``recipe`` does in training, as (operation name, arguments) per field.
+
+    Random-resized crop at the recipe's scale and ratio, horizontal flip at its probability, then
+    normalization by its mean and std (0-255 scale, before `ToTorchImage`: FFCV hangs the other way round)
+    into float32 or float16, or none for uint8 output; NCHW contiguous or channels_last as the recipe says.
+    Settings FFCV has no operation for are a one-line ValueError.
+    """
+    check_crop_flip_only(recipe, "ffcv")
     S = recipe.image_size
     image: list[tuple[str, dict[str, Any]]] = [
         ("RandomResizedCropRGBImageDecoder", {"output_size": (S, S), "scale": recipe.scale, "ratio": recipe.ratio}),

@@ -5,9 +5,6 @@ match their checksums."""
 
 from __future__ import annotations
 
-import os
-import sys
-from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +14,12 @@ import numpy as np
 from ..data.base import Reader, read_record
 from ..data.checks import check_label
 from ..data.open import open_dataset
+from ..data.pack.pool import prepared_in_order
 from ..data.packed import MemmapReader
 from ..data.shards import describe_ignored
 from ..data.targets import reader_targets
 from ..data.verify import verdict
-from ..machine import available_cpus, die_with_parent
+from ..machine import available_cpus
 from ..text import by_reason, plural, progress_bar
 
 VERIFY_CHUNK = 64  # records per task handed to a verify worker
@@ -156,12 +154,11 @@ def check_record(reader: Reader, i: int) -> str | None:
 _reader: Reader | None = None  # the data set a verify worker checks (set when it starts)
 
 
-def _start_worker(parent: int, reader: Reader, max_image_pixels: int | None) -> None:
-    """A verify worker: dies with its parent, checks ``reader`` under the parent's pixel limit."""
+def _start_worker(reader: Reader, max_image_pixels: int | None) -> None:
+    """A verify worker checks ``reader`` under the parent's pixel limit."""
     global _reader
     from PIL import Image
 
-    die_with_parent(parent)
     Image.MAX_IMAGE_PIXELS = max_image_pixels
     _reader = reader
 
@@ -174,8 +171,8 @@ def _check_chunk(start: int, stop: int) -> list[tuple[int, str]]:
 
 def _verified(reader: Reader, workers: int | None) -> Iterator[tuple[int, list[tuple[int, str]]]]:
     """(records checked, the bad ones among them) per chunk, in order: in this process for a small data
-    set or one worker, else by ``workers`` processes (forked on Linux: the reader is not copied), with
-    at most four chunks per worker in flight."""
+    set or one worker, else by ``workers`` processes (forked on Linux: the reader is not copied) through
+    the packs' ordered pool (`pack.pool.prepared_in_order`)."""
     n = len(reader)
     workers = min(workers or available_cpus(), available_cpus())
     if workers <= 1 or n < VERIFY_SMALL:
@@ -183,30 +180,7 @@ def _verified(reader: Reader, workers: int | None) -> Iterator[tuple[int, list[t
             stop = min(n, start + VERIFY_CHUNK)
             yield stop - start, [(i, why) for i in range(start, stop) if (why := check_record(reader, i)) is not None]
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     from PIL import Image
 
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    chunks = iter(range(0, n, VERIFY_CHUNK))
-    start_args = (os.getpid(), reader, Image.MAX_IMAGE_PIXELS)
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker, initargs=start_args) as pool:
-        pending: deque = deque()
-
-        def submit() -> None:
-            start = next(chunks, None)
-            if start is not None:
-                stop = min(n, start + VERIFY_CHUNK)
-                pending.append((stop - start, pool.submit(_check_chunk, start, stop)))
-
-        for _ in range(4 * workers):
-            submit()
-        try:
-            while pending:
-                count, future = pending.popleft()
-                submit()
-                yield count, future.result()
-        finally:
-            for _, future in pending:
-                future.cancel()
+    tasks = ((min(n, k + VERIFY_CHUNK) - k, (k, min(n, k + VERIFY_CHUNK))) for k in range(0, n, VERIFY_CHUNK))
+    yield from prepared_in_order(tasks, _check_chunk, workers, _start_worker, (reader, Image.MAX_IMAGE_PIXELS))

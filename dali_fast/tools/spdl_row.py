@@ -24,6 +24,7 @@ from ..loaders.sampler import dist_rank_world
 from ..transforms.draws import SampleDraws, crop_draws
 from ..transforms.recipe import Recipe
 from ..transforms.resize import random_resized_crop_box
+from .ffcv_row import check_crop_flip_only
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +67,8 @@ def spdl_filter(box: tuple[int, int, int, int], size: int, flip: bool) -> str:
 
 
 def check_recipe(recipe: Recipe) -> None:
-    """A one-line ValueError for settings the row has no SPDL operation for."""
-    unsupported = [
-        name
-        for name, on in (
-            ("auto_augment", recipe.auto_augment is not None),
-            ("random_erasing", recipe.random_erasing > 0),
-            ("resolution (progressive resizing)", recipe.resolution is not None),
-            (f"interpolation={recipe.interpolation!r}", recipe.interpolation != "bilinear"),
-        )
-        if on
-    ]
-    if unsupported:
-        raise ValueError(
-            f"the spdl row runs crop, flip and normalize only, not {', '.join(unsupported)}; "
-            "leave spdl out of --loaders or drop those settings"
-        )
+    """A one-line ValueError for settings the row has no SPDL operation for (`ffcv_row.check_crop_flip_only`)."""
+    check_crop_flip_only(recipe, "spdl")
 
 
 class _Bad:

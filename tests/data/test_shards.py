@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import tarfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from builders import jpeg_bytes, write_shards
+from builders import jpeg_bytes, tar_of, write_shards
 
 from dali_fast import open_dataset
 from dali_fast.data.shards import expand_shards, scan_tar
@@ -90,16 +91,7 @@ def test_scan_tar_reads_member_offsets(tmp_path):
 
 
 def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    """A tar of ``members`` in that order (the webdataset writer cannot write a key twice)."""
-    import io
-    import tarfile
-
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return path
+    return tar_of(path, members, tarfile.USTAR_FORMAT)
 
 
 def test_a_key_that_comes_back_later_is_another_sample_as_webdataset_yields_it(tmp_path, cache, caplog):

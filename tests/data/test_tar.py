@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from builders import jpeg_bytes
+from builders import jpeg_bytes, tar_of
 
 from dali_fast.data import shards
 from dali_fast.data.open import open_dataset
@@ -125,12 +125,7 @@ def test_an_index_saved_by_the_old_walk_is_not_used(tmp_path, cache, monkeypatch
 
 
 def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    with tarfile.open(path, "w") as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return path
+    return tar_of(path, members)
 
 
 def test_members_that_form_no_sample_are_named_by_rule(tmp_path, cache, caplog):

@@ -163,7 +163,7 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
     import multiprocessing
 
     import dali_fast.data.pack.packed as writer
-    from dali_fast.machine import die_with_parent
+    from dali_fast.data.pack import pool
 
     monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
     started = pools
@@ -188,7 +188,8 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
         for _, kwargs in started:
             assert kwargs["mp_context"].get_start_method() == "fork"
             assert isinstance(kwargs["mp_context"], type(multiprocessing.get_context("fork")))
-            assert kwargs["initializer"] is die_with_parent and kwargs["initargs"] == (os.getpid(),)
+            # each worker starts by dying with this process (`die_with_parent`), and packs need no other setup
+            assert kwargs["initializer"] is pool._start_worker and kwargs["initargs"] == (os.getpid(), None, ())
 
 
 def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_every_cpu(tmp_path, monkeypatch, pools):

@@ -145,3 +145,17 @@ def jpeg_segment(marker: int, body: bytes) -> bytes:
 SOI, EOI = b"\xff\xd8", b"\xff\xd9"
 APP0 = jpeg_segment(0xE0, b"JFIF\x00" + bytes(9))
 SOS = jpeg_segment(0xDA, bytes(10))
+
+
+def tar_of(path: Path, members: list[tuple[str, bytes]], fmt: int | None = None) -> Path:
+    """A tar at ``path`` of ``members`` ((name, bytes)) in that order, as `tarfile` writes it (``fmt``: its
+    format, default tarfile's): what a shard written by hand holds (webdataset's writer cannot write a key
+    twice, or a name without a key)."""
+    import tarfile
+
+    with tarfile.open(path, "w", format=fmt if fmt is not None else tarfile.DEFAULT_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path

@@ -22,12 +22,17 @@ PACK_SMALL = 256  # below this many images the default is one process (starting 
 
 
 def prepared_in_order(
-    tasks: Iterable[tuple[T, tuple[Any, ...]]], work: Callable[..., R], workers: int
+    tasks: Iterable[tuple[T, tuple[Any, ...]]],
+    work: Callable[..., R],
+    workers: int,
+    setup: Callable[..., None] | None = None,
+    setup_args: tuple[Any, ...] = (),
 ) -> Iterator[tuple[T, R]]:
     """``(tag, work(*args))`` for each ``(tag, args)`` of ``tasks``, in order: in this process with one
-    worker, else by ``workers`` processes with at most ``workers * PACK_WINDOW`` tasks in flight. ``tasks``
-    is drawn lazily (what a task reads is read as it is submitted). The workers die with this process, even
-    when it is killed, and the tasks not started when the caller stops are cancelled."""
+    worker, else by ``workers`` processes with at most ``workers * PACK_WINDOW`` tasks in flight, each
+    worker first running ``setup(*setup_args)``. ``tasks`` is drawn lazily (what a task reads is read as it
+    is submitted). The workers die with this process, even when it is killed, and the tasks not started
+    when the caller stops are cancelled."""
     tasks = iter(tasks)
     if workers <= 1:
         for tag, args in tasks:
@@ -36,7 +41,8 @@ def prepared_in_order(
     # fork, as DataLoader's workers on Linux: forkserver and spawn would re-run the caller's script in
     # every worker unless it guards itself with `if __name__ == "__main__"`.
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+    start = (os.getpid(), setup, setup_args)
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker, initargs=start) as pool:
         pending: deque = deque()
 
         def submit() -> None:
@@ -55,3 +61,10 @@ def prepared_in_order(
         finally:
             for _, future in pending:
                 future.cancel()
+
+
+def _start_worker(parent: int, setup: Callable[..., None] | None, setup_args: tuple[Any, ...]) -> None:
+    """A worker: dies with its parent, then runs the caller's ``setup``."""
+    die_with_parent(parent)
+    if setup is not None:
+        setup(*setup_args)
