@@ -14,16 +14,16 @@ What that takes beyond the 512-byte ustar header (`tarfile.TarInfo.frombuf` and 
 - data blocks only after regular members and types `tarfile` does not know: links, folders, devices and
   FIFOs have none, whatever their size field says.
 
-The walk reads headers only, through a memory map: a shard of 10,000 members costs 10,000 header reads.
+The walk reads headers only, through a read-only memory map: a shard of 10,000 members costs 10,000 header
+reads, and a shard the user may only read is walked as well.
 """
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 from typing import NamedTuple
-
-import numpy as np
 
 BLOCK = 512
 REGULAR = (b"0", b"\0", b"7")  # regular files, as tarfile's isreg() (GNU sparse files aside)
@@ -95,10 +95,16 @@ def scan_tar(path: Path) -> tuple[list[Member], str | None]:
     early (a truncated or damaged shard: where it ends, and that whatever followed is lost, however much
     that was), or None. Only members of kind ``"file"`` hold data that can be read in place."""
     size = path.stat().st_size
-    members: list[Member] = []
     if size == 0:
-        return members, "empty file: any samples it held are lost"
-    buf = memoryview(np.memmap(path, dtype=np.uint8, mode="r"))
+        return [], "empty file: any samples it held are lost"
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as buf:
+            return _walk(buf, size)
+
+
+def _walk(buf: memoryview, size: int) -> tuple[list[Member], str | None]:
+    """`scan_tar` over the file's ``size`` bytes in ``buf``."""
+    members: list[Member] = []
     pos = 0
     global_pax: dict[str, str] = {}
     pending: dict[str, str] | None = None  # the next member's PAX records (global ones included)

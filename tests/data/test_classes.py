@@ -198,3 +198,14 @@ def test_index_names_are_bare_labels_whatever_the_list_declares():
     assert classes == ["cat", "dog", "fish"] and remap is None
     classes, remap = class_map(["1", "0"], np.array([0, 1]), ["0", "1"], where="w", source=str)  # named "1", "0"
     assert remap.tolist() == [1, 0]
+
+
+def test_the_largest_label_at_the_limit_and_the_default_place_in_messages(monkeypatch):
+    from dali_fast.data import classes as cm
+
+    monkeypatch.setattr(cm, "MAX_CLASSES", 3)
+    assert cm.classes_of_labels(np.array([2]), str) == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="^0: label 3 would make 4 classes, more than 3"):
+        cm.classes_of_labels(np.array([3]), str)
+    with pytest.raises(ValueError, match="^classes: a list of class names, not str$"):
+        cm.check_classes("abc")

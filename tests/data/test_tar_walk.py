@@ -186,3 +186,55 @@ def test_the_walk_reads_what_tarfile_wrote_with_non_ascii_links(tmp_path):
 def test_data_takes_whole_blocks(tmp_path, size, blocks):
     path = write(tmp_path, member(b"a", b"q" * size), member(b"b", b"r"), END)
     assert files(scan_tar(path)[0])[1] == ("b", 512 * (2 + blocks), 1)
+
+
+def test_fields_at_their_widths_and_in_the_forms_writers_use(tmp_path):
+    """A 100-byte name (no NUL), a left-aligned size, a checksum without leading zeros, a path record that
+    ends in a slash, a global path record for the member right after it: as `tarfile` reads each."""
+    long_name = b"d" * 96 + b".jpg"  # exactly 100 bytes: no NUL ends it
+    left = header(b"left.jpg", size_field=b"15\0\0\0\0\0\0\0\0\0\0") + b"y" * 13 + bytes(BLOCK - 13)
+    plain = bytearray(header(b"plain.jpg", 1))
+    total = sum(plain[:148]) + 256 + sum(plain[156:])
+    plain[148:156] = b"%o\0" % total + b" " * (7 - len(b"%o" % total))  # "10542\0  ": no leading zeros
+    path = write(
+        tmp_path,
+        member(long_name, b"a"),
+        left,
+        bytes(plain) + b"p" + bytes(BLOCK - 1),
+        pax({"path": "boX/"}),  # a regular file named with a slash by its record: the slash goes
+        member(b"ignored.jpg", b"b"),
+        pax({"path": "glob.jpg/"}, b"g"),
+        member(b"first_after_global.jpg", b"c"),
+        member(b"/", b"", kind=b"\0"),  # an old folder's name, one slash
+        member(b"e" * 99 + b"/", b"", kind=b"\0"),  # and one of 100 bytes
+        END,
+    )
+    ours, problem = scan_tar(path)
+    assert problem is None and files(ours) == theirs(path)
+    assert [m.name for m in ours][:5] == [long_name.decode(), "left.jpg", "plain.jpg", "boX", "glob.jpg"]
+    assert ours[1].size == 0o15 and [m.kind for m in ours[-2:]] == ["folder", "folder"]
+
+
+def test_a_tar_cut_right_after_a_pax_record_ends_after_the_member_before(tmp_path):
+    a = member(b"a.jpg", b"x")
+    record = pax({"path": "b.jpg"})
+    body = int(record[124:136].rstrip(b"\0"), 8)
+    got, why = scan_tar(write(tmp_path, a, record[: BLOCK + body]))  # the record whole, its padding cut
+    assert files(got) == [("a.jpg", 512, 1)] and why == f"truncated: no end-of-archive blocks after member a.jpg; {LOST}"
+
+
+def test_the_header_fields_at_their_edges():
+    assert octal(bytes([0x80, 1] + [0] * 10)) == 1 << 80  # base-256: every byte after the first counts
+    signed = header(b"\x7f\x80.jpg", 1, signed=True)  # DEL (127) is not a high byte; 128 is
+    assert header_ok(signed) and header_ok(header(b"\x7f\x80.jpg", 1))
+    bad_size = header(b"a.jpg", size_field=b"90000000012\0")  # 9 is no octal digit
+    assert not header_ok(bad_size)
+    assert pax_fields(b"12 p\xe9th=abc\n") == {"p\udce9th": "abc"}  # a keyword that is not UTF-8: its bytes kept
+
+
+def test_a_read_only_shard_is_walked(tmp_path):
+    """The walk maps a shard read-only: one without write permission is read (the map opens no file for
+    writing, for any user)."""
+    shard = write(tmp_path, member(b"a.jpg", b"x"), END, name="ro.tar")
+    shard.chmod(0o444)
+    assert files(scan_tar(shard)[0]) == [("a.jpg", 512, 1)]
