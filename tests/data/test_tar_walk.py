@@ -238,3 +238,8 @@ def test_a_read_only_shard_is_walked(tmp_path):
     shard = write(tmp_path, member(b"a.jpg", b"x"), END, name="ro.tar")
     shard.chmod(0o444)
     assert files(scan_tar(shard)[0]) == [("a.jpg", 512, 1)]
+
+
+def test_a_global_record_at_the_archive_s_start_names_its_first_member(tmp_path):
+    path = write(tmp_path, pax({"path": "every.jpg/"}, b"g"), member(b"first.jpg", b"1"), END)
+    assert files(scan_tar(path)[0]) == theirs(path) == [("every.jpg", 1536, 1)]

@@ -63,8 +63,12 @@ def prepared_in_order(
                 future.cancel()
 
 
+# pragma: no mutate start (runs in the worker processes, where mutmut does not follow; the pool tests cover it)
 def _start_worker(parent: int, setup: Callable[..., None] | None, setup_args: tuple[Any, ...]) -> None:
     """A worker: dies with its parent, then runs the caller's ``setup``."""
     die_with_parent(parent)
     if setup is not None:
         setup(*setup_args)
+
+
+# pragma: no mutate end
