@@ -1,2 +1,3 @@
-"""Training: `run.run_train` (``dali-fast train``), the model and its step (`trainer`), checkpoints, the
-process group, the utilization monitor."""
+"""Training: `run.run_train` (``dali-fast train``, in named phases), its settings (`config`), the sets it trains
+and evaluates on (`sets`), the lines it prints (`lines`), the model and its step (`trainer`, `models`,
+`metrics`), checkpoints, the process group (`distributed`), the utilization monitor."""
