@@ -3,8 +3,8 @@
 Each file's name says which loader it serves and, for `TorchIterator`, which side of its process
 boundary it runs on:
 
-- every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, resume, ranks, the controller's
-  hooks), ``passes.py`` (a pass's lifetime), ``bad_records.py`` (what a bad record raises or counts),
+- every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, ranks, the controller's hooks),
+  ``resume.py`` (what a loader's state holds, and what loading one checks), ``passes.py`` (a pass's lifetime), ``bad_records.py`` (what a bad record raises or counts),
   ``order.py`` (what both epoch orders share: dealing to ranks, the cursor, the elastic resume),
   ``sampler.py`` (the random-access epoch order), ``shard_order.py`` (the order that streams shards),
   ``controller.py`` + ``memory_probes.py`` (`BatchSizeController` and the memory it reads), ``factory.py``

@@ -145,7 +145,9 @@ def test_a_resume_with_another_val_or_none_is_refused(folders, tmp_path):
     kw = {**TINY, "epochs": 1, "checkpoint": tmp_path / "ck", "emit": lambda _: None}
     run_train(train, **kw, val=folders / "val")
     other = make_folder(tmp_path / "other", {"a": [jpeg_bytes(30, 18)], "b": [jpeg_bytes(31, 18)]})
-    with pytest.raises(ValueError, match=r"ck/checkpoint.pt: saved with val='folder:5:\w+', this run has val='folder:2:"):
+    with pytest.raises(
+        ValueError, match=r"ck/checkpoint.pt: saved with val='folder:5:\w+', this run has val='folder:2:"
+    ):
         run_train(train, **{**kw, "epochs": 2}, val=other, resume=True)
     with pytest.raises(ValueError, match=r"ck/checkpoint.pt: saved with holdout=None, this run has holdout=0.2"):
         run_train(train, **{**kw, "epochs": 2}, resume=True)
