@@ -234,6 +234,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .data.open import open_dataset
+    from .data.remote.store import is_remote
     from .data.synthetic import default_dataset
     from .train.config import TrainConfig
     from .train.run import run_train
@@ -243,13 +244,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--augment {args.augment!r}: train takes one (bench compares several)")
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
-    options = _open_options(args, args.dataset)
+    url = next((p for p in (args.dataset, args.val) if is_remote(p)), args.dataset)  # what the URL options are for
+    url_options = _open_options(args, url)
+    options = url_options if is_remote(args.dataset) else {}
     if args.target is None and args.num_classes is None:
         reader = open_dataset(args.dataset or default_dataset(args.images)[1], **options)
     else:
         reader = _dataset_with_targets(args, options)
+    if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets
+        config = dataclasses.replace(
+            config, val=open_dataset(args.val, **(url_options if is_remote(args.val) else {}), **_given_targets(args))
+        )
     run_train(reader, config, emit=print)
     return 0
+
+
+def _given_targets(args: argparse.Namespace) -> dict[str, Any]:
+    """--target and --num-classes as `open_dataset` keywords, those given only."""
+    return {k: v for k, v in _targets(args).items() if v is not None}
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

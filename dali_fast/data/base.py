@@ -1,5 +1,6 @@
 """What every data set looks like to the loaders (`Reader`, and the optional members a reader may
-have), the reads with their checks, the shared reader threads, subsets and fingerprints."""
+have), the reads with their checks, the shared reader threads, subsets (of records, or of whole shards
+that still stream) and fingerprints."""
 
 from __future__ import annotations
 
@@ -270,10 +271,57 @@ class SubsetReader:
         return None if targets is None else SubsetTargets(targets, self.indices)
 
 
+class StreamingSubset(SubsetReader):
+    """Whole shards of a streaming reader (`StreamingReader`), still streamed: the loaders use the
+    streaming order over the subset's own shard bounds, and the reader downloads ahead in that order.
+
+    Args:
+        reader: a streaming reader.
+        shards: the shards (by number) the subset holds, in the reader's order.
+    """
+
+    def __init__(self, reader: Reader, shards: Sequence[int]) -> None:
+        bounds = np.asarray(reader.shard_bounds, dtype=np.int64)  # type: ignore[attr-defined]
+        self.shards = np.sort(np.asarray(shards, dtype=np.int64))
+        counts = np.diff(bounds)[self.shards]
+        firsts = np.repeat(bounds[self.shards] - (np.cumsum(counts) - counts), counts)
+        super().__init__(reader, firsts + np.arange(int(counts.sum()), dtype=np.int64))
+        self.shard_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.shuffle_window = int(reader.shuffle_window)  # type: ignore[attr-defined]
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.reader.streaming)  # type: ignore[attr-defined]
+
+    def schedule(self, order: np.ndarray, then: np.ndarray | None = None) -> None:
+        """The reader's `schedule`, in its own record numbers."""
+        self.reader.schedule(self.indices[order], None if then is None else self.indices[then])  # type: ignore[attr-defined]
+
+    def advance(self, count: int) -> None:
+        self.reader.advance(count)  # type: ignore[attr-defined]
+
+
 def split(reader: Reader, holdout: float, seed: int = 0) -> tuple[SubsetReader, SubsetReader]:
-    """(train, held-out) subsets; the held-out share is drawn per class-agnostic permutation of (seed)."""
-    order = np.random.default_rng([seed, 99]).permutation(len(reader))
+    """(train, held-out) subsets, about ``holdout`` of the records held out, drawn from ``seed``.
+
+    A reader read by random access gives records drawn at random. A streaming reader gives whole shards
+    (`StreamingSubset`s: WebDataset shards, Parquet row groups), drawn at random until they hold the
+    share, so both sides still stream: records drawn across every shard would make training read each
+    shard many times an epoch. Refused in one line when it has fewer than two shards with records."""
     k = max(1, int(round(len(reader) * holdout)))
+    if provides(reader, StreamingReader) and reader.streaming:  # type: ignore[attr-defined]
+        counts = np.diff(np.asarray(reader.shard_bounds, dtype=np.int64))  # type: ignore[attr-defined]
+        full = np.flatnonzero(counts)
+        if len(full) < 2:
+            raise ValueError(
+                f"{len(reader)} records in {len(full)} shard(s): a held-out share of whole shards needs two or "
+                "more; name a validation set (--val PATH, TrainConfig.val)"
+            )
+        drawn = full[np.random.default_rng([seed, 99]).permutation(len(full))]
+        took = min(int(np.searchsorted(np.cumsum(counts[drawn]), k)) + 1, len(full) - 1)  # a shard left to train
+        held = drawn[:took]
+        return StreamingSubset(reader, np.setdiff1d(np.arange(len(counts)), held)), StreamingSubset(reader, held)
+    order = np.random.default_rng([seed, 99]).permutation(len(reader))
     return SubsetReader(reader, np.sort(order[k:])), SubsetReader(reader, np.sort(order[:k]))
 
 

@@ -3,18 +3,19 @@
 Each file's name says which loader it serves and, for `TorchIterator`, which side of its process
 boundary it runs on:
 
-- every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, resume, ranks, the controller's
-  hooks), ``passes.py`` (a pass's lifetime), ``bad_records.py`` (what a bad record raises or counts),
-  ``order.py`` (what every epoch order shares, and how a saved position carries to another world size),
+- every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, ranks, the controller's hooks),
+  ``resume.py`` (what a loader's state holds, and what loading one checks), ``passes.py`` (a pass's
+  lifetime), ``bad_records.py`` (what a bad record raises or counts),
+  ``order.py`` (what both epoch orders share: dealing to ranks, the cursor, the elastic resume),
   ``sampler.py`` (the random-access epoch order), ``shard_order.py`` (the order that streams shards),
   ``batch_targets.py`` (a batch's labels or target rows on the output device),
   ``controller.py`` + ``memory_probes.py`` (`BatchSizeController` and the memory it reads), ``factory.py``
-  (`make_loader`: a backend by name);
+  (`make_loader`: a backend by name), ``fork_guard.py`` (what a forked child never tears down);
 - `DALIIterator`: ``dali_iterator.py`` (the iterator, and what DALI's failures say) and
   ``dali_pipeline.py`` (the external-source feed and the pipeline's build);
 - `TorchIterator`: ``torch_iterator.py`` (the main process: plans, finishes batches), ``torch_slots.py``
-  (the main process's shared-memory slots, tasks and outputs) and ``torch_worker.py`` (what runs in each
-  decode process);
+  (the main process's shared-memory slots, tasks and outputs), ``torch_watch.py`` (the watch over the
+  workers: a pass never waits forever on one) and ``torch_worker.py`` (what runs in each decode process);
 - the plain DataLoader: ``dataloader.py`` (`make_dataloader`, `create_optimized_dataloader`) and
   ``baseline.py`` (the baseline every comparison is against).
 """

@@ -18,10 +18,10 @@ from ..data.base import ON_ERROR, Reader, StreamingReader, check_on_error, provi
 from ..data.cache import CachedReader, LRUCache
 from ..data.targets import reader_targets
 from ..machine import cuda_usable
-from ..transforms.recipe import Recipe, describe_resolution, describe_schedule, resolve_recipe
+from ..transforms.recipe import Recipe, describe_resolution, resolve_recipe
 from .bad_records import SkipLog
-from .order import kept_global_batch
 from .passes import ABANDONED, CLOSED, Pass, close_ends_the_pass
+from .resume import load_loader_state, loader_state
 from .sampler import EpochSampler, LoaderSampler, dist_rank_world, follow_process_group, sharding_note
 from .shard_order import StreamingOrder, make_order
 
@@ -222,6 +222,7 @@ class LoaderBase:
         """Batches in this epoch on this rank, at this epoch's batch size."""
         self._follow_process_group()
         n, bs = len(self.order), self.batch_size
+        self._counted_at = bs  # a framework may count the epoch's batches before it restores a state (`resume`)
         return n // bs if self.drop_last else math.ceil(n / bs)
 
     def set_epoch(self, epoch: int) -> None:
@@ -266,50 +267,16 @@ class LoaderBase:
             self._epoch_bs = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader is: epoch, samples yielded so far, and what must match to resume."""
+        """Where the loader is: epoch, samples yielded so far, and what must match to resume (`resume`)."""
         self._check_ready()
-        sd: dict[str, Any] = {
-            "sampler": self.order.state_dict(),
-            "finished": self._finished,
-            "batch_size": self._batch_size,
-            "backend": self.backend,
-        }
-        if self.controller is not None:
-            sd["controller"] = self.controller.state_dict()
-        if self.resolution is not None:
-            sd["resolution"] = self.resolution
-            sd["image_size"] = self.image_size
-        return sd
+        return loader_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next batch starts at exactly the sample after the last one yielded. A state saved by one
-        rank of a lockstep run on another world size resumes too (`loaders.order`), keeping the global batch."""
+        rank of a lockstep run on another world size resumes too (`loaders.order`), keeping the global batch
+        (`resume.load_loader_state` has what it checks)."""
         self._supersede_pass("load_state_dict()")
-        sampler = state.get("sampler") if isinstance(state, dict) else None
-        if not isinstance(sampler, dict) or not {"epoch", "position"} <= set(sampler):
-            raise ValueError(
-                "not a loader state_dict (no 'sampler' epoch and position); pass loader.state_dict() as saved"
-            )
-        saved_kind, kind = sampler.get("order", "random"), self.order.kind
-        if saved_kind != kind:
-            raise ValueError(
-                f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
-                "order; resume with the data set it was saved with"
-            )
-        saved, mine = state.get("resolution"), self.resolution
-        if saved != mine:
-            raise ValueError(
-                f"cannot resume: the state was saved with resolution schedule {describe_schedule(saved)}, this loader "
-                f"has {describe_schedule(mine)}; resume with the recipe it was saved with"
-            )
-        self.order.load_state_dict(sampler)
-        self._finished = bool(state.get("finished", False))
-        self._batch_size = int(state.get("batch_size", self._batch_size))
-        saved_world = int(sampler.get("world_size", self.world_size))
-        if saved_world != self.world_size and self.controller is None:  # a controller sizes batches per rank
-            self._batch_size = kept_global_batch(self._batch_size, saved_world, self.world_size)
-        if self.controller is not None and "controller" in state:
-            self.controller.load_state_dict(state["controller"])
+        load_loader_state(self, state)
         self._resumed = True  # the next iter() continues from here instead of restarting the epoch
         self._apply_resolution()  # the saved epoch's size (the schedule is a pure function of the epoch)
 

@@ -275,7 +275,7 @@ class DALIIterator(LoaderBase):
         return _Kept(pipe, it, source, batch_size, self.recipe.image_size)
 
     def close(self) -> None:
-        """Shut down the pipeline kept between epochs (also done when the iterator is collected)."""
+        """Shut down the pipeline kept between epochs (also when collected; a no-op in a forked child: `fork_guard`)."""
         kept, self._kept = getattr(self, "_kept", None), None
         if kept is not None:
             kept.source.stop()

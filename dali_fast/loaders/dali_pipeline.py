@@ -41,6 +41,7 @@ from ..data.checks import pillow_reason
 from ..transforms.dali import MixedDecoder, augment, sample_sizes
 from ..transforms.recipe import Recipe
 from .bad_records import BadRecordError, SkipLog, bad_record_message
+from .fork_guard import hold
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class BatchSource:
         self.fed: deque[Fed] = deque()  # batches handed to DALI, not yet delivered
         self.tail_skipped: list[tuple[int, str]] = []
         self._ahead: _ReadAhead | None = None
+        hold(self, "_ahead")  # a forked child never stops the read-ahead thread, which exists only in the parent
         from nvidia.dali.tensors import TensorListCPU
 
         self._tensor_list = TensorListCPU

@@ -1,24 +1,28 @@
 """The epoch order that streams shards: `StreamingOrder`, with `EpochSampler`'s interface. numpy only.
 
-For data read shard by shard (remote WebDataset shards), each epoch:
+For data read shard by shard (remote WebDataset shards, Parquet row groups), each epoch:
 
 1. the shards are shuffled (seeded by ``(seed, epoch)``, the same on every rank) and laid end to end;
-2. that sequence is cut into ``world_size`` equal runs of samples, one per rank, so every rank gets the
-   same number of samples (and batches) and whole shards, except that a run's first and last shard
-   may be shared with the neighbouring rank (at most ``world_size - 1`` shards are split). Without
-   ``drop_last`` the last rank's run is padded with repeats of its own last samples (as
-   `EpochSampler` pads: at most ``world_size - 1`` samples twice); with it, the tail is cut;
+2. that sequence is cut into ``world_size`` runs of samples, one per rank, that differ by at most one
+   sample (the first ``n % world_size`` ranks one longer), so every rank gets whole shards, except that a
+   run's first and last shard may be shared with the neighbouring rank (at most ``world_size - 1``
+   shards are split). With ``drop_last`` the runs are equal instead, and the tail is cut;
 3. within a rank, the shard shared with the previous rank and the one shared with the next come first
    (ranks of a node that share the cache then use the shard at about the same time), and samples are
-   shuffled within windows of ``window`` consecutive shards.
+   shuffled within windows of ``window`` consecutive shards;
+4. with ``even`` (training) and no ``drop_last``, each shorter run is padded with one repeat, dealt last,
+   as `EpochSampler` pads (at most ``world_size - 1`` samples twice, each in a rank's last place): the
+   sample that rank read just before (still in the cache). So every rank gets the same number of samples
+   (and batches), a repeat is reached only with a rank's very last sample, and a state saved before it
+   holds none: no resume on any world size delivers twice a sample that the old ranks' padding had
+   delivered. ``even=False`` (evaluation) adds no repeat.
 
 So a rank reads ``window`` shards at a time, the order is a pure function of (seed, epoch, rank,
 world_size), and each sample comes once per epoch. The cursor is the position in this rank's list, as
-for `EpochSampler`. ``even=False`` (evaluation, without ``drop_last``) cuts the sequence into runs that
-differ by at most one sample instead, with no padding. **Elastic resume**: as for `EpochSampler`
-(`loaders.order` has the rule); the samples no rank had reached are regrouped by shard (each old rank's
-rest, its blocks in the order it would have read them) and cut into the new ranks' runs as above, so the
-new ranks also read whole shards a window at a time.
+for `EpochSampler`. **Elastic resume**: as for `EpochSampler` (`loaders.order` has the rule); the samples
+no rank had reached are regrouped by shard (each old rank's rest, its blocks in the order it would have
+read them) and cut into the new ranks' runs as above, so the new ranks also read whole shards a window at
+a time.
 """
 
 from __future__ import annotations
@@ -43,19 +47,16 @@ def shard_sequence(bounds: np.ndarray, shard_order: np.ndarray) -> np.ndarray:
     return (np.arange(counts.sum()) - np.repeat(first, counts) + np.repeat(starts, counts)).astype(np.int64)
 
 
-def cut(seq: np.ndarray, world_size: int, rank: int, drop_last: bool, even: bool = True) -> np.ndarray:
-    """Rank ``rank``'s equal run of ``seq`` (padded with the sequence's own last samples, or cut); with
-    ``even=False`` and no ``drop_last``, its own run, no sample on two ranks (the first ones one longer)."""
+def cut(seq: np.ndarray, world_size: int, rank: int, drop_last: bool) -> np.ndarray:
+    """Rank ``rank``'s own run of ``seq``, no sample on two ranks: with ``drop_last`` an equal run (the tail
+    cut), else runs that differ by at most one (the first ``len(seq) % world_size`` ranks one longer)."""
     n = len(seq)
-    if not (drop_last or even):
-        base, extra = divmod(n, world_size)
-        start = rank * base + min(rank, extra)
-        return seq[start : start + base + (rank < extra)]
-    per = per_rank(n, world_size, drop_last)
-    total = per * world_size
-    if total > n:
-        seq = np.concatenate([seq, seq[(n - 1 - np.arange(total - n)) % n]])
-    return seq[rank * per : (rank + 1) * per]
+    if drop_last:
+        per = n // world_size
+        return seq[rank * per : (rank + 1) * per]
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return seq[start : start + base + (rank < extra)]
 
 
 def arrange(
@@ -135,8 +136,14 @@ class StreamingOrder(OrderCursor):
         return shard_sequence(self.bounds, perm)
 
     def _arranged(self, seq: np.ndarray, epoch: int, world: int, rank: int, part: int) -> tuple[np.ndarray, np.ndarray]:
-        run = cut(seq, world, rank, self.drop_last, self.even)
-        return arrange(run, self._shard_of, self.window, self._rng(epoch, world, rank, part))
+        """(order, group) of rank ``rank``: its own run arranged (`arrange`), then, to even it out, its
+        padding repeat (in a group after every block's)."""
+        run = cut(seq, world, rank, self.drop_last)
+        order, group = arrange(run, self._shard_of, self.window, self._rng(epoch, world, rank, part))
+        if self.drop_last or not self.even or len(run) == per_rank(len(seq), world, False):
+            return order, group
+        repeat = order[-1:] if len(order) else seq[(rank - len(seq)) % len(seq) :][:1]  # fewer samples than ranks
+        return np.concatenate([order, repeat]), np.concatenate([group, [len(run)]]).astype(np.int64)
 
     def _deal(self, seq: np.ndarray, epoch: int, world: int, rank: int, part: int) -> np.ndarray:
         return self._arranged(seq, epoch, world, rank, part)[0]

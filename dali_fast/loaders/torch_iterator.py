@@ -24,7 +24,9 @@ from .bad_records import BadRecordError, bad_record_message
 from .base import LoaderBase
 from .batch_targets import batch_targets
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
+from .fork_guard import hold
 from .torch_slots import IDLE, OutputPool, SlotRing, Task, batch_parts, image_shape, slot_layout
+from .torch_watch import StuckWorkerError, watched
 from .torch_worker import BatchMaker, collate_as_is, worker_init
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ class TorchIterator(LoaderBase):
         self._stream: Any = None
         self._outputs = OutputPool()
         self.pools_started = 0  # batch rings (each with its worker pool) made: one per batch and image size
+        # A forked child (another loader's worker) never shuts this pool down or frees its slots: `fork_guard`.
+        hold(self, "_loader", "_ring", "_maker", "_stream")
 
     # ------------------------------------------------------------------ workers and slots
     def _slots_for(self, batch_size: int) -> SlotRing:
@@ -175,6 +179,10 @@ class TorchIterator(LoaderBase):
             return
         try:
             yield from self._run_workers(plan)
+        except StuckWorkerError as e:  # killed: the pool is broken, as for a worker that died
+            log.warning("%s", e)
+            self._discard_workers()
+            raise RuntimeError(f"{e}; the next pass starts a new worker pool") from e
         except (RuntimeError, ConnectionError, EOFError) as e:
             # A worker killed (OOM killer, SIGKILL) surfaces as DataLoader's RuntimeError, or first as a
             # broken pipe to it: either way the persistent pool is broken for good. An error a worker
@@ -196,7 +204,7 @@ class TorchIterator(LoaderBase):
         self._plan.sizes, self._plan.workers = [len(b) for b in plan], max(1, self.num_workers)
         self._plan.idle_when_full = self.num_workers > 0
         if self.num_workers:
-            parts: Iterator[dict[str, Any]] = iter(self._dataloader())
+            parts: Iterator[dict[str, Any]] = watched(self._dataloader())  # never waits on a dead or stuck worker
         else:
             maker = self._maker
             parts = (maker.make(task) for task in self._plan)  # type: ignore[union-attr]

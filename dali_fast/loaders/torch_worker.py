@@ -31,6 +31,7 @@ from ..transforms.opencv import single_threaded_worker, split_channels
 from ..transforms.recipe import AUGMENT_SALT, Recipe
 from ..transforms.resize import BadImage, decode_crop
 from .torch_slots import IDLE, Task
+from .torch_watch import DUMP_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ def tame_malloc(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
 def worker_init(_worker_id: int) -> None:
     """DataLoader ``worker_init_fn`` of the decode workers. A worker that crashes (a segmentation fault in a
     native library) writes its Python stack to stderr before DataLoader reports it dead, so the report names
-    the place, not only the signal."""
+    the place, not only the signal; so does one found stuck (`torch_watch`), before it is killed."""
     with contextlib.suppress(AttributeError, ValueError, OSError):  # a stderr without a file descriptor
         faulthandler.disable()  # enabled before the fork, it would now be DataLoader's handler's, not ours
         faulthandler.enable()  # the stack, then the signal's default: DataLoader reports the worker dead
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)  # a stuck worker's stack, before it is killed
     tame_malloc()
     single_threaded_worker()
 

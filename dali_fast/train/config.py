@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,9 @@ class TrainConfig:
     BatchNorm never meets a one-sample batch. ``recipe`` is the per-image transform (its ``image_size`` must
     agree with ``image_size``; with a ``resolution`` schedule, the training loader follows it epoch by epoch
     and ``image_size`` is the evaluation size); ``mixup``/``cutmix`` (Beta alphas, 0: off) mix each batch and train on soft
-    targets, smoothed by ``label_smoothing``. ``checkpoint`` (a folder) is written every
+    targets, smoothed by ``label_smoothing``. ``val`` is the set to evaluate on (a path or URL, or a reader):
+    the training set is then read whole; without it, about ``holdout`` of the training data is held out
+    (whole shards or row groups of a streamed set, so that both sides still stream). ``checkpoint`` (a folder) is written every
     ``checkpoint_every`` steps and at each epoch's end; ``record_indices`` (a file) gets each batch's
     sample indices; ``out`` (a folder) gets train.json.
     """
@@ -41,6 +44,7 @@ class TrainConfig:
     amp: bool = True
     controller: bool = False
     holdout: float = 0.2
+    val: Any = None  # a path or URL (str, os.PathLike), or a reader
     seed: int = 0
     num_workers: int | None = None
     drop_last: bool = True

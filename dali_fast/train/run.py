@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..data.base import Reader, SubsetReader, check_labels, fingerprint, split
+from ..data.base import Reader, check_labels, fingerprint
 from ..data.targets import target_spec
 from ..files import atomic_write
 from ..loaders.base import LoaderBase
@@ -43,7 +43,9 @@ from .checkpoint import (
 )
 from .config import TrainConfig, warn_if_sizes_exceed_images
 from .distributed import DistContext, broadcast, distributed_context, gather
+from .lines import epoch_line, intro_line
 from .monitor import UtilizationMonitor
+from .sets import RunSets, check_val_labels, held_out_note, run_sets
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,7 @@ class _Run:
     config: TrainConfig
     ctx: DistContext
     emit: Callable[[str], None]
-    train_set: SubsetReader
-    val_set: SubsetReader
+    sets: RunSets  # what it trains on (train_set) and evaluates on (val_set)
     trainer: Trainer
     ctrl: BatchSizeController | None
     recipe: Recipe  # as the loaders apply it (channels_last on a GPU)
@@ -70,6 +71,14 @@ class _Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     partial: dict[str, float] = field(default_factory=lambda: {"samples": 0, "loss_sum": 0.0})
     recorder: IndexRecorder | None = None
+
+    @property
+    def train_set(self) -> Reader:
+        return self.sets.train
+
+    @property
+    def val_set(self) -> Reader:
+        return self.sets.val
 
     @property
     def resumable(self) -> bool:
@@ -100,12 +109,12 @@ def run_train(
             _resume(run)
         if config.record_indices is not None:
             run.recorder = stack.enter_context(IndexRecorder(config.record_indices, ctx.rank, ctx.world_size))
-        run.emit(_intro(run))
+        run.emit(intro_line(run))
         monitor = stack.enter_context(UtilizationMonitor(device_index=ctx.device_index))
         for epoch in range(run.start_epoch, config.epochs):
             row = _epoch(run, epoch, monitor)
             run.rows.append(row)
-            run.emit(_epoch_line(row))
+            run.emit(epoch_line(row))
             if run.ckpt_path is not None:
                 _save(run, epoch, True, 0, 0.0)
         _finish(run)
@@ -119,19 +128,21 @@ def _silent(_line: str) -> None:
 def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable[[str], None]) -> _Run:
     """The data split and checked, the model, the controller and the loaders: a run ready for epoch 0."""
     torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    train_set, val_set = split(reader, config.holdout, config.seed)
+    sets = run_sets(reader, config.val, config.holdout, config.seed)  # --val, or a share held out
+    train_set = sets.train
     if ctx.is_main:
         warn_if_sizes_exceed_images(config.recipe, reader, config.epochs)  # type: ignore[arg-type]
     per_rank = len(train_set) // ctx.world_size
     if config.drop_last and config.batch_size > per_rank:
         raise ValueError(
             f"--batch-size {config.batch_size} is larger than the {per_rank} training images of each of "
-            f"{ctx.world_size} rank(s) ({len(train_set)} after holding out {config.holdout:.0%}): every batch would "
+            f"{ctx.world_size} rank(s) ({len(train_set)}{held_out_note(sets, config.holdout)}): every batch would "
             f"be dropped; use --batch-size {max(1, per_rank)} or less, or more images"
         )
     kind, width = target_spec(reader)  # class labels, or multi-hot / float rows (checked at open)
     if kind == "class" and config.on_error == "raise":  # once, on the CPU, before any step; "skip" skips them
         check_labels(reader, width)  # as bad records
+    check_val_labels(sets, config.on_error)
     mix = None
     if config.mixup > 0 or config.cutmix > 0:  # the same choices on every rank would mix alike: seed by rank
         mix = MixupCutmix(**config.mix, num_classes=width, seed=config.seed * 1000 + ctx.rank, target=kind)
@@ -149,7 +160,7 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
     assert recipe is not None  # resolved by TrainConfig.checked
     if trainer.device.type == "cuda":
         recipe = recipe.with_(memory_format=torch.channels_last)  # what the model wants, straight from the loader
-    run = _Run(config, ctx, emit, train_set, val_set, trainer, _controller(config, trainer), recipe)
+    run = _Run(config, ctx, emit, sets, trainer, _controller(config, trainer), recipe)
     kw = {
         "backend": config.loader,
         "image_size": config.image_size,
@@ -161,7 +172,7 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
     run.train_loader = make_loader(
         train_set, config.batch_size, train=True, controller=run.ctrl, drop_last=config.drop_last, **kw
     )
-    run.val_loader = make_loader(val_set, config.batch_size, train=False, **kw)
+    run.val_loader = make_loader(sets.val, config.batch_size, train=False, **kw)
     run.settings = _settings(reader, run, mixing=mix is not None or bool(config.label_smoothing))
     if run.ckpt_path is not None and not run.resumable:
         emit(f"note: --loader {config.loader} cannot resume mid-epoch; checkpoints are written at epoch ends only")
@@ -189,7 +200,7 @@ def _settings(reader: Reader, run: _Run, *, mixing: bool) -> dict[str, Any]:
         "loader": config.loader,
         "image_size": config.image_size,
         "seed": config.seed,
-        "holdout": config.holdout,
+        **({"holdout": config.holdout} if run.sets.held_out != "val" else {"val": fingerprint(run.sets.val)}),
         "records": len(reader),
         "world_size": run.ctx.world_size,
         "controller": config.controller,
@@ -283,26 +294,6 @@ def _save(run: _Run, epoch: int, epoch_done: bool, samples: int, loss_sum: float
     log.debug("checkpoint at epoch %d step %d → %s", epoch, run.step, run.ckpt_path)
 
 
-def _intro(run: _Run) -> str:
-    """The line that says what is trained, on what, where, and with which augmentation."""
-    config, ctx = run.config, run.ctx
-    extras = [f"{k}={v}" for k, v in config.mix.items() if v]
-    if run.recipe.auto_augment:
-        extras.insert(0, f"augment={run.recipe.auto_augment}")
-    if run.recipe.random_erasing:
-        extras.append(f"random_erasing={run.recipe.random_erasing}")
-    if run.recipe.resolution is not None:
-        extras.append(f"progressive={run.recipe.resolution} (eval at {run.recipe.image_size} px)")
-    kind, width = target_spec(run.train_set)
-    targets = {"multihot": f", multi-hot targets of {width} classes", "float": f", float targets of {width} numbers"}
-    return (
-        f"training {config.model} on {len(run.train_set)} images ({len(run.val_set)} held out){targets.get(kind, '')}, "
-        f"loader={config.loader}, device={run.trainer.device}"
-        + (f", {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else "")
-        + (f", {', '.join(extras)}" if extras else "")
-    )
-
-
 def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]:
     """One epoch trained (checkpoints every ``checkpoint_every`` steps), then evaluated: its row."""
     config, trainer, loader = run.config, run.trainer, run.train_loader
@@ -326,7 +317,7 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
             n += len(labels)
             run.step += 1
             if run.recorder is not None:
-                run.recorder.write(epoch, run.step, run.train_set.indices[loader.last_indices])
+                run.recorder.write(epoch, run.step, run.sets.record_ids(loader.last_indices))
             if run.ckpt_path is not None and run.resumable and run.step % config.checkpoint_every == 0:
                 _save(run, epoch, False, run.partial["samples"] + n, run.partial["loss_sum"] + float(loss_sum))
         if trainer.device.type == "cuda":
@@ -376,22 +367,3 @@ def _set_epoch(loader: Any, epoch: int) -> None:
         loader.set_epoch(epoch)
     elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
         loader.sampler.set_epoch(epoch)  # a plain DataLoader with a DistributedSampler
-
-
-def _epoch_line(row: dict[str, Any]) -> str:
-    util_s = f"{row['util_mean']:.0f}%" if isinstance(row["util_mean"], float) else "n/a"
-    metric = f" acc {row['val_acc']:.1%}" if "val_acc" in row else ""
-    metric += f" mAP {row['val_map']:.3f}" if "val_map" in row else ""
-    line = (
-        f"epoch {row['epoch']}: loss {row['train_loss']:.3f}, held-out loss {row['val_loss']:.3f}"
-        f"{metric}, {row['img_per_s']:.0f} img/s, {row['util_kind']} util {util_s}, "
-        f"batch {row['batch_size']}, {row['image_size']} px"
-    )
-    if row["ranks"] > 1:
-        line += f" x {row['ranks']} ranks"
-    if row["resumed"]:
-        line += " (resumed mid-epoch)"
-    if row["decision"] is not None:
-        d = row["decision"]
-        line += f" | controller: {d['reason']} → {d['decision']} to {d['next_batch_size']}"
-    return line

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +45,11 @@ def write_hf_parquet(
     return out
 
 
-def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, taken: int = 2) -> int:
+def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, taken: int = 2) -> None:
     """``old`` ranks in lockstep take ``taken`` batches of 3 of ``epoch``; rank 0's state (through JSON, as a
-    checkpoint keeps it) resumes on ``new`` ranks: each sample once over the epoch, equal batch counts, the
-    labels those of the samples named, the global batch kept where it divides; then the next epoch plain.
-    Returns how many repeats the old ranks had taken (their order's own padding, which only the streaming
-    order can reach this early: see the end)."""
+    checkpoint keeps it) resumes on ``new`` ranks: each sample once over the epoch but for the new ranks'
+    padding (the old ranks reach theirs only with their last sample), equal batch counts, the labels those
+    of the samples named, the global batch kept where it divides; then the next epoch plain."""
     before = []
     olds = [make(3, rank=r, world_size=old) for r in range(old)]
     for loader in olds:
@@ -63,6 +61,7 @@ def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, ta
             before += loader.last_indices.tolist()
         it.close()
         loader.close()
+    assert len(loader.order) > len(before) // old  # a saved state before the old ranks' last places
     state = json.loads(json.dumps(olds[0].state_dict()))
     rest, batches = [], []
     for r in range(new):
@@ -84,16 +83,6 @@ def run_elastic(make, old: int, new: int, labels: np.ndarray, epoch: int = 1, ta
     assert len(set(batches)) == 1 and len({len(x) for x in rest}) == 1  # equal on every new rank
     after = [i for x in rest for i in x]
     assert not set(before) & set(after)  # nothing an old rank had taken comes again
-    # The repeats of the epoch: the new ranks' padding (at most new - 1), and those the old ranks had taken
-    # before the resume. The random-access order pads at its ranks' last places, which 2 batches do not
-    # reach; the streaming order shuffles its padding into the last rank's windows, so an old rank can have
-    # taken a repeat already. Such a repeat counts against the old order: only a sample that order itself
-    # deals twice in the epoch, at most old - 1 of them; with none, this is each sample once but new - 1.
-    old_epoch = Counter(i for loader in olds for i in loader.order.indices(epoch).tolist())
-    early = Counter(before)
-    early.subtract(set(before))  # each sample's repeats among what the old ranks took
-    early = +early
-    assert set(early) <= {i for i, c in old_epoch.items() if c > 1} and early.total() <= old - 1, early
+    each_once(before, set(before), what="what the old ranks took")  # none of their padding yet
     each_once(after, set(after), padding=new - 1, what="the rest of the epoch")
-    each_once(before + after, range(len(labels)), padding=new - 1 + early.total())
-    return early.total()
+    each_once(before + after, range(len(labels)), padding=new - 1)

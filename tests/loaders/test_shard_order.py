@@ -246,9 +246,10 @@ def test_shard_sequence_cut_and_arrange_at_their_edges():
         empty = shard_sequence(bounds, order)
         assert empty.dtype == np.int64 and empty.tolist() == []
     assert shard_sequence(np.array([0, 1]), np.array([0])).tolist() == [0]  # one sample
-    seq = np.arange(10, 15)  # five samples for four ranks of two: padded with the last ones, backwards
-    assert [cut(seq, 4, r, False).tolist() for r in range(4)] == [[10, 11], [12, 13], [14, 14], [13, 12]]
+    seq = np.arange(10, 15)  # five samples for four ranks: own runs of 2, 1, 1, 1; or 1 each, the tail cut
+    assert [cut(seq, 4, r, False).tolist() for r in range(4)] == [[10, 11], [12], [13], [14]]
     assert [cut(seq, 4, r, True).tolist() for r in range(4)] == [[10], [11], [12], [13]]
+    assert cut(seq[:0], 3, 2, False).tolist() == [] and cut(seq, 1, 0, False).tolist() == seq.tolist()
     order, group = arrange(np.empty(0, np.int64), np.zeros(0, np.int64), 2, None)
     assert (order.dtype, group.dtype, len(order), len(group)) == (np.int64, np.int64, 0, 0)
     order, group = arrange(np.arange(6), np.array([0, 0, 1, 1, 2, 2]), 8, None)  # three blocks, unshuffled
@@ -281,10 +282,11 @@ def test_an_elastic_resume_of_an_epoch_s_last_samples_leaves_nothing_to_the_extr
         assert left.dtype == np.int64 and left.tolist() == [] and len(new) == 0  # fewer than ranks: none
 
 
-# Epoch 1 of seed 3, three ranks saved at position 6, resumed on two ranks (rank 1 pads with a repeat of 49).
+# Epoch 1 of seed 3, three ranks saved at position 6, resumed on two ranks (rank 1 pads, last, with a repeat
+# of 28, the sample it read just before).
 GOLDEN_ELASTIC = [
     [12, 46, 43, 23, 19, 62, 13, 17, 44, 9, 16, 20, 18, 45, 14, 60, 63, 41, 22, 58, 21, 57, 10, 33, 36, 32, 35],
-    [56, 64, 55, 59, 52, 66, 0, 1, 3, 50, 7, 2, 53, 49, 69, 51, 5, 49, 6, 24, 29, 25, 28, 31, 26, 30, 27],
+    [56, 64, 54, 59, 48, 66, 0, 1, 3, 49, 7, 2, 55, 50, 69, 51, 5, 53, 6, 31, 26, 24, 25, 29, 27, 28, 28],
 ]
 
 
@@ -421,3 +423,25 @@ def test_a_refused_setting_is_named_with_both_values_in_one_line():
         "cannot resume: the saved state has seed=2 but this order has seed=1; "
         "resume with the same data set and settings"
     )
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_padding_is_one_repeat_in_a_shorter_rank_s_last_place(world):
+    """As `EpochSampler` pads: each rank short of ``ceil(n / world)`` samples repeats one, in its very last
+    place (the sample it read just before, still in the cache), so no place before the last holds a repeat."""
+    for n_bounds in (BOUNDS, np.array([0, 3, 3, 5]), np.array([0, 2])):  # 71 samples; 5 (an empty shard); 2
+        n = int(n_bounds[-1])
+        per = -(-n // world)
+        got = []
+        for r in range(world):
+            o = StreamingOrder(n_bounds, seed=2, rank=r, world_size=world)
+            o.set_epoch(1)
+            got.append(o.indices().tolist())
+        assert [len(g) for g in got] == [per] * world
+        before_last = [i for g in got for i in g[:-1]]
+        assert len(before_last) == len(set(before_last))  # no repeat before a rank's last place
+        everything = Counter(i for g in got for i in g)
+        assert set(everything) == set(range(n)) and everything.total() - n == per * world - n
+        for g in got:
+            if g.count(g[-1]) == 2 and len(g) > 1:  # a padded rank with samples of its own: the one it read last
+                assert g[-1] == g[-2]

@@ -278,8 +278,10 @@ def test_the_docs_name_every_setting_a_resume_must_match(learnable):
 
     config = TrainConfig(image_size=32, mixup=0.2)
     recipe = Recipe(image_size=32, random_erasing=0.25)
-    run = SimpleNamespace(config=config, ctx=SimpleNamespace(world_size=1), recipe=recipe)
-    settings = _settings(learnable, run, mixing=True)
+    held, val = (SimpleNamespace(held_out=h, val=learnable) for h in ("records", "val"))
+    run = SimpleNamespace(config=config, ctx=SimpleNamespace(world_size=1), recipe=recipe, sets=held)
+    with_val = SimpleNamespace(**{**vars(run), "sets": val})
+    settings = {**_settings(learnable, run, mixing=True), **_settings(learnable, with_val, mixing=True)}
     docs = (ROOT / "docs" / "distributed.md").read_text()
     section = docs[docs.index("A resume must match") :]
     section = section[: section.index("\n\n")]

@@ -178,7 +178,7 @@ def test_train_multihot_the_loss_falls_and_the_map_rises(tags, loader):
         reader, loader=loader, epochs=4, model="resnet_tiny", batch_size=16, image_size=48, lr=0.05,
         num_workers=0 if loader == "torch" else None, emit=lines.append,
     )  # fmt: skip
-    assert "(32 held out), multi-hot targets of 4 classes, loader=" in lines[0]
+    assert ", evaluating on 32 held out of it, multi-hot targets of 4 classes, loader=" in lines[0]
     assert all(" mAP " in line and " acc " not in line for line in lines[1:5])
     assert all("val_acc" not in r for r in rows)
     losses, maps = [r["train_loss"] for r in rows], [r["val_map"] for r in rows]

@@ -267,7 +267,7 @@ def test_pack_inspect_train_and_bench_take_the_url(s3pq, tmp_path, capsys):
     argv = ["train", *common, "--loader", "torch", "--model", "resnet_tiny", "--epochs", "1", "--out", str(tmp_path)]
     assert main([*argv, "--record-indices", str(record)]) == 0
     seen = [i for line in record.read_text().splitlines() for i in json.loads(line)["indices"]]
-    assert sorted(seen) == sorted(set(seen)) and len(seen) == 16  # 17 of 21 trained on (4 held out), full batches
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 12  # 15 of 21 trained on (2 row groups of 3 held out)
     out = tmp_path / "bench"
     assert main(["bench", *common, "--loaders", "torch", "--epochs", "1", "--no-limit", "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
