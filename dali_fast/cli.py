@@ -245,16 +245,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     flags = {f.name for f in dataclasses.fields(TrainConfig)} & vars(args).keys()  # the flags are its fields
     config = TrainConfig(**{k: getattr(args, k) for k in flags}, recipe=_recipe(args, augments[0])).checked()
     url = next((p for p in (args.dataset, args.val) if is_remote(p)), args.dataset)  # what the URL options are for
-    url_options = _open_options(args, url)
-    options = url_options if is_remote(args.dataset) else {}
+    url_options = _url_options(args, url)
+    declared = {"classes": args.classes} if args.classes is not None else {}  # --classes: the map of both sets
+    options = {**(url_options if is_remote(args.dataset) else {}), **declared}
     if args.target is None and args.num_classes is None:
         reader = open_dataset(args.dataset or default_dataset(args.images)[1], **options)
     else:
         reader = _dataset_with_targets(args, options)
-    if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets
-        config = dataclasses.replace(
-            config, val=open_dataset(args.val, **(url_options if is_remote(args.val) else {}), **_given_targets(args))
-        )
+    if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets, and
+        # the training set's class map, so that a validation set without some class numbers the others alike
+        val_options = url_options if is_remote(args.val) else {}
+        val = open_dataset(args.val, **val_options, **_given_targets(args), classes=reader.classes)
+        config = dataclasses.replace(config, val=val)
     run_train(reader, config, emit=print)
     return 0
 

@@ -34,3 +34,17 @@ def test_a_class_list_that_cannot_serve_is_one_line_exit_2(tmp_path, cache, caps
     assert e.value.code == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and "none.txt: no such class list" in err[0]
+
+
+def test_train_takes_the_class_map_for_both_sets(tmp_path, cache, capsys):
+    """train with --classes: both sets numbered by the file, a validation set without a class too."""
+    make_folder(tmp_path / "train", {c: [jpeg_bytes(20 + i, 18) for i in range(3)] for c in ("cat", "fish")})
+    make_folder(tmp_path / "val", {"fish": [jpeg_bytes(30, 18)]})
+    (tmp_path / "classes.txt").write_text("\n".join(NAMES) + "\n")
+    args = ["train", str(tmp_path / "train"), "--val", str(tmp_path / "val"), "--classes", str(tmp_path / "classes.txt")]
+    args += ["--loader", "torch", "--epochs", "1", "--model", "resnet_tiny", "--batch-size", "2", "--image-size", "16"]
+    args += ["--num-workers", "0", "--checkpoint", str(tmp_path / "ck")]
+    assert main(args) == 0
+    from dali_fast.train.checkpoint import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "ck" / "checkpoint.pt")["classes"] == NAMES  # the map the run was trained on, kept with it

@@ -91,6 +91,24 @@ def check_resume_config(
         )
 
 
+def check_resume_classes(path: str | Path, saved: Sequence[str] | None, current: Sequence[str]) -> None:
+    """Refuse, in one line naming the first difference, to resume a run saved with another class map (the
+    same label would mean another class). A checkpoint written before maps were saved has none: nothing
+    to check."""
+    if saved is None or list(saved) == list(current):
+        return
+    k = next((i for i, (a, b) in enumerate(zip(saved, current, strict=False)) if a != b), None)
+    detail = (
+        f"{len(saved)} classes, this run has {len(current)}"
+        if k is None
+        else f"class {k} was {saved[k]!r}, this run calls it {current[k]!r}"
+    )
+    raise ValueError(
+        f"{path}: saved with another class map ({detail}); resume on data of the same classes (--classes FILE "
+        "declares them) or use a new --checkpoint folder"
+    )
+
+
 def _first_difference(
     saved: Mapping[str, Any], current: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = ""
 ) -> tuple[str, Any, Any] | None:

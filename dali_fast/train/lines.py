@@ -3,9 +3,11 @@ augmentation) and one per epoch."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..data.targets import target_spec
+from ..text import plural
 from .sets import describe
 
 
@@ -43,9 +45,15 @@ def epoch_line(row: dict[str, Any]) -> str:
     )
     if row["ranks"] > 1:
         line += f" x {row['ranks']} ranks"
+    skipped = row.get("skipped") or {}
+    if any(skipped.values()):
+        line += f", skipped {plural(skipped['train'], 'bad record')} in training, {skipped['held_out']} held out"
     if row["resumed"]:
         line += " (resumed mid-epoch)"
     if row["decision"] is not None:
         d = row["decision"]
         line += f" | controller: {d['reason']} → {d['decision']} to {d['next_batch_size']}"
+    if not math.isfinite(row["train_loss"]):
+        scale = " or scale the targets to about unit size" if row.get("target") == "float" else ""
+        line += f" | the loss is not finite: lower --lr{scale}"
     return line

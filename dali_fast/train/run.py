@@ -34,6 +34,7 @@ from .checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_VERSION,
     IndexRecorder,
+    check_resume_classes,
     check_resume_config,
     load_checkpoint,
     plain,
@@ -241,6 +242,7 @@ def _resume(run: _Run) -> None:
     elastic = {"world_size"}  # another number of processes resumes: the rest of the epoch is shared out again
     saved_config = {k: v for k, v in state["config"].items() if k not in elastic}
     settings = {k: v for k, v in run.settings.items() if k not in elastic}
+    check_resume_classes(ckpt_path, state.get("classes"), run.train_set.classes)  # before the data's fingerprint
     check_resume_config(ckpt_path, saved_config, settings, defaults=_left_out(run.config))
     run.trainer.load_state_dict(state["trainer"])
     loader_state, run.partial = rank_state(ckpt_path, state["ranks"], ctx.rank, ctx.world_size)
@@ -286,6 +288,7 @@ def _save(run: _Run, epoch: int, epoch_done: bool, samples: int, loss_sum: float
         "epoch": epoch,
         "epoch_done": epoch_done,
         "ranks": ranks,
+        "classes": list(run.train_set.classes),  # the run's class map: a resume on another one is refused
         "trainer": run.trainer.state_dict(),
         "rows": plain(run.rows),
         "torch_rng": torch.get_rng_state(),
@@ -310,6 +313,7 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
         )
         run.emit(f"epoch {epoch}: training at {size} px, was {before} px{tuned}")
     t0, n = time.perf_counter(), 0
+    skipped_before = (getattr(loader, "skipped", 0), getattr(run.val_loader, "skipped", 0))
     loss_sum = torch.zeros((), device=trainer.device)  # summed on the device: no sync per step
     with monitor.phase(f"epoch{epoch}"):
         for images, labels in loader:
@@ -327,6 +331,9 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
     done, done_loss = trainer.all_sum(run.partial["samples"], run.partial["loss_sum"])
     run.partial = {"samples": 0, "loss_sum": 0.0}
     val_loss, val_metric = trainer.evaluate(run.val_loader)
+    skipped = trainer.all_sum(  # bad records skipped this epoch (--on-error skip), over every rank
+        getattr(loader, "skipped", 0) - skipped_before[0], getattr(run.val_loader, "skipped", 0) - skipped_before[1]
+    )
     metric = {"class": {"val_acc": val_metric}, "multihot": {"val_map": val_metric}}.get(trainer.target, {})
     util = monitor.summary(f"epoch{epoch}")
     return {
@@ -342,6 +349,8 @@ def _epoch(run: _Run, epoch: int, monitor: UtilizationMonitor) -> dict[str, Any]
         "util_kind": util["kind"],
         "util_mean": util["mean"],
         "decision": run.ctrl.history[-1] if run.ctrl is not None and run.ctrl.history else None,
+        "skipped": {"train": int(skipped[0]), "held_out": int(skipped[1])},
+        "target": trainer.target,
     }
 
 

@@ -29,15 +29,18 @@ class RunSets:
 
 
 def run_sets(reader: Reader, val: Any, holdout: float, seed: int) -> RunSets:
-    """The sets of a run on ``reader``: all of it and ``val`` (a reader, or a path or URL to open), or
-    `split` (about ``holdout`` held out, drawn from ``seed``)."""
+    """The sets of a run on ``reader``: all of it and ``val`` (a reader, or a path or URL, opened with the
+    training set's classes and targets: one class map for both), or `split` (about ``holdout`` held out,
+    drawn from ``seed``)."""
     if val is None:
         train, held = split(reader, holdout, seed)
         return RunSets(train, held, "shards" if isinstance(held, StreamingSubset) else "records")
-    if isinstance(val, str | os.PathLike):
+    if isinstance(val, str | os.PathLike):  # opened with the training set's targets and class map
         from ..data.open import open_dataset
 
-        val = open_dataset(val)
+        kind, width = target_spec(reader)
+        targets = {} if kind == "class" else {"target": kind, "num_classes": width if kind == "multihot" else None}
+        val = open_dataset(val, classes=reader.classes, **targets)
     check_same_classes(reader, val)
     return RunSets(reader, val, "val")
 

@@ -130,8 +130,16 @@ def test_a_val_set_whose_classes_differ_is_refused_in_one_line(folders, tmp_path
     shutil.copytree(folders / "val", tmp_path / "val")
     (tmp_path / "val" / "a").rename(tmp_path / "val" / "aa")  # "aa" sorts where "a" did: label 0 means another class
     (tmp_path / "val" / "b").rename(tmp_path / "val" / "z")  # and label 1 now "c", label 2 "z"
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError) as e:  # opened on the training set's class map, which has no "aa"
         run_train(open_dataset(folders / "train"), **TINY, epochs=1, val=tmp_path / "val", emit=lambda _: None)
+    assert str(e.value).startswith(
+        f"{tmp_path / 'val'}: class 'aa' (of {tmp_path / 'val' / 'aa' / '000.jpg'}) and 1 other class is not among "
+        "the 3 declared classes (a, b, c)"
+    )
+    from dali_fast.train.sets import check_same_classes
+
+    with pytest.raises(ValueError) as e:  # a reader given as it was opened: its own classes are compared
+        check_same_classes(open_dataset(folders / "train"), open_dataset(tmp_path / "val"))
     assert str(e.value) == (
         f"the validation set {tmp_path / 'val'} calls label 0 'aa', the training set calls it 'a': their class "
         "lists differ; give both sets the same classes (the same class folders or names)"
@@ -188,3 +196,46 @@ def test_train_on_a_url_downloads_each_shard_once_an_epoch_with_a_smaller_cache(
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_val_set_lacking_a_class_is_numbered_by_the_training_set(folders, tmp_path):
+    """A validation folder without class "b" numbers "c" 1 on its own; opened by train on the training set's
+    class map, "c" stays 2, as the model learned it."""
+    from dali_fast.train.sets import run_sets
+
+    make_folder(tmp_path / "val", {"a": [jpeg_bytes(20, 18)], "c": [jpeg_bytes(21, 18), jpeg_bytes(22, 18)]})
+    assert open_dataset(tmp_path / "val").labels.tolist() == [0, 1, 1]  # alone
+    sets = run_sets(open_dataset(folders / "train"), tmp_path / "val", 0.2, 0)
+    assert sets.val.classes == ["a", "b", "c"] and sets.val.labels.tolist() == [0, 2, 2]
+
+
+def test_a_resume_on_another_class_map_is_refused_naming_the_class(folders, tmp_path):
+    kw = {**TINY, "epochs": 1, "checkpoint": tmp_path / "ck", "emit": lambda _: None}
+    run_train(open_dataset(folders / "train"), **kw)
+    other = open_dataset(folders / "train", classes=["a", "b", "c", "d"])  # one class more: another map
+    with pytest.raises(ValueError) as e:
+        run_train(other, **{**kw, "epochs": 2}, resume=True)
+    assert str(e.value) == (
+        f"{tmp_path / 'ck' / 'checkpoint.pt'}: saved with another class map (3 classes, this run has 4); resume on "
+        "data of the same classes (--classes FILE declares them) or use a new --checkpoint folder"
+    )
+
+
+def test_the_epoch_line_counts_skipped_records_and_a_loss_that_is_not_finite(folders, tmp_path):
+    import shutil
+
+    shutil.copytree(folders / "train", tmp_path / "train")
+    (tmp_path / "train" / "a" / "000.jpg").write_bytes(b"not an image")
+    lines: list[str] = []
+    run_train(
+        open_dataset(tmp_path / "train"), **TINY, epochs=1, val=folders / "val", on_error="skip", emit=lines.append
+    )
+    assert ", skipped 1 bad record in training, 0 held out" in lines[1]
+    from dali_fast.train.lines import epoch_line
+
+    row = {"epoch": 0, "train_loss": float("nan"), "val_loss": float("nan"), "img_per_s": 10.0, "util_kind": "cpu",
+           "util_mean": 50.0, "batch_size": 4, "image_size": 16, "ranks": 1, "resumed": False, "decision": None}  # fmt: skip
+    assert epoch_line({**row, "target": "float"}).endswith(
+        " | the loss is not finite: lower --lr or scale the targets to about unit size"
+    )
+    assert epoch_line({**row, "target": "class"}).endswith(" | the loss is not finite: lower --lr")
