@@ -84,7 +84,7 @@ def to_parquet(src, root: Path, per_file: int = 100, group: int = 100, repeat: i
 
 def reader_reads(reader, batch: int) -> int:
     """Row groups one process reads in an epoch of the loaders' training order, batch by batch."""
-    from dali_fast.loaders.shard_order import make_order
+    from dali_fast.loaders.order import make_order
 
     order = make_order(reader, seed=0, shuffle=True, rank=0, world_size=1, drop_last=False)
     order.set_epoch(1)

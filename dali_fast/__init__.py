@@ -20,7 +20,7 @@ _HOME = {
     "BatchSizeController": ".loaders.controller",
     "CachedReader": ".data.cache",
     "DALIIterator": ".loaders.dali_iterator",
-    "EpochSampler": ".loaders.sampler",
+    "EpochSampler": ".loaders.order",
     "ImageFolderReader": ".data.folder",
     "LRUCache": ".data.cache",
     "MemmapReader": ".data.packed",

@@ -11,7 +11,7 @@ column is read whole, once, into a small per-process LRU of row groups bounded i
 
 - a random-access shuffle reads a row group for nearly every sample unless the whole set fits in the
   row-group cache: it is the default only for such sets (then every group is read once per process);
-- larger sets use the streaming order (`loaders.shard_order.StreamingOrder`): row groups shuffled, then
+- larger sets use the streaming order (`loaders.order.StreamingOrder`): row groups shuffled, then
   samples shuffled within windows of ``shuffle_window`` row groups, each group read once per pass.
 
 ``streaming=True``/``False`` chooses; docs/data.md has the measured cost of each. A null image, a null

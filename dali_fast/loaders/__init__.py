@@ -3,12 +3,11 @@
 Each file's name says which loader it serves and, for `TorchIterator`, which side of its process
 boundary it runs on:
 
-- every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, ranks, the controller's hooks),
-  ``resume.py`` (what a loader's state holds, and what loading one checks), ``passes.py`` (a pass's
-  lifetime), ``bad_records.py`` (what a bad record raises or counts),
-  ``order.py`` (what both epoch orders share: dealing to ranks, the cursor, the elastic resume),
-  ``sampler.py`` (the random-access epoch order), ``shard_order.py`` (the order that streams shards),
-  ``batch_targets.py`` (a batch's labels or target rows on the output device),
+- every backend: ``base.py`` (`LoaderBase`: the epoch, its cursor, ranks, the batch's labels or target
+  rows, the controller's hooks), ``resume.py`` (what a loader's state holds, and what loading one
+  checks), ``passes.py`` (a pass's lifetime), ``bad_records.py`` (what a bad record raises or counts),
+  ``order/`` (the epoch orders: random access, streamed shards, and what they share; `make_order` picks
+  one), ``sampler.py`` (a loader's rank and world size, and the sampler frameworks read),
   ``controller.py`` + ``memory_probes.py`` (`BatchSizeController` and the memory it reads), ``factory.py``
   (`make_loader`: a backend by name), ``fork_guard.py`` (what a forked child never tears down);
 - `DALIIterator`: ``dali_iterator.py`` (the iterator, and what DALI's failures say) and

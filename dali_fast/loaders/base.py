@@ -20,10 +20,10 @@ from ..data.targets import reader_targets
 from ..machine import cuda_usable
 from ..transforms.recipe import Recipe, describe_resolution, resolve_recipe
 from .bad_records import SkipLog
+from .order import EpochSampler, StreamingOrder, make_order
 from .passes import ABANDONED, CLOSED, Pass, close_ends_the_pass
 from .resume import load_loader_state, loader_state
-from .sampler import EpochSampler, LoaderSampler, dist_rank_world, follow_process_group, sharding_note
-from .shard_order import StreamingOrder, make_order
+from .sampler import LoaderSampler, dist_rank_world, sharding_note
 
 __all__ = ["ON_ERROR", "LoaderBase"]
 
@@ -134,7 +134,7 @@ class LoaderBase:
         self.prefetch = int(prefetch)
         self.memory_format = self.recipe.memory_format
         self._data = dataset
-        self._targets = reader_targets(dataset)  # rows by index (`batch_targets`); None: the labels are targets
+        self._targets = reader_targets(dataset)  # rows by index (`_batch_targets`); None: the labels are targets
         # A reader that streams shards (remote data) is told each pass's order, to download ahead.
         self._streaming: Any = dataset if provides(dataset, StreamingReader) and dataset.streaming else None  # type: ignore[attr-defined]
         self.order: EpochSampler | StreamingOrder = self._new_order(self.rank, self.world_size)
@@ -206,21 +206,46 @@ class LoaderBase:
         return self._skips.count
 
     def _new_order(self, rank: int, world_size: int) -> EpochSampler | StreamingOrder:
-        """The epoch order: shards streamed for a streaming reader, else random access (`shard_order.make_order`)."""
+        """The epoch order: shards streamed for a streaming reader, else random access (`order.make_order`)."""
         kw = {"seed": self.seed, "shuffle": self.train, "drop_last": self.drop_last, "even": self.even}
         return make_order(self._data, rank=rank, world_size=world_size, **kw)
 
     def cache_stats(self) -> dict[str, float] | None:
         return self.cache.stats() if self.cache is not None else None
 
-    def _follow_process_group(self, starting: bool = False) -> None:
-        """Rank and world size from a process group started after this loader was made (`follow_process_group`)."""
+    def follow_process_group(self, starting: bool = False) -> None:
+        """Take the rank and world size of a process group started after this loader was made (Lightning and
+        Accelerate start it after the user built the loader); explicit rank/world_size stay. A pass
+        ``starting`` now restarts its epoch unless a state was loaded, so only a loaded mid-epoch position
+        stands in the way then (one line, as a position mid-epoch does)."""
         self._check_ready()
-        follow_process_group(self, starting)
+        rank, world = dist_rank_world(self._rank_arg, self._world_arg)
+        if (rank, world) == (self.rank, self.world_size):
+            return
+        mid_epoch = self.order.position not in (0, len(self.order))
+        if (mid_epoch and (self._resumed or not starting)) or (not starting and self._pass_running()):
+            raise RuntimeError(
+                f"the process group says rank {rank} of {world}, but this loader is mid-epoch as rank "
+                f"{self.rank} of {self.world_size}; make the loader after the process group starts"
+            )
+        epoch = self.order.epoch
+        self.rank, self.world_size = rank, world
+        self.order = self._new_order(rank, world)
+        self.order.set_epoch(epoch)
+        log.info("loader: now rank %d of %d (the process group started after the loader was made)", rank, world)
+
+    def _batch_targets(self, indices: Any, labels: np.ndarray) -> torch.Tensor:
+        """What a batch yields beside its images (on the CPU): its labels (int64), or for a reader's multi-hot
+        or float targets (`data.targets`) the float32 rows of ``indices``, the records its images are. Made
+        once per batch in the main process: nothing per sample crosses a process boundary, and a resume
+        gives the same rows as the images."""
+        if self._targets is None:
+            return torch.from_numpy(labels)
+        return torch.from_numpy(self._targets.rows(indices))
 
     def __len__(self) -> int:
         """Batches in this epoch on this rank, at this epoch's batch size."""
-        self._follow_process_group()
+        self.follow_process_group()
         n, bs = len(self.order), self.batch_size
         self._counted_at = bs  # a framework may count the epoch's batches before it restores a state (`resume`)
         return n // bs if self.drop_last else math.ceil(n / bs)
@@ -296,7 +321,7 @@ class LoaderBase:
 
     def _plan_pass(self) -> tuple[list[np.ndarray], int, int]:
         """(index batches, batch size, start position) of the pass that starts now."""
-        self._follow_process_group(starting=True)
+        self.follow_process_group(starting=True)
         note = sharding_note(self._rank_arg, self._world_arg)
         if note is not None and note not in self._said:  # the launcher and the process group disagree
             self._said.add(note)

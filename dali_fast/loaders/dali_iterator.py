@@ -18,12 +18,12 @@ import torch
 
 from ..data.base import Reader
 from ..machine import local_device_index
+from ..transforms.batch import to_device
 from ..transforms.dali import default_num_threads, pool_host_buffers
 from ..transforms.decode_choice import decide_train_decode, requested_train_decode
 from ..transforms.draws import erasing_boxes
 from .bad_records import BadRecordError
 from .base import LoaderBase
-from .batch_targets import batch_targets, to_device
 from .dali_pipeline import (
     BatchSource,
     ReadAheadError,
@@ -212,7 +212,7 @@ class DALIIterator(LoaderBase):
                     images = images.permute(0, 3, 1, 2)  # HWC from DALI: an NCHW view, channels_last, no copy
                 # The labels (or target rows) of the records the batch holds, from the source: they skip the
                 # pipeline, and go to the images' device once
-                targets = batch_targets(self._targets, fed.kept, torch.from_numpy(fed.labels))
+                targets = self._batch_targets(fed.kept, fed.labels)
                 yield images, to_device(targets, images.device), fed.consumed, fed.batches
         finally:
             if ended:

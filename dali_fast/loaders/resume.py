@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..transforms.recipe import describe_schedule
-from .order import kept_global_batch
+from .order.base import kept_global_batch
 
 
 def loader_state(loader: Any) -> dict[str, Any]:

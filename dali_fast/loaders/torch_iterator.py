@@ -19,10 +19,9 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..data.base import Reader, read_checked
 from ..machine import local_device_index
-from ..transforms.batch import finish_batch, one_intra_op_thread
+from ..transforms.batch import finish_batch, one_intra_op_thread, to_device
 from .bad_records import BadRecordError, bad_record_message
 from .base import LoaderBase
-from .batch_targets import batch_targets
 from .dataloader import default_num_workers, make_dataloader, shutdown_workers
 from .fork_guard import hold
 from .torch_slots import IDLE, OutputPool, SlotRing, Task, batch_parts, image_shape, slot_layout
@@ -227,7 +226,7 @@ class TorchIterator(LoaderBase):
         nothing outside holds it, else new), labels, and on a GPU the event that marks the end of the copy
         out of the slot."""
         recipe = self.recipe
-        labels = batch_targets(self._targets, b["indices"], torch.from_numpy(b["labels"]))
+        labels = self._batch_targets(b["indices"], b["labels"])
         boxes = None if b["boxes"] is None else torch.from_numpy(b["boxes"])
         if self._layout == "HWC":
             pixels = pixels.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory
@@ -237,7 +236,7 @@ class TorchIterator(LoaderBase):
                 self._stream = torch.cuda.Stream(self.device)
             with torch.cuda.stream(self._stream):
                 pixels = pixels.to(self.device, non_blocking=True)  # from page-locked memory: asynchronous
-                labels = labels.to(self.device, non_blocking=True)
+                labels = to_device(labels, self.device)  # page-locked first: the copy does not wait
                 event = torch.cuda.Event()
                 event.record(self._stream)
             current = torch.cuda.current_stream(self.device)

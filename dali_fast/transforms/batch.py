@@ -1,6 +1,7 @@
 """Batch operations on the tensor's own device, with no host synchronization: uint8 images to the recipe's
 dtype and layout, normalized and erased (`finish_batch`), mirrored (`normalize_flip`), and a uint8 batch
-normalized where it arrives (`normalize_images`)."""
+normalized where it arrives (`normalize_images`), and a batch's labels or target rows copied to a GPU
+without waiting (`to_device`)."""
 
 from __future__ import annotations
 
@@ -160,3 +161,12 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def to_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``rows`` (labels or target rows, on the CPU) on ``device``. To a GPU through page-locked memory, so
+    the copy is asynchronous: from pageable memory a ``non_blocking`` copy is staged by the host and waits.
+    torch's pinned-memory pool keeps the page-locked copy until the transfer has finished."""
+    if device.type != "cuda":
+        return rows.to(device)
+    return rows.pin_memory().to(device, non_blocking=True)

@@ -13,7 +13,7 @@ import pytest
 from builders import hf_table
 from contract import each_once
 
-from dali_fast.loaders.order import kept_global_batch
+from dali_fast.loaders.order.base import kept_global_batch
 
 TRANSITIONS = [(4, 2), (2, 3), (1, 4), (4, 1)]
 

@@ -101,12 +101,12 @@ def test_a_process_group_started_after_the_loader_is_followed_between_epochs(ind
     import dali_fast.loaders.sampler as sampler
 
     group = {"rank": 0, "world": 1}
-    for module in (base, sampler):  # read when the loader is made (base) and when it follows (sampler)
+    for module in (base, sampler):  # the loader reads its rank in base; sampler has the function itself
         monkeypatch.setattr(module, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
     loader = ListBackend(index_reader, 4, device="cpu", seed=3, drop_last=True)
     loader.set_epoch(2)
     group.update(rank=1, world=2)
-    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.sampler"):
+    with caplog.at_level(logging.INFO, logger="dali_fast.loaders.base"):
         assert len(loader) == 18 // 4
     assert [r.getMessage() for r in caplog.records] == [
         "loader: now rank 1 of 2 (the process group started after the loader was made)"
@@ -144,7 +144,7 @@ def test_a_loader_made_before_the_group_follows_it_when_iterated_first(index_rea
     import dali_fast.loaders.sampler as sampler
 
     group = {"rank": 1, "world": 2}
-    for module in (base, sampler):  # read when the loader is made (base) and when it follows (sampler)
+    for module in (base, sampler):  # the loader reads its rank in base; sampler has the function itself
         monkeypatch.setattr(module, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
     loader = ListBackend(index_reader, 4, device="cpu")
     group.update(rank=0, world=1)
@@ -156,7 +156,7 @@ def test_a_process_group_that_changes_the_rank_mid_epoch_is_refused_in_one_line(
     import dali_fast.loaders.sampler as sampler
 
     group = {"rank": 0, "world": 1}
-    for module in (base, sampler):  # read when the loader is made (base) and when it follows (sampler)
+    for module in (base, sampler):  # the loader reads its rank in base; sampler has the function itself
         monkeypatch.setattr(module, "dist_rank_world", lambda r, w: (group["rank"], group["world"]))
     said = (
         "the process group says rank 1 of 2, but this loader is mid-epoch as rank 0 of 1; "

@@ -55,7 +55,7 @@ def test_labels_and_target_rows_reach_a_gpu_through_page_locked_memory(monkeypat
     pinned first, then copied asynchronously (recorded here at torch's boundary; on the CPU, a plain copy)."""
     import torch
 
-    from dali_fast.loaders.batch_targets import to_device
+    from dali_fast.transforms.batch import to_device
 
     rows = torch.arange(6, dtype=torch.float32).view(3, 2)
     assert to_device(rows, torch.device("cpu")) is rows
@@ -77,7 +77,7 @@ def test_gpu_rows_reach_the_device_intact_through_pinned_memory():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from dali_fast.loaders.batch_targets import to_device
+    from dali_fast.transforms.batch import to_device
 
     rows = torch.randn(256, 1000)
     out = to_device(rows, torch.device("cuda"))

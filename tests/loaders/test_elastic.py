@@ -18,9 +18,9 @@ from builders import jpeg_bytes, make_folder
 from contract import each_once
 from elastic_cases import TRANSITIONS, loader_maker, run_elastic, write_hf_parquet
 
-from dali_fast.loaders.order import kept_global_batch, per_rank, share, unreached
-from dali_fast.loaders.sampler import EpochSampler
-from dali_fast.loaders.shard_order import StreamingOrder, cut
+from dali_fast.loaders.order import EpochSampler
+from dali_fast.loaders.order.base import kept_global_batch, per_rank, share, unreached
+from dali_fast.loaders.order.streaming import StreamingOrder, cut
 from dali_fast.train.checkpoint import rank_state, resume_batch_size
 
 
@@ -220,7 +220,7 @@ def test_a_position_outside_the_saved_epoch_is_refused_in_one_line():
 def test_make_order_deals_evenly_unless_told_and_passes_even_on():
     from builders import IndexReader
 
-    from dali_fast.loaders.shard_order import make_order
+    from dali_fast.loaders.order import make_order
 
     class Streaming(IndexReader):
         streaming, shuffle_window, shard_bounds = True, 2, BOUNDS

@@ -15,7 +15,7 @@ from builders import IndexReader, jpeg_bytes
 from contract import each_once
 
 from dali_fast import gather_outputs
-from dali_fast.loaders.shard_order import StreamingOrder
+from dali_fast.loaders.order.streaming import StreamingOrder
 
 
 def reader97() -> IndexReader:

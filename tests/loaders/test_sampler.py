@@ -3,7 +3,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dali_fast.loaders.sampler import EpochSampler, dist_rank_world, sharding_note
+from dali_fast.loaders.order import EpochSampler
+from dali_fast.loaders.sampler import dist_rank_world, sharding_note
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

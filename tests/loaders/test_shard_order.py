@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from builders import IndexReader
 
-from dali_fast.loaders.sampler import EpochSampler
-from dali_fast.loaders.shard_order import StreamingOrder, make_order
+from dali_fast.loaders.order import EpochSampler, StreamingOrder, make_order
 
 # 9 shards of uneven sizes (the last one short, as WebDataset writers leave it): 71 samples.
 COUNTS = [8, 8, 8, 8, 8, 8, 8, 8, 7]
@@ -238,7 +237,7 @@ def test_a_new_order_and_its_state_exactly():
 
 
 def test_shard_sequence_cut_and_arrange_at_their_edges():
-    from dali_fast.loaders.shard_order import arrange, cut, shard_sequence
+    from dali_fast.loaders.order.streaming import arrange, cut, shard_sequence
 
     bounds = np.array([0, 0, 3, 3, 5])  # shards 0 and 2 are empty
     assert shard_sequence(bounds, np.array([3, 1, 0, 2])).tolist() == [3, 4, 0, 1, 2]

@@ -17,7 +17,7 @@ from elastic_cases import write_hf_parquet
 from dali_fast import TorchIterator, open_dataset
 from dali_fast.cli import main
 from dali_fast.data.base import StreamingSubset, SubsetReader, split
-from dali_fast.loaders.shard_order import StreamingOrder
+from dali_fast.loaders.order.streaming import StreamingOrder
 from dali_fast.train.run import run_train
 
 TINY = {"loader": "torch", "model": "resnet_tiny", "batch_size": 4, "image_size": 16, "num_workers": 0}

@@ -10,7 +10,7 @@ URL), read by row group through the node-local cache that remote WebDataset shar
 - **Reads.** The unit of the cache is one row group's image column, fetched by range requests (the
   other columns are never read): the shard cache (`cache.ShardCache`) keeps it on the node's disk
   within ``cache_limit``, shared by every process of the node, and the streaming order
-  (`loaders.shard_order.StreamingOrder`, windows of ``shuffle_window`` row groups) tells the reader what
+  (`loaders.order.StreamingOrder`, windows of ``shuffle_window`` row groups) tells the reader what
   comes next (`schedule`/`advance`), so row groups are downloaded ahead and each is read once an epoch.
   A row group is decoded once per process into the local reader's row-group LRU (`parquet.ParquetReader`).
 - **Faults.** Range requests are retried with backoff; a row group of a file that is gone or changed on

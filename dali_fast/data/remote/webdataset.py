@@ -69,7 +69,7 @@ class RemoteShardsReader(Streamed, MemberIndexReader):
     ``classes`` the class names in label order (`classes.class_map`).
     """
 
-    streaming = True  # the loaders use the streaming order (`loaders.shard_order.StreamingOrder`) over it
+    streaming = True  # the loaders use the streaming order (`loaders.order.StreamingOrder`) over it
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ pytest.importorskip("moto")
 from remote_shards import SPEC, N, opts  # noqa: E402
 
 from dali_fast import open_dataset  # noqa: E402
-from dali_fast.loaders.shard_order import StreamingOrder  # noqa: E402
+from dali_fast.loaders.order.streaming import StreamingOrder  # noqa: E402
 
 
 @pytest.mark.parametrize("backend", ["torch", "dali"])

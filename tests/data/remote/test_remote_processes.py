@@ -98,7 +98,7 @@ KILL_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_gives_each_sample_once_and_fetches_only_what_is_left(s3, tmp_path):
     pytest.importorskip("nvidia.dali")
-    from dali_fast.loaders.shard_order import StreamingOrder
+    from dali_fast.loaders.order.streaming import StreamingOrder
 
     r = open_dataset(SPEC, **opts(s3, tmp_path, cache="indexing"))  # the node's index
     order = StreamingOrder(r.shard_bounds, window=1, seed=5, rank=0, world_size=1).indices()

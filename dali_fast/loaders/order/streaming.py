@@ -1,4 +1,4 @@
-"""The epoch order that streams shards: `StreamingOrder`, with `EpochSampler`'s interface. numpy only.
+"""The epoch order that streams shards: `StreamingOrder`, with `EpochSampler`'s interface.
 
 For data read shard by shard (remote WebDataset shards, Parquet row groups), each epoch:
 
@@ -19,7 +19,7 @@ For data read shard by shard (remote WebDataset shards, Parquet row groups), eac
 
 So a rank reads ``window`` shards at a time, the order is a pure function of (seed, epoch, rank,
 world_size), and each sample comes once per epoch. The cursor is the position in this rank's list, as
-for `EpochSampler`. **Elastic resume**: as for `EpochSampler` (`loaders.order` has the rule); the samples
+for `EpochSampler`. **Elastic resume**: as for `EpochSampler` (`base` has the rule); the samples
 no rank had reached are regrouped by shard (each old rank's rest, its blocks in the order it would have
 read them) and cut into the new ranks' runs as above, so the new ranks also read whole shards a window at
 a time.
@@ -32,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..data.base import StreamingReader, provides
-from .order import OrderCursor, per_rank
-from .sampler import EpochSampler, ranks_for
+from .base import OrderCursor, per_rank
+from .random import ranks_for
 
 _WINDOW_SALT = 0x5E9_0D3  # the in-window shuffle's stream, apart from the shard shuffle's
 
@@ -161,30 +160,3 @@ class StreamingOrder(OrderCursor):
 
     def state_dict(self) -> dict[str, Any]:
         return {"order": self.kind, **super().state_dict(), "window": self.window, "layout": self.layout}
-
-
-def make_order(
-    dataset: object, *, seed: int, shuffle: bool, rank: int, world_size: int, drop_last: bool, even: bool = True
-) -> EpochSampler | StreamingOrder:
-    """The order a loader uses over ``dataset``: `StreamingOrder` for a reader that streams shards (a
-    `StreamingReader` whose ``streaming`` is true), else the random-access `EpochSampler`."""
-    if provides(dataset, StreamingReader) and dataset.streaming:  # type: ignore[attr-defined]
-        return StreamingOrder(
-            dataset.shard_bounds,  # type: ignore[attr-defined]
-            window=int(dataset.shuffle_window),  # type: ignore[attr-defined]
-            seed=seed,
-            shuffle=shuffle,
-            rank=rank,
-            world_size=world_size,
-            drop_last=drop_last,
-            even=even,
-        )
-    return EpochSampler(
-        len(dataset),  # type: ignore[arg-type]
-        seed=seed,
-        shuffle=shuffle,
-        rank=rank,
-        world_size=world_size,
-        drop_last=drop_last,
-        even=even,
-    )
