@@ -17,6 +17,7 @@ the other splits.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -162,3 +163,10 @@ def remap_labels(labels: np.ndarray, remap: np.ndarray | None, own: int) -> np.n
     ok = (labels >= 0) & (labels < own)
     out[ok] = remap[labels[ok]]
     return out
+
+
+def classes_key(classes: Sequence[str]) -> str:
+    """A short key of a class map, ``"K:digest"``: what a loader's state keeps of it, so that a resume on
+    another map (the same labels meaning other classes) is refused."""
+    h = hashlib.sha1("\n".join(classes).encode("utf-8", "surrogateescape"))
+    return f"{len(classes)}:{h.hexdigest()[:12]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..data.classes import classes_key
 from ..transforms.recipe import describe_schedule
 from .order.base import kept_global_batch
 
@@ -17,6 +18,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
         "finished": loader._finished,
         "batch_size": loader._batch_size,
         "backend": loader.backend,
+        "classes": classes_key(loader.dataset.classes),  # the class map: a resume on another is refused
     }
     if loader.controller is not None:
         sd["controller"] = loader.controller.state_dict()
@@ -38,6 +40,13 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
         raise ValueError(
             f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
             "order; resume with the data set it was saved with"
+        )
+    saved_map, my_map = state.get("classes"), classes_key(loader.dataset.classes)
+    if saved_map is not None and saved_map != my_map:  # a state saved before maps were kept has none
+        raise ValueError(
+            f"cannot resume: the state was saved with another class map ({saved_map.split(':')[0]} classes, this "
+            f"data set has {my_map.split(':')[0]}, or other names); open the data set with the classes it was "
+            "saved with (classes=, --classes FILE)"
         )
     saved, mine = state.get("resolution"), loader.resolution
     if saved != mine:

@@ -8,6 +8,8 @@ from contract import each_once, run_save_load_state
 from fakes import CountingController, ScriptedController
 from loader_cases import bad_reader, epoch_labels, fresh_sampler_state, take_then_save
 
+from dali_fast.data.classes import classes_key
+
 
 def test_save_load_state_contract(make, index_reader):
     """The contract checker: every epoch exactly once, and a state from anywhere resumes exactly there (in
@@ -98,6 +100,7 @@ def test_state_dict_is_exact_and_round_trips_everything(make, index_reader):
         "finished": False,
         "batch_size": 8,
         "backend": make.backend,
+        "classes": classes_key(index_reader.classes),
         "controller": {"epochs_ended": 0},
         **DECODED[make.backend],
     }
@@ -110,6 +113,7 @@ def test_state_dict_is_exact_and_round_trips_everything(make, index_reader):
         "finished",
         "batch_size",
         "backend",
+        "classes",
         *DECODED[make.backend],
     }
     plain = make(index_reader, 5, seed=4)
@@ -153,3 +157,26 @@ def test_controller_measures_each_epoch_once_also_after_a_resume(make, index_rea
     fresh.load_state_dict(state)  # a new process resuming mid-epoch measures from there
     epoch_labels(fresh)
     assert (fresh_ctrl.begins, fresh_ctrl.epochs_ended) == (1, 2)  # its state came with the loader's
+
+
+def test_a_state_saved_on_another_class_map_is_refused(tmp_path):
+    """The loader's state keeps a key of the class map: resumed on the same records numbered by another
+    map, it is refused in one line (a state saved before maps were kept resumes as it did)."""
+    from builders import jpeg_bytes, make_folder
+
+    from dali_fast import TorchIterator, open_dataset
+
+    make_folder(tmp_path / "d", {c: [jpeg_bytes(20 + i, 18) for i in range(3)] for c in ("a", "b")})
+    loader = TorchIterator(open_dataset(tmp_path / "d"), 2, image_size=16, num_workers=0)
+    next(iter(loader))
+    state = loader.state_dict()
+    assert state["classes"].startswith("2:")
+    other = TorchIterator(open_dataset(tmp_path / "d", classes=["b", "a"]), 2, image_size=16, num_workers=0)
+    with pytest.raises(ValueError) as e:
+        other.load_state_dict(state)
+    assert str(e.value) == (
+        "cannot resume: the state was saved with another class map (2 classes, this data set has 2, or other "
+        "names); open the data set with the classes it was saved with (classes=, --classes FILE)"
+    )
+    old = {k: v for k, v in state.items() if k != "classes"}
+    other.load_state_dict(old)  # no key: nothing to compare
