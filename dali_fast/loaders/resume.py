@@ -18,8 +18,10 @@ def loader_state(loader: Any) -> dict[str, Any]:
         "finished": loader._finished,
         "batch_size": loader._batch_size,
         "backend": loader.backend,
-        "classes": classes_key(loader.dataset.classes),  # the class map: a resume on another is refused
     }
+    classes = getattr(loader.dataset, "classes", None)
+    if classes is not None:  # the class map: a resume on another is refused
+        sd["classes"] = classes_key(classes)
     if loader.controller is not None:
         sd["controller"] = loader.controller.state_dict()
     if loader.resolution is not None:
@@ -41,8 +43,9 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
             f"cannot resume: the state was saved with the {saved_kind} order, this data set uses the {kind} "
             "order; resume with the data set it was saved with"
         )
-    saved_map, my_map = state.get("classes"), classes_key(loader.dataset.classes)
-    if saved_map is not None and saved_map != my_map:  # a state saved before maps were kept has none
+    classes = getattr(loader.dataset, "classes", None)
+    saved_map, my_map = state.get("classes"), None if classes is None else classes_key(classes)
+    if saved_map is not None and my_map is not None and saved_map != my_map:  # a state saved before keys has none
         raise ValueError(
             f"cannot resume: the state was saved with another class map ({saved_map.split(':')[0]} classes, this "
             f"data set has {my_map.split(':')[0]}, or other names); open the data set with the classes it was "

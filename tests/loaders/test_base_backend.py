@@ -12,6 +12,7 @@ from contract import each_once, run_save_load_state
 from fakes import CountingController, ScriptedController
 from loader_cases import fresh_sampler_state
 
+from dali_fast.data.classes import classes_key
 from dali_fast.loaders.base import LoaderBase
 
 
@@ -212,6 +213,7 @@ def test_what_abandons_a_pass_is_named_in_the_debug_log(index_reader, caplog):
 def test_close_before_any_pass_is_harmless_and_a_new_loader_s_state_is_exact(index_reader):
     loader = ListBackend(index_reader, 8, device="cpu", seed=4)
     expected = {"sampler": fresh_sampler_state(), "finished": False, "batch_size": 8, "backend": "list"}
+    expected["classes"] = classes_key(index_reader.classes)
     assert loader.state_dict() == expected and loader.state_dict()["finished"] is False
     loader.close()  # no pass yet: nothing to end
     assert loader.state_dict() == expected
@@ -230,6 +232,7 @@ def test_looping_again_without_set_epoch_saves_the_next_epoch_as_not_finished(in
         "finished": False,
         "batch_size": 8,
         "backend": "list",
+        "classes": classes_key(index_reader.classes),
     }
     assert state["finished"] is False
     it.close()
