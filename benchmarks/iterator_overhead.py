@@ -46,7 +46,8 @@ import torch
 
 import dali_fast
 from dali_fast import DALIIterator, open_dataset, pack
-from dali_fast.transforms.dali import augment, default_num_threads
+from dali_fast.transforms.dali import augment
+from dali_fast.transforms.mixed_decoder import default_num_threads
 from dali_fast.transforms.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

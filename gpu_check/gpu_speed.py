@@ -35,7 +35,7 @@ ADAPTIVE_LOAD = (
 @contextlib.contextmanager
 def hw_load_env(load: float | None) -> Iterator[None]:
     """DALIIterator's ``hw_decoder_load`` for the rows built inside (None: the loader's own default)."""
-    from dali_fast.transforms.decode_choice import HW_DECODER_LOAD_ENV
+    from dali_fast.transforms.mixed_decoder import HW_DECODER_LOAD_ENV
 
     old = os.environ.get(HW_DECODER_LOAD_ENV)
     if load is None:
@@ -176,7 +176,8 @@ def step_ceiling(args: argparse.Namespace) -> None:
     JPEG engine's and the GPU's utilization; for DALIIterator the external-source callback's share. The step
     fails when the GPU has a JPEG engine and it stayed idle under a whole-image row."""
     from dali_fast import DALIIterator, TorchIterator, open_dataset
-    from dali_fast.transforms.decode_choice import HW_DECODER_LOAD, jpeg_engine
+    from dali_fast.transforms.decode_choice import jpeg_engine
+    from dali_fast.transforms.mixed_decoder import HW_DECODER_LOAD
 
     gpu = gpu_wanted(args)
     reader = open_dataset(args.data)

@@ -1,7 +1,6 @@
-"""`DALIIterator`: the DALI pipeline behind a DataLoader-shaped PyTorch iterator, and what its failures
-say (`parse_dali_error`: the operator, and DALI's own text; memory, decoder and other failures apart).
-The epoch driver is `LoaderBase`'s; this backend turns each planned list of index batches into tensors.
-"""
+"""`DALIIterator`: the DALI pipeline behind a DataLoader-shaped PyTorch iterator (the epoch driver is
+`LoaderBase`'s; this backend turns each planned list of index batches into tensors), and what its
+failures say (`parse_dali_error`: the operator, DALI's own text; memory, decoder and other failures apart)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,10 @@ import torch
 from ..data.base import Reader
 from ..machine import local_device_index
 from ..transforms.batch import to_device
-from ..transforms.dali import default_num_threads, pool_host_buffers
+from ..transforms.dali import pool_host_buffers
 from ..transforms.decode_choice import decide_train_decode, requested_train_decode
 from ..transforms.draws import erasing_boxes
+from ..transforms.mixed_decoder import default_num_threads
 from .bad_records import BadRecordError
 from .base import LoaderBase
 from .dali_pipeline import (

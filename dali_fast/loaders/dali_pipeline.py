@@ -38,7 +38,8 @@ import numpy as np
 
 from ..data.base import CheckedBatch, Reader, batch_reader, read_checked
 from ..data.checks import pillow_reason
-from ..transforms.dali import MixedDecoder, augment, sample_sizes
+from ..transforms.dali import augment
+from ..transforms.mixed_decoder import MixedDecoder, sample_sizes
 from ..transforms.recipe import Recipe
 from .bad_records import BadRecordError, SkipLog, bad_record_message
 from .fork_guard import hold

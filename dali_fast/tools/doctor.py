@@ -302,7 +302,7 @@ def probe(quick: bool = False, nvml: Any = None) -> Readings:
         return r
     probe_torch(r)
     probe_dali(r)
-    from ..transforms.dali import decoder_preallocation, default_num_threads
+    from ..transforms.mixed_decoder import decoder_preallocation, default_num_threads
 
     r.decoder_preallocation = decoder_preallocation(default_num_threads(gpu=True))
     if r.dali:

@@ -17,14 +17,6 @@ from ..machine import nvml_handle
 
 log = logging.getLogger(__name__)
 
-# The share of JPEG work the `mixed` decoder sends to the hardware JPEG engine when it decodes whole images
-# (DALI's default, 0.65, leaves a third to the CUDA decoder, whose Huffman stage runs on the CPU threads).
-# 0.99 was chosen from one mean on an H200; DALI went back to 0.65 because 0.90 raised its decoder's p99
-# and maximum (NVIDIA/DALI PR #6366). gpu_check measures both, p99 included; this value stays until a run
-# decides. DALI_FAST_HW_DECODER_LOAD sets another.
-HW_DECODER_LOAD = 0.99
-HW_DECODER_LOAD_ENV = "DALI_FAST_HW_DECODER_LOAD"
-
 # How training decodes: "whole" decodes the whole image (on a GPU with fancy chroma upsampling and the
 # JPEG engine), then crops on the device; "roi" decodes only the crop window; "auto" picks (see below).
 TRAIN_DECODES = ("auto", "whole", "roi")
@@ -64,24 +56,6 @@ def choose_train_decode(gpu: bool, jpeg_engine: bool | None, requested: str = "a
     if not gpu:
         return "roi"
     return "roi" if jpeg_engine is False else "whole"
-
-
-def hw_decoder_load(value: str | None = None) -> float:
-    """The `mixed` decoder's ``hw_decoder_load`` for whole images: ``value``, else the
-    ``DALI_FAST_HW_DECODER_LOAD`` environment variable, else `HW_DECODER_LOAD`; a value that is not a number
-    from 0 to 1 is a one-line ValueError naming where it came from."""
-    where = "hw_decoder_load"
-    if value is None:
-        value, where = os.environ.get(HW_DECODER_LOAD_ENV), HW_DECODER_LOAD_ENV
-        if not value:
-            return HW_DECODER_LOAD
-    try:
-        load = float(value)
-    except ValueError:
-        load = -1.0
-    if not 0.0 <= load <= 1.0:
-        raise ValueError(f"{where}={value!r}: use a share from 0 to 1 (0.65 is DALI's default, {HW_DECODER_LOAD} ours)")
-    return load
 
 
 def decide_train_decode(gpu: bool, device_id: int | None, requested: str = "auto") -> str:

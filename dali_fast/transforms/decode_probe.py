@@ -171,7 +171,7 @@ def _crop_window(device: int | None) -> None:
     with the GPU decoder's arguments of `transforms.dali`, or "cpu" for ``device`` None), and check them."""
     from nvidia.dali import fn, pipeline_def, types
 
-    from .dali import MixedDecoder
+    from .mixed_decoder import MixedDecoder
     from .recipe import Recipe
 
     datas = _test_jpegs()

@@ -321,7 +321,7 @@ def test_gpu_one_pipeline_channels_last_and_bounded_decoder_memory(index_reader)
     import pynvml
 
     from dali_fast.machine import nvml_handle
-    from dali_fast.transforms.dali import DECODER_DEVICE_BUDGET
+    from dali_fast.transforms.mixed_decoder import DECODER_DEVICE_BUDGET
 
     pynvml.nvmlInit()
     handle = nvml_handle(pynvml, torch.cuda.current_device())

@@ -7,12 +7,13 @@ import pytest
 import torch
 from spies import record_dali_ops
 
+from dali_fast.transforms import mixed_decoder
 from dali_fast.transforms.recipe import Recipe
 
 
 @pytest.mark.parametrize("threads", [1, 4, 28, 224])
 def test_decoder_preallocation_stays_within_its_budget(threads):
-    from dali_fast.transforms.dali import DECODER_DEVICE_BUDGET, DECODER_PINNED_BUDGET, decoder_preallocation
+    from dali_fast.transforms.mixed_decoder import DECODER_DEVICE_BUDGET, DECODER_PINNED_BUDGET, decoder_preallocation
 
     pre = decoder_preallocation(threads)
     assert 0 < pre["device_total"] <= DECODER_DEVICE_BUDGET and 0 < pre["pinned_total"] <= DECODER_PINNED_BUDGET
@@ -79,11 +80,11 @@ def test_gpu_pipeline_passes_the_bounded_paddings_and_caps_threads(monkeypatch):
         graph.augment("jpegs", train=True, recipe=Recipe(), gpu=True, num_threads=224, decode=decode)
         kw = seen[op][1]
         assert kw["device"] == "mixed"
-        assert kw["device_memory_padding"] * 224 <= graph.DECODER_DEVICE_BUDGET
-        assert kw["host_memory_padding"] * 2 * 224 <= graph.DECODER_PINNED_BUDGET
-    monkeypatch.setattr(graph, "cpus_per_local_rank", lambda: 224)
-    assert graph.default_num_threads(gpu=True) == graph.MIXED_MAX_THREADS
-    assert graph.default_num_threads(gpu=False) == 224
+        assert kw["device_memory_padding"] * 224 <= mixed_decoder.DECODER_DEVICE_BUDGET
+        assert kw["host_memory_padding"] * 2 * 224 <= mixed_decoder.DECODER_PINNED_BUDGET
+    monkeypatch.setattr(mixed_decoder, "cpus_per_local_rank", lambda: 224)
+    assert mixed_decoder.default_num_threads(gpu=True) == mixed_decoder.MIXED_MAX_THREADS
+    assert mixed_decoder.default_num_threads(gpu=False) == 224
 
 
 class Seen:
@@ -234,14 +235,13 @@ def test_the_built_gpu_graph_carries_the_hints_the_load_and_the_affinity_rule(mo
     pytest.importorskip("nvidia.dali")
     from builders import IndexReader, jpeg_bytes
 
-    import dali_fast.transforms.dali as graph
 
     class Packed(IndexReader):
         reads_views = True  # as a packed set: its reads are views, 256 records are sampled
 
     small, large = jpeg_bytes(120, 90), jpeg_bytes(640, 480)
     reader = Packed([large if i % 250 == 0 else small for i in range(1000)])
-    assert graph.sample_sizes(reader).count((640, 480)) == 2 and len(graph.sample_sizes(reader)) == 256
+    assert mixed_decoder.sample_sizes(reader).count((640, 480)) == 2 and len(mixed_decoder.sample_sizes(reader)) == 256
     seen = _passthrough_decoders(monkeypatch)
     monkeypatch.delenv("DALI_FAST_HW_DECODER_LOAD", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -264,13 +264,13 @@ def test_the_built_gpu_graph_carries_the_hints_the_load_and_the_affinity_rule(mo
     kw = seen[0][1]
     assert seen[0][0] == "decode_roi" and kw["affine"] is False and "hw_decoder_load" not in kw
     assert kw["preallocate_width_hint"] == 640
-    assert graph.decoder_affinity("1.36.0") is False and graph.decoder_affinity("2.4.0") is True
+    assert mixed_decoder.decoder_affinity("1.36.0") is False and mixed_decoder.decoder_affinity("2.4.0") is True
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the same numbering as NVML's
-    assert graph.decoder_affinity("1.36.0") is True
+    assert mixed_decoder.decoder_affinity("1.36.0") is True
 
 
 def test_preallocation_hints_stay_within_their_budget_and_keep_the_aspect():
-    from dali_fast.transforms.dali import HW_HINT_BUDGET, preallocation_hints
+    from dali_fast.transforms.mixed_decoder import HW_HINT_BUDGET, preallocation_hints
 
     assert preallocation_hints([], 256) == (0, 0)  # DALI's "no hint"
     sizes = [(500, 375)] * 99 + [(6000, 4000)]
@@ -284,7 +284,7 @@ def test_preallocation_hints_stay_within_their_budget_and_keep_the_aspect():
 def test_sizes_are_sampled_from_the_reader_and_never_from_streamed_shards():
     from builders import IndexReader, jpeg_bytes
 
-    from dali_fast.transforms.dali import SIZE_SAMPLE_FILES, sample_sizes
+    from dali_fast.transforms.mixed_decoder import SIZE_SAMPLE_FILES, sample_sizes
 
     reader = IndexReader([jpeg_bytes(40 + i, 30) for i in range(200)] + [b"not an image"])
     sizes = sample_sizes(reader)
@@ -309,7 +309,7 @@ def test_sizes_are_sampled_from_the_reader_and_never_from_streamed_shards():
 def test_the_load_comes_from_the_environment_in_one_line(monkeypatch):
     from builders import one_line
 
-    from dali_fast.transforms.decode_choice import HW_DECODER_LOAD, hw_decoder_load
+    from dali_fast.transforms.mixed_decoder import HW_DECODER_LOAD, hw_decoder_load
 
     monkeypatch.delenv("DALI_FAST_HW_DECODER_LOAD", raising=False)
     assert hw_decoder_load() == HW_DECODER_LOAD == 0.99  # today's value, until a GPU run decides

@@ -13,13 +13,14 @@ from builders import IndexReader, jpeg_bytes, one_line
 from PIL import Image
 from spies import record_dali_ops
 
+from dali_fast.transforms import mixed_decoder
 from dali_fast.transforms.decode_choice import (
-    HW_DECODER_LOAD,
     TRAIN_DECODE_ENV,
     choose_train_decode,
     jpeg_engine,
     requested_train_decode,
 )
+from dali_fast.transforms.mixed_decoder import HW_DECODER_LOAD
 from dali_fast.transforms.recipe import Recipe
 
 
@@ -152,8 +153,8 @@ def test_gpu_training_decodes_whole_images_on_the_engine_then_crops_by_the_recip
         decode["device"] == "mixed" and decode["jpeg_fancy_upsampling"] is True and decode["output_type"] == types.RGB
     )
     assert decode["hw_decoder_load"] == HW_DECODER_LOAD >= 0.9
-    assert decode["device_memory_padding"] * 8 <= graph.DECODER_DEVICE_BUDGET
-    assert decode["host_memory_padding"] * 2 * 8 <= graph.DECODER_PINNED_BUDGET
+    assert decode["device_memory_padding"] * 8 <= mixed_decoder.DECODER_DEVICE_BUDGET
+    assert decode["host_memory_padding"] * 2 * 8 <= mixed_decoder.DECODER_PINNED_BUDGET
     assert crop == {
         "size": [S, S],
         "random_area": list(recipe.scale),
