@@ -49,6 +49,14 @@ MAX_WINDOW = 64  # row groups shuffled together at most (more costs memory, not 
 NULL_LABEL = "null label"
 
 
+def check_reading(shuffle_window: int | None, row_group_cache: int) -> None:
+    """Refuse a ``shuffle_window`` that is not a positive number of row groups, or a negative
+    ``row_group_cache``, in one line before any file is opened (local and remote readers alike)."""
+    if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
+        raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive number of row groups")
+    if row_group_cache < 0:
+        raise ValueError(f"row_group_cache={row_group_cache}: must be >= 0 bytes")
+
 
 class ParquetReader:
     """The reader interface over Parquet files (see the module docstring).
@@ -89,10 +97,7 @@ class ParquetReader:
         self._pq = pyarrow_parquet()  # one line saying how to install pyarrow, before any work
         check_target(target, num_classes)
         lists = target in ("multihot", "float")
-        if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
-            raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive number of row groups")
-        if row_group_cache < 0:
-            raise ValueError(f"row_group_cache={row_group_cache}: must be >= 0 bytes")
+        check_reading(shuffle_window, row_group_cache)
         paths = expand_parquet(spec) if isinstance(spec, str | os.PathLike) else [Path(p) for p in spec]
         if not paths:
             raise ValueError("no Parquet files given")
@@ -162,7 +167,9 @@ class ParquetReader:
         """The path references (`path_refs.PathRefs`), resolved and checked; None when there are none."""
         if not len(index.ref_rows):
             return None
-        return PathRefs(index.ref_rows, (index.ref_names, index.ref_ends), self.files, self._file_start, self.columns.image)
+        return PathRefs(
+            index.ref_rows, (index.ref_names, index.ref_ends), self.files, self._file_start, self.columns.image
+        )
 
     def _width(self, target: str | None, num_classes: int | None) -> int | None:
         """The multi-hot width: ``num_classes``, or the names of a list of ``ClassLabel`` (which it must match)."""

@@ -162,17 +162,16 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
     is not re-run in each worker) and its workers die with this process."""
     import multiprocessing
 
-    import dali_fast.data.pack.packed as writer
     from dali_fast.data.pack import pool
 
-    monkeypatch.setattr(writer, "available_cpus", lambda: cpus)
+    monkeypatch.setattr(pool, "available_cpus", lambda: cpus)
     started = pools
     pack(small_folder, tmp_path / "ref", progress=False, workers=1)
     want = sorted(MemmapReader(tmp_path / "ref").records["crc32"])
     started.clear()
     for name, workers in (("same", cpus), ("more", cpus + 1)):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="dali_fast.data.pack.packed"):
+        with caplog.at_level("WARNING", logger="dali_fast.data.pack.pool"):
             pack(small_folder, tmp_path / name, progress=False, workers=workers)
         assert sorted(MemmapReader(tmp_path / name).records["crc32"]) == want
         said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -195,10 +194,10 @@ def test_workers_are_capped_at_the_cpus_and_a_cap_is_said_exactly(
 def test_by_default_under_pack_small_images_pack_in_this_process_and_more_with_every_cpu(tmp_path, monkeypatch, pools):
     """workers=None: under PACK_SMALL images, this process packs (starting workers would cost more than the
     work), however many CPUs there are; from PACK_SMALL images on, one worker per CPU. The bytes are the same."""
-    import dali_fast.data.pack.packed as writer
+    from dali_fast.data.pack import pool
 
-    monkeypatch.setattr(writer, "available_cpus", lambda: 2)
-    n = writer.PACK_SMALL
+    monkeypatch.setattr(pool, "available_cpus", lambda: 2)
+    n = pool.PACK_SMALL
     half = n // 2
     src = make_folder(
         tmp_path / "src",
@@ -224,9 +223,9 @@ def test_a_reader_packs_with_workers_on_linux_and_in_this_process_elsewhere(
 ):
     """A reader reaches the workers by fork: on Linux its records are read by the workers asked for; where
     the start method is not fork, by this process alone. The bytes are those of a pack in this process."""
-    import dali_fast.data.pack.packed as writer
+    from dali_fast.data.pack import pool
 
-    monkeypatch.setattr(writer, "available_cpus", lambda: 2)
+    monkeypatch.setattr(pool, "available_cpus", lambda: 2)
     pack(small_folder, tmp_path / "ref", progress=False, workers=1)
     pack(MemmapReader(tmp_path / "ref"), tmp_path / "one", progress=False, workers=1)
     assert pools == []

@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...files import atomic_dir
-from ...machine import available_cpus
-from ...text import plural, progress_bar
+from ...text import progress_bar
 from ..base import Reader
 from ..format import (
     DATA_FILE,
@@ -41,7 +40,7 @@ from ..parquet_index import is_parquet
 from ..remote.store import is_remote
 from ..shards import is_webdataset
 from ..targets import check_target
-from .pool import PACK_CHUNK, PACK_SMALL, prepared_in_order
+from .pool import PACK_CHUNK, check_destination, check_pack_options, pool_size, prepared_in_order
 from .report import PackReport
 from .sources import Item, PackSources, load_chunk, pack_sources, reader_sources, use_reader
 
@@ -184,9 +183,7 @@ def pack(
     else:
         found = pack_sources(src, kind == "webdataset", target, num_classes)
     classes, items, report = found.classes, found.items, _report(found, dst)
-    if workers is None:  # every CPU, where starting the worker processes pays off
-        workers = available_cpus() if len(items) >= PACK_SMALL else 1
-    workers = min(workers, available_cpus())  # more processes than CPUs only compete (warned above)
+    workers = pool_size(workers, len(items))
     if reader is not None and sys.platform != "linux":
         workers = 1  # a reader reaches the workers by fork (`pack_sources.use_reader`): Linux's start method here
     use_reader(reader)
@@ -233,21 +230,8 @@ def _check_pack_arguments(
     shards = not other and is_webdataset(src)
     if not shards and not other and not src.is_dir():
         raise FileNotFoundError(f"{src}: no such folder; pack expects an ImageFolder root SRC/<class>/<image>")
-    if dst.exists():
-        raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
-    if src.is_dir() and dst.resolve().is_relative_to(src.resolve()):  # the next pack would read it as a class
-        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
-    if max_side is not None and max_side < 1:
-        raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers={workers}: must be 1 or more")
-    if workers is not None and workers > available_cpus():
-        log.warning(
-            "workers=%d: more than the %s this process may use; packing with %d",
-            workers,
-            plural(available_cpus(), "CPU"),
-            available_cpus(),
-        )
+    check_destination(dst, src)
+    check_pack_options(max_side, workers)
     if shard_size is not None and shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: must be a positive number of bytes")
     return "webdataset" if shards else "reader" if other else "folder"

@@ -1,24 +1,61 @@
 """The ordered worker pool both formats write through: each task runs in this process or in a forked worker,
 the results come back in the tasks' order (so the output is byte-identical for any number of workers), and
-a fixed number of tasks is in flight whatever the data set's size."""
+a fixed number of tasks is in flight whatever the data set's size. Also the pool's size and the checks both
+formats make before any work."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
-from ...machine import die_with_parent
+from ...machine import available_cpus, die_with_parent
+from ...text import plural
 
 T, R = TypeVar("T"), TypeVar("R")
 
 PACK_CHUNK = 16  # images per task handed to a worker
 PACK_WINDOW = 4  # tasks in flight per worker: what bounds the memory of a pack
 PACK_SMALL = 256  # below this many images the default is one process (starting workers costs more)
+
+log = logging.getLogger(__name__)
+
+
+def check_pack_options(max_side: int | None, workers: int | None) -> None:
+    """Refuse a ``max_side`` or ``workers`` below 1 in one line before any work; warn of more workers than
+    the CPUs this process may use (they would only compete: `pool_size` caps them)."""
+    if max_side is not None and max_side < 1:
+        raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers={workers}: must be 1 or more")
+    if workers is not None and workers > available_cpus():
+        cpus = available_cpus()
+        log.warning(
+            "workers=%d: more than the %s this process may use; packing with %d", workers, plural(cpus, "CPU"), cpus
+        )
+
+
+def check_destination(dst: Path, src: Path | None) -> None:
+    """Refuse a local destination that exists, or one inside a source folder (the next pack of that folder
+    would read it as a class), before any work."""
+    if dst.exists():
+        raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
+    if src is not None and src.is_dir() and dst.resolve().is_relative_to(src.resolve()):
+        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
+
+
+def pool_size(workers: int | None, images: int) -> int:
+    """The processes a pack of ``images`` uses: ``workers`` capped at the CPUs this process may use, by
+    default every CPU once starting the workers pays off (`PACK_SMALL` images), else one."""
+    if workers is None:
+        workers = available_cpus() if images >= PACK_SMALL else 1
+    return min(workers, available_cpus())
 
 
 def prepared_in_order(

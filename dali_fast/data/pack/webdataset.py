@@ -18,14 +18,13 @@ from typing import Any
 import numpy as np
 
 from ...files import atomic_dir
-from ...machine import available_cpus
-from ...text import plural, progress_bar
+from ...text import progress_bar
 from ..base import Reader, StreamingReader, provides, read_batch_checked
 from ..folder import ImageFolderReader, scan_image_folder
 from ..open import open_dataset
 from ..remote.store import is_remote, url_to_fs
 from ..targets import check_target, reader_targets
-from .pool import PACK_CHUNK, PACK_SMALL, prepared_in_order
+from .pool import PACK_CHUNK, check_destination, check_pack_options, pool_size, prepared_in_order
 from .sources import prepare
 from .tar_writer import DEFAULT_SHARD_SIZE, ShardReport, check_shard_arguments, stale_shards, write_shards
 
@@ -130,26 +129,16 @@ def pack_shards(
     check_target(target, num_classes)
     if isinstance(src, Reader) and (target is not None or num_classes is not None):
         raise ValueError("target= and num_classes= are for a path; a reader packs its own targets (open it with them)")
-    if max_side is not None and max_side < 1:
-        raise ValueError(f"max_side={max_side}: must be a positive number of pixels")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers={workers}: must be 1 or more")
+    check_pack_options(max_side, workers)
     remote = is_remote(dst)
     if remote:
         _refuse_existing_shards(str(dst), prefix, storage_options)
-    elif Path(dst).exists():
-        raise FileExistsError(f"{dst}: already exists; remove it or choose another destination")
-    elif not isinstance(src, Reader) and Path(src).is_dir() and Path(dst).resolve().is_relative_to(Path(src).resolve()):
-        raise ValueError(f"{dst}: inside the source {src}; choose a destination outside it")
+    else:
+        check_destination(Path(dst), None if isinstance(src, Reader) else Path(src))
     reader = src if isinstance(src, Reader) else open_dataset(src, target=target, num_classes=num_classes)
     name = Path(str(getattr(reader, "path", src) if isinstance(src, Reader) else src)).name
     order = np.random.default_rng(0).permutation(len(reader)) if shuffle else np.arange(len(reader))
-    if workers is None:
-        workers = available_cpus() if len(reader) >= PACK_SMALL else 1
-    if workers > available_cpus():
-        log.warning("workers=%d: more than the %s this process may use; packing with %d",
-                    workers, plural(available_cpus(), "CPU"), available_cpus())  # fmt: skip
-    workers = min(workers, available_cpus())
+    workers = pool_size(workers, len(reader))
     if not verify and max_side is None:
         workers = 1  # nothing to decode: the structural checks run here, as the records are read
     report = ShardReport(dst=str(dst), prefix=prefix)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...text import plural
-from ..parquet import ROW_GROUP_CACHE, ParquetReader
+from ..parquet import ROW_GROUP_CACHE, ParquetReader, check_reading
 from ..parquet_group import RowGroup
 from ..parquet_index import pyarrow_parquet
 from ..path_refs import EMBED
@@ -88,10 +88,7 @@ class RemoteParquetReader(Streamed, ParquetReader):
         classes: Sequence[str] | None = None,
     ) -> None:
         self._pq = pyarrow_parquet()
-        if shuffle_window is not None and (not isinstance(shuffle_window, int) or shuffle_window < 1):
-            raise ValueError(f"shuffle_window={shuffle_window!r}: must be a positive number of row groups")
-        if row_group_cache < 0:
-            raise ValueError(f"row_group_cache={row_group_cache}: must be >= 0 bytes")
+        check_reading(shuffle_window, row_group_cache)
         root = self._setup(cache_dir, cache_limit, download_threads, retry_seconds, timeout, chunk_bytes, prefetch_next_epoch)
         self.spec = self.path = str(spec)
         self._meta: dict[int, Any] = {}
