@@ -238,12 +238,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
         reader = open_dataset(args.dataset or default_dataset(args.images)[1], **options)
     else:
         reader = _dataset_with_targets(args, options)
-    if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets
-        config = dataclasses.replace(
-            config, val=open_dataset(args.val, **(url_options if is_remote(args.val) else {}), **_given_targets(args))
-        )
-    run_train(reader, config, emit=print)
+    with contextlib.ExitStack() as opened:  # a streamed set's downloads ahead stop (and clean up) before exit
+        opened.callback(_close, reader)
+        if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets
+            val = open_dataset(args.val, **(url_options if is_remote(args.val) else {}), **_given_targets(args))
+            opened.callback(_close, val)
+            config = dataclasses.replace(config, val=val)
+        run_train(reader, config, emit=print)
     return 0
+
+
+def _close(reader: Any) -> None:
+    """Stop a reader's downloads ahead, where it has any (a streamed set at a URL)."""
+    close = getattr(reader, "close", None)
+    if callable(close):
+        close()
 
 
 def _given_targets(args: argparse.Namespace) -> dict[str, Any]:
