@@ -165,11 +165,11 @@ class FakeProbe:
         return self.pattern[(self.calls - 1) % len(self.pattern)]
 
 
-def make(job: dict[str, Any], reader: Any) -> Any:
+def loader_args(job: dict[str, Any]) -> dict[str, Any]:
+    """The loader's keywords the job says (all but the data set, batch size and backend)."""
     import torch
 
     from dali_fast import BatchSizeController, Recipe
-    from dali_fast.loaders.factory import make_loader
     from dali_fast.transforms.recipe import Progressive
 
     resolution = Progressive(8, 16, 0, 1, step=8) if job["progressive"] else None
@@ -185,7 +185,13 @@ def make(job: dict[str, Any], reader: Any) -> Any:
         kw["num_workers"] = job["workers"]
     else:
         kw["num_threads"] = job["threads"]
-    return make_loader(reader, job["batch"], backend=job["backend"], **kw)
+    return kw
+
+
+def make(job: dict[str, Any], reader: Any) -> Any:
+    from dali_fast.loaders.factory import make_loader
+
+    return make_loader(reader, job["batch"], backend=job["backend"], **loader_args(job))
 
 
 def check(images: Any, labels: Any, ids: list[int], size: int, recipe: Any) -> int:
@@ -267,16 +273,24 @@ def run_rank(job: dict[str, Any]) -> None:
 
 
 def run_lightning(job: dict[str, Any]) -> None:
-    """One process of a Lightning run: ``fit`` over the job's loader, checkpointing every ``save_every``
-    steps (``last.ckpt``), restored from ``job["ckpt"]`` when given; each batch logged with its global step;
-    SIGKILLed after its count-th batch, or between the checkpoint at that step and the next batch."""
+    """One process of a Lightning run: ``fit`` with a `DaliFastDataModule` over the job's data, checkpointing
+    every ``save_every`` steps (``last.ckpt``), restored from ``job["ckpt"]`` when given; each batch logged
+    with its global step; SIGKILLed after its count-th batch, or between the checkpoint at that step and
+    the next batch."""
     import pytorch_lightning as pl
     import torch
 
+    from dali_fast.lightning import DaliFastDataModule
+
     root, out = Path(job["data"]), Path(job["out"])
-    loader = make(job, open_kind(job["kind"], root, job["endpoint"], Path(job["cache"]) if job["cache"] else None))
-    kill = job["kill"]
+    reader = open_kind(job["kind"], root, job["endpoint"], Path(job["cache"]) if job["cache"] else None)
+    kill, made = job["kill"], []
     log = open(out / "log.jsonl", "a")  # noqa: SIM115 - closed at the end of fit
+
+    class Data(DaliFastDataModule):
+        def train_dataloader(self) -> Any:
+            made.append(super().train_dataloader())
+            return made[-1]
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -290,12 +304,9 @@ def run_lightning(job: dict[str, Any]) -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-        def train_dataloader(self) -> Any:
-            return loader
-
     class Recorder(pl.Callback):
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-            log.write(json.dumps({"epoch": trainer.current_epoch, "batch": loader.batch_size}) + "\n")
+            log.write(json.dumps({"epoch": trainer.current_epoch, "batch": made[-1].batch_size}) + "\n")
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             if kill and kill[0] == "save" and trainer.global_step >= kill[1] and (out / "ck" / "last.ckpt").exists():
@@ -305,6 +316,7 @@ def run_lightning(job: dict[str, Any]) -> None:
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             images, labels = batch
+            loader = made[-1]
             ids = loader.last_indices.tolist()
             bad = check(images, labels, ids, loader.recipe.image_size, loader.recipe)
             log.write(json.dumps({"e": trainer.current_epoch, "k": trainer.global_step, "ids": ids, "bad": bad}) + "\n")
@@ -320,7 +332,10 @@ def run_lightning(job: dict[str, Any]) -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         default_root_dir=out,
     )  # fmt: skip
-    trainer.fit(Model(), ckpt_path=job["ckpt"])
+    kw = loader_args(job)
+    data = Data(
+        train=reader, batch_size=job["batch"], backend=job["backend"], controller=kw.pop("controller", None), **kw
+    )
+    trainer.fit(Model(), datamodule=data, ckpt_path=job["ckpt"])
     log.write(json.dumps({"done": True}) + "\n")
     log.close()
-    loader.close()

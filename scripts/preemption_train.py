@@ -197,8 +197,7 @@ def _watch(
         if target is not None and sum(len(x) for x in records(folder, tag, world).values()) >= target:
             ranks = ranks_of(proc.pid)
             for rank in sorted(ranks, key=lambda _: rng.random()):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(ranks[rank], signal.SIGKILL)
+                _kill_tree(ranks[rank])  # the rank and its decode workers
                 time.sleep(float(rng.uniform(0, 0.05)))
             _kill_tree(proc.pid)
             proc.wait()
@@ -208,8 +207,10 @@ def _watch(
 
 
 def _kill_tree(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    """SIGKILL ``pid`` and every process under it (torchrun starts each rank in a session of its own)."""
+    for p in _tree(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 def _tail(path: Path) -> str:
@@ -245,7 +246,7 @@ def _restart(
         if not killed and len(recs[victim]) >= target and (folder / "ck" / "checkpoint.pt").exists():
             pid = ranks_of(proc.pid).get(victim)
             if pid is not None:
-                os.kill(pid, signal.SIGKILL)
+                _kill_tree(pid)
                 killed = True
         time.sleep(0.02)
     out.close()
