@@ -58,6 +58,8 @@ class Verdict:
     order: int = 0
     replay: int = 0
     notes: list[str] = field(default_factory=list)
+    orders_checked: int = 0  # (epoch, rank) sequences compared with the uninterrupted order
+    replays_checked: int = 0  # (epoch, rank) runs of lost work compared with what came again
 
     def add(self, other: Verdict) -> None:
         self.lost += other.lost
@@ -65,6 +67,8 @@ class Verdict:
         self.order += other.order
         self.replay += other.replay
         self.notes += other.notes
+        self.orders_checked += other.orders_checked
+        self.replays_checked += other.replays_checked
 
     @property
     def ok(self) -> bool:
@@ -91,11 +95,16 @@ def _epoch_parts(gens: Sequence[Gen], epoch: int) -> list[tuple[int, list[int], 
     return parts
 
 
-def _last_batch(gens: Sequence[Gen], epoch: int) -> int:
-    """The largest batch size a generation that ran in ``epoch`` used there: how much ``drop_last`` may
-    leave out of a rank's last pass (that pass may deliver nothing: a rest smaller than its batch)."""
-    ran = [g for g in gens if (g.start is None or g.start[0] <= epoch) and (g.commit is None or g.commit[0] >= epoch)]
-    return max((g.batches.get(epoch, g.batch) for g in ran), default=1)
+def _ran(gens: Sequence[Gen], epoch: int) -> list[Gen]:
+    """The generations that ran part of ``epoch`` and kept it (resumed before its end, committed past where
+    they resumed and past its start), in order, deliveries or none: a rest smaller than a rank's batch
+    delivers nothing with ``drop_last``, but its world size still cut the epoch."""
+    return [
+        g
+        for g in gens
+        if g.commit is not None and g.commit != g.start and g.commit >= (epoch, 0)
+        and (g.start is None or g.start < (epoch, END))
+    ]  # fmt: skip
 
 
 def check_epoch(
@@ -119,9 +128,12 @@ def check_epoch(
         v.notes.append(f"epoch {epoch}: {len(foreign)} ids outside the data set, e.g. {sorted(foreign)[:4]}")
     missing = n - len(set(seen) & set(universe))
     extra = sum(seen.values()) - len(seen)
-    if drop_last:
-        batch = _last_batch(gens, epoch)
-        bound = sum(w - 1 for w, _, _ in parts) + (parts[-1][0] * (batch - 1) if parts else n)
+    ran = _ran(gens, epoch)
+    worlds = [w for k, w in enumerate(g.world for g in ran) if k == 0 or w != ran[k - 1].world]
+    last = ran[-1] if ran else None
+    batch = last.batches.get(epoch, last.batch) if last is not None else 1
+    if drop_last:  # each world size cuts a tail under it, and the last pass a batch under its size per rank
+        bound = sum(w - 1 for w in worlds) + (last.world * (batch - 1) if last is not None else n)
         v.lost = max(0, missing - bound)
         v.repeated += extra
     else:
@@ -140,13 +152,13 @@ def check_epoch(
             f"epoch {epoch}: {missing} missing, {extra} repeats ({v.repeated} beyond the padding) over parts of "
             f"{[w for w, _, _ in parts]} ranks"
         )
-    if len(parts) == 1:
+    if len(parts) == 1 and len(worlds) == 1:  # one world size throughout: the uninterrupted order
         world, _, ranks = parts[0]
-        batch = _last_batch(gens, epoch)
         for r in range(world):
             want = order(world, r, epoch)
             got = ranks[r]
             ok = got == want if not drop_last else (got == want[: len(got)] and 0 <= len(want) - len(got) < batch)
+            v.orders_checked += 1
             if not ok:
                 v.order += 1
                 v.notes.append(f"epoch {epoch} rank {r} of {world}: {got[:12]}... not the order {want[:12]}...")
@@ -165,6 +177,7 @@ def check_replay(gens: Sequence[Gen]) -> Verdict:
             for epoch, ids in lost.items():
                 redo = again.get(epoch, [])
                 k = min(len(ids), len(redo))
+                v.replays_checked += k > 0
                 if ids[:k] != redo[:k]:
                     v.replay += 1
                     v.notes.append(f"replay of epoch {epoch} rank {r}: {ids[:8]}... then {redo[:8]}...")

@@ -452,14 +452,23 @@ def setup(out: Path, kinds: tuple[str, ...], stack: contextlib.ExitStack) -> dic
 
 
 def fuzz(
-    trials: int, seed: int, out: Path, quick: bool, kinds: tuple[str, ...], modes: dict[str, float], verbose: bool
+    trials: int,
+    seed: int,
+    out: Path,
+    quick: bool,
+    kinds: tuple[str, ...],
+    modes: dict[str, float],
+    verbose: bool,
+    only: set[int] | None = None,
 ) -> list[Trial]:
     rng = np.random.default_rng(seed)
     done: list[Trial] = []
     with contextlib.ExitStack() as stack:
         envs = setup(out, kinds, stack)
         for t in range(len(QUICK) if quick else trials):
-            trial = draw(rng, t, kinds, modes)
+            trial = draw(rng, t, kinds, modes)  # drawn for every trial, so a trial is the same run alone
+            if only is not None and t not in only:
+                continue
             if quick:
                 trial.mode, trial.kind, trial.backend = QUICK[t][:3]
                 trial.settings.update(QUICK[t][3])
@@ -483,7 +492,8 @@ def summary(done: list[Trial], seed: int) -> str:
     return (
         f"preemption fuzz, seed {seed}: {len(done)} trials, {sum(t.kills for t in done)} kills, "
         f"{sum(t.resumes for t in done)} resumes ({sum(t.resized for t in done)} changed the world size), "
-        f"{v.lost} lost, {v.repeated} repeated, {v.order} order mismatches, {v.replay} replay mismatches, "
+        f"{v.lost} lost, {v.repeated} repeated, {v.order} order mismatches (of {v.orders_checked} rank epochs), "
+        f"{v.replay} replay mismatches (of {v.replays_checked}), "
         f"{sum(t.pixels for t in done)} pixel mismatches, {sum(bool(t.failures) for t in done)} failed trials; "
         f"modes {covered('mode')}; kinds {covered('kind')}; loaders {covered('backend')}; "
         f"with {', '.join(f'{k} {n}' for k, n in sorted(flags.items()))}"
@@ -499,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     ap.add_argument("--out", default=None, help="where trials run (default: a temporary folder); failed ones stay")
     ap.add_argument("-v", "--verbose", action="store_true", help="a line per trial, not only the failed ones")
+    ap.add_argument("--only", default=None, help="comma-separated trial numbers to run (the same seed's trials)")
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     modes = {m: MODES[m] for m in args.modes.split(",") if m}
@@ -506,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         shutil.rmtree(out, ignore_errors=True)
     started = time.monotonic()
-    done = fuzz(args.trials, args.seed, out, args.quick, kinds, modes, args.verbose)
+    only = {int(t) for t in args.only.split(",")} if args.only else None
+    done = fuzz(args.trials, args.seed, out, args.quick, kinds, modes, args.verbose, only)
     line = summary(done, args.seed)
     print(f"{line} ({time.monotonic() - started:.0f} s)")
     ok = all(t.ok for t in done)
