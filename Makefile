@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-ray install lint docs clean mutate
+.PHONY: demo test test-ray install lint docs clean mutate fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,15 @@ mutate: $(STAMP)
 	if [ $$ok -ne 0 ]; then tail -c 2000 build-mutmut.log; exit 1; fi
 	mkdir -p build && mv build-mutmut.log build/mutmut.log
 	$(PY) scripts/mutation_report.py --out build/mutation
+
+# The preemption fuzz (make test runs a seeded slice of it): TRIALS jobs SIGKILLed at random batches and
+# resumed on other world sizes, batch sizes and workers, checked epoch by epoch: nothing lost, no repeat but
+# the padding the docs allow, the uninterrupted order where the world size held, the lost work replayed.
+# Both loaders, every data kind (S3 on moto's server), Lightning, `dali-fast train` under torchrun.
+TRIALS ?= 100
+SEED ?= 0
+fuzz: $(STAMP)
+	$(PY) scripts/preemption_fuzz.py --trials $(TRIALS) --seed $(SEED)
 
 demo: $(STAMP)
 	$(PY) -m dali_fast bench --images 1000 --epochs 2 --batch-size 64 --image-size 224 --out build/demo

@@ -252,13 +252,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
         reader = open_dataset(args.dataset or default_dataset(args.images)[1], **options)
     else:
         reader = _dataset_with_targets(args, options)
-    if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets, and
-        # the training set's class map, so that a validation set without some class numbers the others alike
-        val_options = url_options if is_remote(args.val) else {}
-        val = open_dataset(args.val, **val_options, **_given_targets(args), classes=reader.classes)
-        config = dataclasses.replace(config, val=val)
-    run_train(reader, config, emit=print)
+    with contextlib.ExitStack() as opened:  # a streamed set's downloads ahead stop (and clean up) before exit
+        opened.callback(_close, reader)
+        if args.val is not None:  # opened as the training set is: its URL options (where a URL), its targets,
+            # and the training set's class map, so that a validation set without some class numbers the others alike
+            val_options = url_options if is_remote(args.val) else {}
+            val = open_dataset(args.val, **val_options, **_given_targets(args), classes=reader.classes)
+            opened.callback(_close, val)
+            config = dataclasses.replace(config, val=val)
+        run_train(reader, config, emit=print)
     return 0
+
+
+def _close(reader: Any) -> None:
+    """Stop a reader's downloads ahead, where it has any (a streamed set at a URL)."""
+    close = getattr(reader, "close", None)
+    if callable(close):
+        close()
 
 
 def _given_targets(args: argparse.Namespace) -> dict[str, Any]:

@@ -288,13 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "train", "train a small ResNet with the chosen loader; loss, accuracy, img/s per epoch")
     _add_data_args(s)
-    s.add_argument(
-        "--val",
-        metavar="PATH|URL",
-        default=None,
-        help="evaluate on this set (same formats as DATASET) and train on all of DATASET; default: hold out 20%% "
-        "of DATASET (whole shards of a streamed set)",
-    )
+    val = "evaluate on this set (as DATASET) and train on all of DATASET (default: 20%% of it held out, whole shards)"
+    s.add_argument("--val", metavar="PATH|URL", default=None, help=val)
     s.add_argument("--loader", default="dali", choices=["dali", "torch", "baseline"], help="the loader to train with")
     s.add_argument("--epochs", type=count_arg(1), default=5, help="epochs")
     s.add_argument(

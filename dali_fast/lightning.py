@@ -11,8 +11,10 @@ package's ``Trainer``.
 What Lightning does with our loaders, and why it is safe: it calls ``loader.sampler.set_epoch(epoch)``
 each epoch (that is the loader's own ``set_epoch``, which keeps a resumed position), saves
 ``loader.state_dict()`` in its checkpoints and restores it with ``fit(ckpt_path=...)`` (the loader
-then continues at the exact next sample), and under DDP the loader shards from the process group
-Lightning started. Validation, test and predict loaders keep the data set's order.
+then continues at the exact next sample; the module keeps the training loader's state in each checkpoint
+too and restores it itself, where Lightning's counters would not: `DaliFastDataModule.load_state_dict`),
+and under DDP the loader shards from the process group Lightning started. Validation, test and predict
+loaders keep the data set's order.
 
 Paths are checked when the module is made (not at their stage, maybe hours later), and a stage whose
 data set was not given (``trainer.test()`` without ``test=``) raises in one line instead of running nothing.
@@ -114,6 +116,8 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
         self.classes = None if classes is None else list(classes)  # the class map, once known
         self._readers: dict[str, Reader] = {}
         self._made: list[LoaderBase] = []  # closed at teardown: worker pools and pipelines end with the stage
+        self._train: LoaderBase | None = None  # the training loader last made (its state goes in checkpoints)
+        self._train_state: dict[str, Any] | None = None  # a restored state, for the next training loader
 
     def _reader(self, split: str) -> Reader:
         source = self.paths[split]
@@ -171,7 +175,23 @@ class DaliFastDataModule(_lightning_data_module()):  # type: ignore[misc]
     # Without val= there is no validation loader ([]): Lightning then skips validation while fitting.
     # The other splits are what their stage runs on: asked for without a data set, they raise (see setup).
     def train_dataloader(self) -> LoaderBase:
-        return self._loader("train")
+        loader = self._loader("train")
+        saved, self._train_state = self._train_state, None
+        if saved is not None:
+            loader.load_state_dict(saved)
+        self._train = loader
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's state, in every checkpoint Lightning writes (beside its own copy of it)."""
+        return {} if self._train is None else {"train_loader": self._train.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the training loader from its state when it is made, whatever Lightning's own counters say:
+        restored from a checkpoint written at an epoch's last batch, Lightning 2.6 skips the next epoch's
+        start in its counters, so its next mid-epoch checkpoint looks like that epoch's start, and Lightning
+        alone would restart the epoch there (what the loader had delivered came again)."""
+        self._train_state = state_dict.get("train_loader")
 
     def val_dataloader(self) -> LoaderBase | list:
         return self._loader("val") if self.paths["val"] is not None else []

@@ -5,6 +5,7 @@ The data set's label is the record index, so the labels a callback sees name the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -20,6 +21,8 @@ from contract import each_once
 pl = pytest.importorskip("pytorch_lightning")
 from framework_loaders import N, loader, reader  # noqa: E402
 from lightning_parts import Model, Recorder  # noqa: E402
+
+from dali_fast.lightning import DaliFastDataModule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["dali", "torch"]
@@ -309,3 +312,35 @@ def check_ddp_shards(ranks: list[dict]) -> None:
         counts = Counter(shards[0] + shards[1])
         assert not set(shards[0]) & set(shards[1]) - {i for i, c in counts.items() if c > 1}
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
+
+
+def test_datamodule_restores_its_loader_where_lightning_counts_the_epoch_as_not_started(tmp_path):
+    """Two preemptions: the first right after the checkpoint of epoch 0's last batch (step 10), the second two
+    batches into epoch 1 (checkpoint at step 12). Restored from the first, Lightning 2.6 skips epoch 1's start
+    in its counters, so restored from the second it takes epoch 1 as not started and does not restore the
+    loader: the epoch came again from its first sample (8 samples twice). The DataModule restores its
+    training loader itself, from its own state in the checkpoint: epoch 1 holds each sample once."""
+    data = reader()
+
+    class Stop(pl.Callback):
+        def __init__(self, step):
+            self.step = step
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == self.step:
+                raise Preempted
+
+    def run(stop, ckpt_path):
+        rec = Recorder()
+        keep = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+        module = DaliFastDataModule(train=data, batch_size=4, backend="torch", image_size=16, seed=1, num_workers=0)
+        t = trainer(rec, callbacks=[keep, *([Stop(stop)] if stop else [])], enable_checkpointing=True,
+                    default_root_dir=tmp_path)  # fmt: skip
+        with contextlib.suppress(Preempted):
+            t.fit(Model(), datamodule=module, ckpt_path=ckpt_path)
+        return rec
+
+    run(11, None)  # epoch 0: 10 batches (the last of 1 sample); checkpoints at 2, 4, ..., 10
+    second = run(13, next(tmp_path.glob("*step=10.ckpt")))
+    third = run(None, next(tmp_path.glob("*step=12.ckpt")))
+    each_once(second.epoch(1)[:8] + third.epoch(1), range(N), what="epoch 1 over the last two runs")

@@ -63,7 +63,9 @@ def distributed_context(timeout_s: float = 1800) -> Iterator[DistContext]:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = restart_store(timeout)
+    dist.init_process_group(backend, timeout=timeout, **({} if store is None else {"store": store, **_ranks()}))
     try:
         yield DistContext(dist.get_rank(), dist.get_world_size(), local, backend, device)
     finally:
@@ -143,3 +145,24 @@ def gather_outputs(outputs: torch.Tensor, indices: Sequence[int] | np.ndarray | 
     first = torch.ones(len(idx), dtype=torch.bool, device=idx.device)
     first[1:] = idx[1:] != idx[:-1]
     return outputs[first]
+
+
+def restart_store(timeout: timedelta) -> Any:
+    """The store a group restarted by torchrun's elastic agent (``--max-restarts``) joins through: the agent's
+    own, which it keeps from one start of the group to the next, under a prefix of this start's count
+    (``TORCHELASTIC_RESTART_COUNT``). Without one, a restarted rank could read the address a rank of the
+    failed start had published there and fail to connect to it (pytorch/pytorch#135712: the restarted
+    group never formed); None outside a restart of such a group (the default ``env://`` is used)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or count in ("", "0"):
+        return None
+    import torch.distributed as dist
+
+    rank, world = _ranks().values()
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    return dist.PrefixStore(f"dali_fast/start{count}", store)  # keys "dali_fast/start1/default_pg/..."
+
+
+def _ranks() -> dict[str, int]:
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
