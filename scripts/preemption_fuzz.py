@@ -53,6 +53,7 @@ KINDS = ("folder", "packed", "wds", "s3", "parquet", "parquet-stream")
 LOADERS = ("torch", "dali")
 MODES = {"loader": 0.84, "lightning": 0.06, "train": 0.07, "restart": 0.03}  # how often each is drawn
 GEN_TIMEOUT = 240.0  # seconds a generation may run before it counts as hung
+LIVE: set[int] = set()  # rank processes forked and not yet waited for (each leads a process group)
 
 
 @dataclass
@@ -97,9 +98,11 @@ def fork(fn: Callable[[dict[str, Any]], None], job: dict[str, Any], folder: Path
     pid = os.fork()
     if pid:
         os.close(out)
+        LIVE.add(pid)
         return pid
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()
         os.dup2(out, 1)
         os.dup2(out, 2)
@@ -133,6 +136,7 @@ def wait_all(pids: list[int], timeout: float, poll: Callable[[], None] | None = 
             done, raw = os.waitpid(pid, os.WNOHANG)
             if done:
                 status[pid] = os.waitstatus_to_exitcode(raw)
+                LIVE.discard(pid)
         if poll is not None:
             poll()
         if time.monotonic() > deadline:
@@ -142,6 +146,7 @@ def wait_all(pids: list[int], timeout: float, poll: Callable[[], None] | None = 
                         os.killpg(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     status[pid] = None
+                    LIVE.discard(pid)
         time.sleep(0.01)
     return status
 
@@ -515,9 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="preemption-fuzz-"))
     if args.out:
         shutil.rmtree(out, ignore_errors=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: moto's server and the ranks go too
     started = time.monotonic()
     only = {int(t) for t in args.only.split(",")} if args.only else None
-    done = fuzz(args.trials, args.seed, out, args.quick, kinds, modes, args.verbose, only)
+    try:
+        done = fuzz(args.trials, args.seed, out, args.quick, kinds, modes, args.verbose, only)
+    finally:
+        for pid in list(LIVE):
+            kill_group(pid)
     line = summary(done, args.seed)
     print(f"{line} ({time.monotonic() - started:.0f} s)")
     ok = all(t.ok for t in done)

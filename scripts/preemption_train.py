@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,12 +160,18 @@ def run(trial: Any, rng: np.random.Generator, env: dict[str, Any], folder: Path)
             command(trial, env, gen, folder, f"g{g}", 0), env=environ, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
-        killed = _watch(proc, folder, f"g{g}", gen["world"], None if g == kills else target, rng)
-        out.close()
+        try:
+            killed = _watch(proc, folder, f"g{g}", gen["world"], None if g == kills else target, rng)
+        except BaseException:  # the fuzz stopped (or the job hung): nothing of this job outlives it
+            _kill_tree(proc.pid)
+            raise
+        finally:
+            out.close()
         recs = records(folder, f"g{g}", gen["world"])
         record = to_gen(gen["world"], recs, start, s["epochs"])
         record.batch = max(gen["batch"], batch * world // gen["world"])  # as given, or the global batch kept
         batch, world = record.batch, gen["world"]
+        _said_batches(record, folder / f"g{g}.out")
         if killed is None:
             if proc.returncode != 0:
                 trial.failures.append(
@@ -206,6 +213,13 @@ def _watch(
     return None
 
 
+def _said_batches(gen: Gen, out: Path) -> None:
+    """Each epoch's batch size as ``train`` printed it ("epoch 1: ... batch 16, 8 px"), where it is larger than
+    the batches recorded (a controller's, in an epoch whose rest held no whole batch)."""
+    for epoch, size in re.findall(r"^epoch (\d+): loss .*?, batch (\d+), ", out.read_text(errors="replace"), re.M):
+        gen.batches[int(epoch)] = max(gen.batches.get(int(epoch), 0), int(size))
+
+
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process under it (torchrun starts each rank in a session of its own)."""
     for p in _tree(pid):
@@ -233,6 +247,16 @@ def _restart(
         command(trial, env, gen, folder, "run", 1), env=environ, stdout=out, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
+    try:
+        return _restarted(trial, rng, folder, gen, proc, out)
+    except BaseException:  # the fuzz stopped: nothing of this job outlives it
+        _kill_tree(proc.pid)
+        raise
+
+
+def _restarted(trial: Any, rng: np.random.Generator, folder: Path, gen: dict, proc: Any, out: Any) -> list[Gen]:
+    """`_restart`'s watch over its job (one rank killed once it trained past a checkpoint) and what it saw."""
+    s = trial.settings
     victim = int(rng.integers(gen["world"]))
     target = int(rng.integers(s["save_every"] + 1, 2 * s["save_every"] + 2))  # a batch or two past a checkpoint
     deadline, killed = time.monotonic() + TIMEOUT, False
@@ -269,8 +293,10 @@ def _restart(
         first[r], second[r] = xs[:begin], xs[begin:]
     gen0 = to_gen(gen["world"], first, None, s["epochs"])
     gen0.batch = gen["batch"]
+    _said_batches(gen0, folder / "run.out")
     keys = [k for xs in gen0.delivered.values() for k, _ in xs if k[1] == resumed_at]
     gen0.commit = keys[0] if keys else None
     gen1 = to_gen(gen["world"], second, gen0.commit, s["epochs"])
     gen1.batch, gen1.commit = gen["batch"], (s["epochs"] - 1, END)
+    _said_batches(gen1, folder / "run.out")
     return [gen0, gen1]

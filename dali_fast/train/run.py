@@ -161,7 +161,8 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
     assert recipe is not None  # resolved by TrainConfig.checked
     if trainer.device.type == "cuda":
         recipe = recipe.with_(memory_format=torch.channels_last)  # what the model wants, straight from the loader
-    run = _Run(config, ctx, emit, sets, trainer, _controller(config, trainer), recipe)
+    share = len(train_set) // ctx.world_size if config.drop_last else None  # a rank's whole batches at most
+    run = _Run(config, ctx, emit, sets, trainer, _controller(config, trainer, share), recipe)
     kw = {
         "backend": config.loader,
         "image_size": config.image_size,
@@ -180,9 +181,10 @@ def _start(reader: Reader, config: TrainConfig, ctx: DistContext, emit: Callable
     return run
 
 
-def _controller(config: TrainConfig, trainer: Trainer) -> BatchSizeController | None:
+def _controller(config: TrainConfig, trainer: Trainer, share: int | None) -> BatchSizeController | None:
     """With ``controller``: a `BatchSizeController` around the batch size that keeps the learning rate
-    linear in the batch size (Goyal et al., 2017)."""
+    linear in the batch size (Goyal et al., 2017), never above a rank's ``share`` of the training set (with
+    drop_last a larger batch is dropped whole: an epoch that trained nothing)."""
     if not config.controller:
         return None
 
@@ -190,7 +192,8 @@ def _controller(config: TrainConfig, trainer: Trainer) -> BatchSizeController | 
         for g in trainer.opt.param_groups:
             g["lr"] *= new / old
 
-    return BatchSizeController(max(8, config.batch_size // 8), config.batch_size * 8, on_change=rescale_lr)
+    top = config.batch_size * 8 if share is None else max(1, min(config.batch_size * 8, share))
+    return BatchSizeController(min(max(8, config.batch_size // 8), top), top, on_change=rescale_lr)
 
 
 def _settings(reader: Reader, run: _Run, *, mixing: bool) -> dict[str, Any]:
@@ -264,6 +267,7 @@ def _resume_batch_size(run: _Run, saved: int, saved_world: int) -> None:
     if run.ctrl is not None:  # the controller sizes each rank's batch from its own memory
         if world != saved_world:
             run.emit(f"ranks {saved_world} → {world}: the controller sizes each rank's batch")
+        run.ctrl.attach(run.ctrl.batch_size)  # within this run's bounds: a rank's share on this world size
         return
     most = len(run.train_set) // world if run.config.drop_last else None
     batch_size, line = resume_batch_size(saved, saved_world, run.config.batch_size, world, most)

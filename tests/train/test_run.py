@@ -1,6 +1,7 @@
 """`run_train`: the loss falls with every loader, the settings are checked before any work, checkpoints
 resume at the exact sample (under torchrun and after SIGKILL too)."""
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -123,6 +124,20 @@ def test_controller_decisions_printed(learnable):
     )
     assert rows[0]["decision"] is not None and "controller:" in lines[1]
     assert "peak" in rows[0]["decision"]["reason"]  # a real host-memory reading
+
+
+def test_the_controller_never_grows_past_a_rank_s_share(learnable, tmp_path):
+    """With drop_last, a batch larger than a rank's share is dropped whole. The controller grew up to 8 times
+    the batch size whatever the share: here 16 → 32 → 64 → 128 on 96 training images, and its last epoch
+    trained on nothing (the preemption fuzz met it on 3 ranks of 12 images). It stops at the share."""
+    record = tmp_path / "seen.jsonl"
+    rows = run_train(
+        learnable, loader="torch", epochs=4, model="resnet_tiny", batch_size=16, image_size=16, num_workers=0,
+        controller=True, record_indices=record, emit=lambda _: None,
+    )  # fmt: skip
+    seen = [json.loads(line) for line in record.read_text().splitlines()]
+    per_epoch = [sum(len(x["indices"]) for x in seen if x["epoch"] == e) for e in range(4)]
+    assert [r["batch_size"] for r in rows] == [16, 32, 64, 96] and per_epoch == [96, 96, 64, 96]  # 64 + 32 dropped
 
 
 def test_labels_outside_the_classes_stop_training_before_any_step():
