@@ -270,7 +270,7 @@ import json, os, sys
 sys.path.insert(0, {helpers!r})
 import pytorch_lightning as pl, torch
 from framework_loaders import loader, reader
-from lightning_parts import Model, Recorder
+from lightning_parts import Model, Recorder, leave_group
 backends, out = sys.argv[1].split(","), sys.argv[2]
 data = reader()
 for backend in backends:  # one launch, one process group, a Trainer per backend
@@ -281,6 +281,7 @@ for backend in backends:  # one launch, one process group, a Trainer per backend
     t.fit(model)
     with open(os.path.join(out, f"{{backend}}-rank{{t.global_rank}}.json"), "w") as f:
         json.dump({{"epochs": [rec.epoch(0), rec.epoch(1)], "world": t.world_size}}, f)
+leave_group()
 """
 
 

@@ -23,6 +23,7 @@ sys.path.insert(0, {helpers!r})
 import pytorch_lightning as pl, torch, torchmetrics
 from builders import IndexReader, jpeg_bytes
 from framework_loaders import loader
+from lightning_parts import leave_group
 
 class Scores(pl.LightningModule):
     def __init__(self, data):
@@ -51,6 +52,7 @@ out = trainer.validate(Scores(data), verbose=False)[0]
 if trainer.global_rank == 0:
     with open(sys.argv[2], "w") as f:
         json.dump({{k: float(v) for k, v in out.items()}}, f)
+leave_group()
 """
 
 

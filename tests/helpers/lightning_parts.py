@@ -70,3 +70,11 @@ class Model(pl.LightningModule):
 
     def predict_dataloader(self):
         return self.loaders.get("predict", list)()
+
+
+def leave_group() -> None:
+    """Take down the process group Lightning's DDP leaves up, before the script ends. gloo's worker threads
+    drop the last collective's tensors; with the group still up when Python exits, that can land after
+    finalization began and abort the process ("terminate called without an active exception")."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -237,7 +237,7 @@ import json, os, sys
 sys.path.insert(0, {helpers!r})
 import pytorch_lightning as pl
 from framework_loaders import loader, reader
-from lightning_parts import Model, Recorder
+from lightning_parts import Model, Recorder, leave_group
 backends, out = sys.argv[1].split(","), sys.argv[2]
 data = reader()
 for backend in backends:  # one launch, one process group, a Trainer per backend
@@ -249,6 +249,7 @@ for backend in backends:  # one launch, one process group, a Trainer per backend
     t.fit(model)
     with open(os.path.join(out, f"{{backend}}-rank{{t.global_rank}}.json"), "w") as f:
         json.dump({{"val": rec.val, "batches": t.num_val_batches}}, f)
+leave_group()
 """
 
 
