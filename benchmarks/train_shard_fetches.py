@@ -8,7 +8,8 @@ evaluation of the held-out share. A streamed epoch downloads each shard about on
 at random downloads a shard again each time it was evicted before its last record was read.
 
     python benchmarks/train_shard_fetches.py --shards 24 --cache-shards 9
-    PYTHONPATH=/path/to/another/checkout python benchmarks/train_shard_fetches.py   # that checkout's code
+    # another checkout's code: run from outside this one, or ``python -m`` finds this one's package first
+    cd /tmp && PYTHONPATH=/path/to/other python /path/to/this/benchmarks/train_shard_fetches.py
 """
 
 from __future__ import annotations
