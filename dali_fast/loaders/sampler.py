@@ -57,14 +57,15 @@ def sharding_note(rank: int | None = None, world_size: int | None = None) -> str
     """One line when the launcher's ``RANK``/``WORLD_SIZE`` and what `dist_rank_world` shards by disagree
     (None when they agree, or when both ``rank`` and ``world_size`` are given): a process group of another
     shape, Accelerate running each process alone, or no process group at all while the launcher says
-    several ranks (each process then trains on its shard with nothing synchronising the ranks)."""
+    several ranks (each process then trains on its shard with nothing synchronising the ranks). With no
+    ``RANK``, a group of ``WORLD_SIZE`` ranks agrees."""
     if rank is not None and world_size is not None:
         return None
     env, found = _env_rank_world(), _framework_rank_world()
     if found is not None:
         r, w, who = found
-        if env is None or env == (r, w):
-            return None
+        if env is None or env == (r, w) or ("RANK" not in os.environ and env[1] == w):
+            return None  # Lightning's launcher gives the ranks it starts WORLD_SIZE, not RANK
         said = f"RANK/WORLD_SIZE say rank {env[0]} of {env[1]}, but {who} runs this process as rank {r} of {w}"
         if who == "torch.distributed":
             return f"{said}: sharding by the process group"

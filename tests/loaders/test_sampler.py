@@ -258,6 +258,25 @@ def test_rank_and_world_size_without_a_process_group_are_used_and_said(monkeypat
     )
 
 
+def test_world_size_without_rank_agrees_with_a_group_of_that_size(monkeypatch):
+    """Lightning's DDP launcher sets WORLD_SIZE, not RANK, in the ranks it starts: rank 1 of a 2-rank group
+    is no disagreement there; a group of another size still is."""
+    from dali_fast.loaders import sampler
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sampler, "_framework_rank_world", lambda: (1, 2, "torch.distributed"))
+    assert sharding_note() is None
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert sharding_note() == (
+        "RANK/WORLD_SIZE say rank 0 of 3, but torch.distributed runs this process as rank 1 of 2: "
+        "sharding by the process group"
+    )
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert sharding_note() is not None  # RANK said, and it is not this rank
+
+
 class _FakeAccelerate:
     """What `accelerate.state` looks like to the sampler: `PartialState._shared_state`, a dict Accelerate
     fills when an Accelerator (or PartialState) is made in this process."""
