@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from builders import jpeg_bytes, make_folder, one_line
 
-from dali_fast.data.classes import MAX_CLASSES, class_map, read_classes_file
+from dali_fast.data.classes import MAX_CLASSES, class_map, classes_key, read_classes_file
 from dali_fast.data.open import open_dataset
 
 pd = pytest.importorskip("pandas")
@@ -209,3 +209,16 @@ def test_the_largest_label_at_the_limit_and_the_default_place_in_messages(monkey
         cm.classes_of_labels(np.array([3]), str)
     with pytest.raises(ValueError, match="^classes: a list of class names, not str$"):
         cm.check_classes("abc")
+
+
+def test_the_class_map_s_key_is_the_same_from_release_to_release():
+    """Loader states keep this key, so a state saved by one release resumes in the next: its exact value,
+    the digest of the names' UTF-8 bytes joined by newlines, a folder name that is not UTF-8 (as
+    ``os.listdir`` gives it, with surrogates) by its own bytes."""
+    import hashlib
+    import os
+
+    assert classes_key(["cat", "dog"]) == "2:f8657f6e8b39" == "2:" + hashlib.sha1(b"cat\ndog").hexdigest()[:12]
+    assert classes_key([os.fsdecode(b"caf\xe9"), "dog"]) == "2:ca8d71ab0ff5"
+    assert hashlib.sha1(b"caf\xe9\ndog").hexdigest()[:12] == "ca8d71ab0ff5"
+    assert classes_key([]) == "0:da39a3ee5e6b"

@@ -87,3 +87,45 @@ def test_lightning_resumed_with_another_batch_size_is_refused_not_short(tmp_path
     second = Recorder()
     trainer(second).fit(Model({"train": lambda: _loader(3)}), ckpt_path=tmp_path / "ck" / "last.ckpt")
     each_once(first.epoch(0)[:12] + second.epoch(0), range(N))
+
+
+def test_what_counts_as_mid_epoch_and_which_loaders_may_take_another_batch_size():
+    """The refusal's edges: one sample into the epoch is mid-epoch, the epoch's start is not; a state from
+    before ``finished`` was saved counts as unfinished; another world size (an elastic resume sizes the
+    batch itself) and a loader with a controller (it sizes the batch each epoch) take the state."""
+    from dali_fast import BatchSizeController
+
+    one = _loader(1)
+    it = iter(one)
+    next(it)
+    after_one = one.state_dict()
+    assert after_one["sampler"]["position"] == 1
+    counted = _loader(2)
+    len(counted)
+    with pytest.raises(ValueError, match="cannot resume mid-epoch at batch size 1"):
+        counted.load_state_dict(after_one)
+    start = _loader(3).state_dict()
+    assert start["sampler"]["position"] == 0 and not start["finished"]
+    counted.load_state_dict(start)  # nothing delivered yet: any batch size
+    _, state = _mid_epoch_state()
+    old = {k: v for k, v in state.items() if k != "finished"}  # saved before the key existed
+    with pytest.raises(ValueError, match="cannot resume mid-epoch at batch size 3"):
+        _refused(old)
+    kw = {"image_size": 16, "device": "cpu", "num_workers": 0, "seed": 1}
+    reader = IndexReader([jpeg_bytes(20 + i % 5, 18) for i in range(N)])
+    two = TorchIterator(reader, 3, rank=0, world_size=2, **kw)
+    it = iter(two)
+    next(it)
+    elastic = TorchIterator(reader, 5, rank=0, world_size=1, **kw)
+    len(elastic)
+    elastic.load_state_dict(two.state_dict())  # another world size: the elastic rule sets the batch
+    assert elastic.batch_size == 6
+    ctrl = TorchIterator(reader, 5, controller=BatchSizeController(2, 64), **kw)
+    len(ctrl)
+    ctrl.load_state_dict(state)  # the controller sizes the batch: nothing refused
+
+
+def _refused(state: dict) -> None:
+    counted = _loader(5)
+    len(counted)
+    counted.load_state_dict(state)
