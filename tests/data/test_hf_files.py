@@ -128,3 +128,42 @@ def test_save_to_disk_folders_are_named_with_the_way_to_parquet(tmp_path, cache)
         assert one_line(e).startswith(f"{tmp_path / folder}: a Hugging Face save_to_disk folder (Arrow files)")
         assert "to_parquet" in one_line(e)
     assert np.asarray(ds["label"]).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_path_references_in_every_row_group_are_read_from_their_files(tmp_path, cache, backend):
+    """``to_parquet(batch_size=2)`` writes a row group per 2 rows: each group finds its own references."""
+    import pyarrow.parquet as pq
+
+    paths = _files(tmp_path / "imgs", 7)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    ds = datasets.Dataset.from_dict({"image": paths, "label": [i % 3 for i in range(7)]}, features=features)
+    ds.to_parquet(str(tmp_path / "d.parquet"), batch_size=2)
+    assert pq.ParquetFile(tmp_path / "d.parquet").metadata.num_row_groups == 4
+    reader = open_dataset(tmp_path / "d.parquet")
+    files = [open(p, "rb").read() for p in paths]
+    assert [bytes(reader[i][0]) for i in range(7)] == files
+    assert [bytes(b) for b in reader.read_batch(list(range(7)))[0]] == files
+    from target_sets import loader_class
+
+    loader = loader_class(backend)(reader, 3, image_size=8, train=False, device="cpu")
+    assert sorted(int(x) for _, labels in loader for x in labels) == [0, 0, 0, 1, 1, 2, 2] and loader.skipped == 0
+
+
+def test_a_label_outside_its_classlabel_is_named_in_its_own_numbers_under_declared_classes(tmp_path, cache):
+    """A ClassLabel column holding 5 of 3 names (``datasets`` refuses to write it; pyarrow rewrites the
+    column under the same schema and metadata): with the classes declared in another order, the bad record
+    is named by the label it holds in the file, against the file's 3 names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _to_parquet(_files(tmp_path / "imgs", 3), [0, 1, 2], tmp_path / "ok.parquet")
+    table = pq.read_table(tmp_path / "ok.parquet")
+    at = table.schema.get_field_index("label")
+    table = table.set_column(at, table.schema.field("label"), pa.array([2, 5, 0], table.schema.field("label").type))
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert b"huggingface" in pq.read_schema(tmp_path / "d.parquet").metadata
+    reader = open_dataset(tmp_path / "d.parquet", classes=["c", "b", "a"])
+    assert reader.classes == ["c", "b", "a"]
+    assert reader.label_problems == {1: "label 5 is not one of the data set's 3 classes (0..2)"}
+    assert reader.labels[[0, 2]].tolist() == [0, 2]  # "c" and "a" on the declared order

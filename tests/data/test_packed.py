@@ -31,6 +31,18 @@ def test_reader_pickles_by_path(small_folder, tmp_path):
     assert len(blob) < 500  # the path, not the data
     r2 = pickle.loads(blob)
     assert bytes(r2[2][0]) == bytes(r[2][0])
+    assert r.data is r.shards[0]  # the one data file of an unsharded set
+    declared = MemmapReader(tmp_path / "p", classes=["emu", "dog", "cat", "fox"])  # another order, one more
+    again = pickle.loads(pickle.dumps(declared))
+    assert again.classes == declared.classes == ["emu", "dog", "cat", "fox"]
+    assert [again[i][1] for i in range(7)] == [declared[i][1] for i in range(7)] == [2, 2, 2, 1, 1, 0, 0]
+
+
+def test_declared_classes_that_lack_a_packed_class_name_the_pack(small_folder, tmp_path):
+    pack(small_folder, tmp_path / "p", progress=False)
+    with pytest.raises(ValueError) as e:
+        MemmapReader(tmp_path / "p", classes=["cat", "dog"])
+    assert one_line(e).startswith(f"{tmp_path / 'p'}: class 'emu' (of ")
 
 
 def test_flipped_byte_found_by_verify(small_folder, tmp_path):
@@ -288,6 +300,7 @@ def test_missing_data_files_exact_one_line(photo_folder, small_folder, tmp_path)
     pack(photo_folder, d, shard_size=400_000, workers=1, progress=False)
     shards = sorted(d.glob("data-*.bin"))
     assert len(shards) >= 3
+    assert MemmapReader(d).data is None  # no one data file
     with open(shards[-1], "ab") as f:  # a shard that grew: the sizes no longer add up
         f.write(b"x")
     with pytest.raises(ValueError) as e:

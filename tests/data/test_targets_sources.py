@@ -141,3 +141,17 @@ def test_targets_of_parquet_at_a_url_are_refused_before_any_download():
         "s3://bucket/train-*.parquet: multi-hot and float targets of Parquet at a URL are not read yet; copy the "
         "files to a local folder and open that, or pack them (dali-fast pack --target) and open the pack"
     )
+
+
+def test_float32_s_largest_number_is_in_range_and_a_nan_row_is_shown_as_the_rows_hold_it(tmp_path, cache):
+    """float32's largest finite number fits the rows: a row holding it and a NaN is named for the NaN;
+    the row is shown in float32, the type the rows are (0.1 as float32 holds)."""
+    top = float(np.finfo(np.float32).max)
+    lists = [[0.5, 0.5], [top, float("nan")], [0.1, float("inf")], [-top, 0.0]]
+    table = pa.table({"image": [jpeg_bytes(20 + i, 16) for i in range(4)], "v": pa.array(lists, pa.list_(pa.float64()))})
+    pq.write_table(table, tmp_path / "f.parquet")
+    reader = open_dataset(tmp_path / "f.parquet", target="float", label_column="v")
+    assert reader.targets.bad == {
+        1: f"target [{top!r}, nan] holds a number that is not finite",
+        2: f"target [{float(np.float32(0.1))!r}, inf] holds a number that is not finite",
+    }
