@@ -167,3 +167,21 @@ def test_a_label_outside_its_classlabel_is_named_in_its_own_numbers_under_declar
     assert reader.classes == ["c", "b", "a"]
     assert reader.label_problems == {1: "label 5 is not one of the data set's 3 classes (0..2)"}
     assert reader.labels[[0, 2]].tolist() == [0, 2]  # "c" and "a" on the declared order
+
+
+def test_a_referenced_file_removed_after_opening_is_an_unreadable_record(tmp_path, cache):
+    """The file behind a path reference goes away while the set is open: that record has no bytes (None,
+    not an empty image) and names the file and the cause; read_batch raises it; a loader skips it."""
+    paths = _files(tmp_path / "imgs")
+    _to_parquet(paths, [0, 1, 2, 0, 1, 2], tmp_path / "d.parquet")
+    reader = open_dataset(tmp_path / "d.parquet")
+    os.remove(paths[4])
+    datas, labels, bad = reader.read_batch_checked([3, 4, 5])
+    assert datas[1] is None and bytes(datas[0]) == open(paths[3], "rb").read()
+    assert bad == {1: f"unreadable: {paths[4]}: No such file or directory"} and labels.tolist() == [0, 1, 2]
+    with pytest.raises(OSError, match="unreadable: .*4.jpg: No such file or directory"):
+        reader.read_batch([4])
+    from dali_fast import TorchIterator
+
+    loader = TorchIterator(reader, 3, image_size=8, train=False, device="cpu", num_workers=0, on_error="skip")
+    assert sorted(int(x) for _, labels in loader for x in labels) == [0, 0, 1, 2, 2] and loader.skipped == 1
