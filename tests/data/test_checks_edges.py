@@ -1,8 +1,15 @@
 """The structural check at its edges: the shortest frame header that still names a size is held to the
-pixel limit, and the limit counts an image one pixel thin as one pixel, not two."""
+pixel limit, and the limit counts an image one pixel thin as one pixel, not two. A TIFF (torchvision's
+folder rule reads .tif): its first directory, every strip or tile it names, and its size, in both byte
+orders; the files are Pillow's, or built here field by field and read back by Pillow, so that each cut
+lands where the layout says."""
 
 from __future__ import annotations
 
+import io
+import struct
+
+import numpy as np
 import PIL.Image
 import pytest
 from builders import APP0, EOI, SOI, SOS, jpeg_segment
@@ -37,3 +44,169 @@ def test_markers_without_a_length_in_the_headers_are_walked_past_to_the_scan():
         assert check_encoded(whole + EOI) is None
         assert check_encoded(whole) == "truncated JPEG (no end-of-image marker)"
         assert check_encoded(SOI + standalone + b"\x00\x00") == "corrupt JPEG (no marker at byte 4)"
+
+
+# ------------------------------------------------------------------------------------------------ TIFF
+
+NO_HEADER = "corrupt TIFF (no TIFF header)"
+NO_DIRECTORY = "truncated TIFF (its first directory is past the end)"
+IN_DIRECTORY = "truncated TIFF (ends inside its first directory)"
+ENTRY = "truncated TIFF (a directory entry points past the end)"
+DATA = "truncated TIFF (its image data runs past the end)"
+SHORT, LONG, RATIONAL, ASCII = 3, 4, 5, 2
+
+
+def tiff(order: str, pixels: np.ndarray, *, tile: int = 0, size_kind: int = SHORT, extra=()) -> tuple[bytes, dict]:
+    """A grey 8-bit TIFF of ``pixels``, uncompressed: header, the first directory at byte 8, the values that
+    do not fit an entry, then the strips (a row each) or the square tiles of side ``tile``. ``extra``:
+    more (tag, kind, count, value bytes) entries. Returns the bytes and where each part starts."""
+    e = "<" if order == "II" else ">"
+    h, w = pixels.shape
+    if tile:
+        pieces = [pixels[y : y + tile, x : x + tile].tobytes() for y in range(0, h, tile) for x in range(0, w, tile)]
+    else:
+        pieces = [pixels[y].tobytes() for y in range(h)]
+    counts = [len(p) for p in pieces]
+    entries = [
+        (256, size_kind, 1, struct.pack(e + ("H" if size_kind == SHORT else "I"), w)),
+        (257, size_kind, 1, struct.pack(e + ("H" if size_kind == SHORT else "I"), h)),
+        (258, SHORT, 1, struct.pack(e + "H", 8)),
+        (259, SHORT, 1, struct.pack(e + "H", 1)),
+        (262, SHORT, 1, struct.pack(e + "H", 1)),
+        (277, SHORT, 1, struct.pack(e + "H", 1)),
+        *extra,
+    ]
+    offsets_tag, counts_tag = (324, 325) if tile else (273, 279)
+    if tile:
+        entries += [(322, SHORT, 1, struct.pack(e + "H", tile)), (323, SHORT, 1, struct.pack(e + "H", tile))]
+    else:
+        entries += [(278, SHORT, 1, struct.pack(e + "H", 1))]
+    n_entries = len(entries) + 2
+    directory_end = 8 + 2 + 12 * n_entries + 4
+    # after the directory: the offsets array, the counts array, the other values over 4 bytes, the data
+    offsets_at, counts_at = directory_end, directory_end + 4 * len(pieces)
+    data_at = counts_at + 4 * len(pieces) + sum(len(v) for *_, v in extra if len(v) > 4)
+    offsets = [data_at + sum(counts[:i]) for i in range(len(pieces))]
+    entries += [
+        (offsets_tag, LONG, len(pieces), struct.pack(e + "I" * len(pieces), *offsets)),
+        (counts_tag, LONG, len(pieces), struct.pack(e + "I" * len(pieces), *counts)),
+    ]
+    entries.sort(key=lambda t: t[0])
+    head = order.encode() + struct.pack(e + "HI", 42, 8)
+    table, values, next_value = b"", b"", counts_at + 4 * len(pieces)
+    for tag, kind, count, value in entries:
+        if len(value) <= 4:
+            field = value.ljust(4, b"\0")
+        else:
+            where = {offsets_tag: offsets_at, counts_tag: counts_at}.get(tag)
+            if where is None:
+                where, next_value = next_value, next_value + len(value)
+                values += value
+            field = struct.pack(e + "I", where)
+        table += struct.pack(e + "HHI", tag, kind, count) + field
+    body = head + struct.pack(e + "H", n_entries) + table + b"\0\0\0\0"
+    assert len(body) == directory_end
+    body += struct.pack(e + "I" * len(pieces), *offsets) + struct.pack(e + "I" * len(pieces), *counts) + values
+    assert len(body) == data_at
+    return body + b"".join(pieces), {"directory_end": directory_end, "data": data_at, "n_entries": n_entries}
+
+
+def grey(h: int = 6, w: int = 5) -> np.ndarray:
+    return ((np.arange(h * w).reshape(h, w) * 7) % 251).astype(np.uint8)
+
+
+@pytest.mark.parametrize("order", ["II", "MM"])
+@pytest.mark.parametrize("tile", [0, 16])
+def test_the_built_files_are_tiffs_pillow_reads_pixel_for_pixel(order, tile):
+    pixels = grey(32, 32) if tile else grey()
+    data, _ = tiff(order, pixels, tile=tile)
+    assert np.array_equal(np.asarray(PIL.Image.open(io.BytesIO(data))), pixels)
+    assert check_encoded(data) is None
+
+
+@pytest.mark.parametrize("order", ["II", "MM"])
+@pytest.mark.parametrize("tile", [0, 16])
+def test_a_tiff_cut_anywhere_is_named_by_where_the_cut_fell(order, tile):
+    """Every cut from the header to the last pixel byte: the reason is that of the part the cut fell in."""
+    data, at = tiff(order, grey(32, 32) if tile else grey(), tile=tile)
+    entries_end = 10 + 12 * at["n_entries"]
+    for cut in range(2, len(data)):
+        if cut < 8:
+            want = NO_HEADER
+        elif cut < 10:
+            want = NO_DIRECTORY
+        elif cut < entries_end:
+            want = IN_DIRECTORY
+        elif cut < at["data"]:
+            want = ENTRY  # the offsets and counts arrays lie past the cut
+        else:
+            want = DATA
+        assert check_encoded(data[:cut]) == want, (cut, at)
+
+
+def test_pillow_s_own_tiff_passes_whole_and_is_named_cut_anywhere():
+    """Pillow's layout: the directory at byte 8, the bits per sample outside it, then the one strip."""
+    rgb = np.dstack([grey(40, 30), grey(40, 30)[::-1], grey(40, 30)[:, ::-1]])
+    out = io.BytesIO()
+    PIL.Image.fromarray(rgb).save(out, "TIFF")
+    data = out.getvalue()
+    assert data[:2] == b"II" and int.from_bytes(data[4:8], "little") == 8 and check_encoded(data) is None
+    entries_end = 10 + 12 * int.from_bytes(data[8:10], "little")
+    for cut in range(2, len(data)):
+        want = NO_HEADER if cut < 8 else NO_DIRECTORY if cut < 10 else IN_DIRECTORY if cut < entries_end else DATA
+        assert check_encoded(data[:cut]) == want, cut
+
+
+def test_a_bad_magic_number_and_a_short_file_have_no_header():
+    data, _ = tiff("II", grey())
+    assert check_encoded(data[:2] + b"\x2b\x00" + data[4:]) == NO_HEADER  # BigTIFF's 43: not read here
+    assert check_encoded(b"MM\x00\x2a\x00\x00\x00") == NO_HEADER
+    assert check_encoded(b"MM\x00\x2a\x00\x00\x00\x08") == NO_DIRECTORY
+
+
+@pytest.mark.parametrize("order", ["II", "MM"])
+@pytest.mark.parametrize("size_kind", [SHORT, LONG])
+def test_the_size_is_held_to_the_pixel_limit_read_as_short_or_long(monkeypatch, order, size_kind):
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)  # the limit: twice that
+    small, _ = tiff(order, grey(10, 10), size_kind=size_kind)
+    wide, _ = tiff(order, grey(5, 21), size_kind=size_kind)
+    tall, _ = tiff(order, grey(21, 5), size_kind=size_kind)
+    assert check_encoded(small) is None
+    assert check_encoded(wide).startswith("21x5 pixels (105), over the limit of 100")
+    assert check_encoded(tall).startswith("5x21 pixels (105), over the limit of 100")
+
+
+def _set_entry(data: bytes, n_entries: int, tag: int, **fields: int) -> bytes:
+    """``data`` with the first directory's entry for ``tag`` changed: its tag (``retag``), ``kind`` or ``value``."""
+    out = bytearray(data)
+    for k in range(n_entries):
+        pos = 10 + 12 * k
+        if int.from_bytes(out[pos : pos + 2], "little") == tag:
+            for name, (a, b) in {"retag": (0, 2), "kind": (2, 4), "value": (8, 12)}.items():
+                if name in fields:
+                    out[pos + a : pos + b] = fields[name].to_bytes(b - a, "little")
+            return bytes(out)
+    raise AssertionError(f"no entry {tag}")
+
+
+def test_entries_of_other_tags_or_kinds_are_not_followed(monkeypatch):
+    """A description whose text lies past the end, or a width of a kind the check does not read (RATIONAL)
+    pointing past the end, neither stops a whole file nor counts as its size."""
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)  # the limit: twice that
+    text = (270, ASCII, 40, b"a description of forty bytes, no less...")
+    data, at = tiff("II", grey(5, 25), extra=[text])
+    assert check_encoded(data).startswith("25x5 pixels (125), over the limit of 100")
+    assert check_encoded(_set_entry(data, at["n_entries"], 270, value=len(data) + 100)).startswith("25x5 pixels")
+    odd = _set_entry(data, at["n_entries"], 256, kind=RATIONAL, value=len(data) + 100)
+    assert check_encoded(odd) is None  # no width read: 1 x 5 pixels, within the limit
+    for kind in (1, 2, 5, 6, 7, 8, 9, 10, 11, 12):
+        assert check_encoded(_set_entry(data, at["n_entries"], 256, kind=kind)) is None, kind
+
+
+def test_a_tiff_without_a_width_or_height_is_not_refused_for_its_size(monkeypatch):
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)
+    data, at = tiff("II", grey(30, 30))
+    for tag in (256, 257):
+        alone = _set_entry(data, at["n_entries"], tag, retag=65000)  # a private tag now
+        assert check_encoded(alone) is None, tag
+    assert check_encoded(data).startswith("30x30 pixels (900), over the limit of 100")
