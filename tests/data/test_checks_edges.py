@@ -210,3 +210,17 @@ def test_a_tiff_without_a_width_or_height_is_not_refused_for_its_size(monkeypatc
         alone = _set_entry(data, at["n_entries"], tag, retag=65000)  # a private tag now
         assert check_encoded(alone) is None, tag
     assert check_encoded(data).startswith("30x30 pixels (900), over the limit of 100")
+
+
+def test_strip_arrays_of_two_lengths_are_checked_pair_by_pair_not_raised():
+    """A directory whose StripByteCounts lists fewer strips than StripOffsets: the pairs there are are
+    checked (the decoder names what is wrong with the rest); the check itself never raises."""
+    data, at = tiff("II", grey(6, 5))
+    short = bytearray(data)
+    for k in range(at["n_entries"]):
+        pos = 10 + 12 * k
+        if int.from_bytes(short[pos : pos + 2], "little") == 279:
+            short[pos + 4 : pos + 8] = (5).to_bytes(4, "little")  # 5 counts for 6 strips
+    assert check_encoded(bytes(short)) is None
+    assert check_encoded(bytes(short[:-1])) is None  # the last strip has no count: nothing to hold it to
+    assert check_encoded(bytes(short[:-6])) == DATA  # the fifth strip, which has one, is cut
