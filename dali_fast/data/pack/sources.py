@@ -170,8 +170,8 @@ def _load_one(source: Source, name: str, verify: bool, max_side: int | None) -> 
 def load_chunk(
     sources: list[tuple[Source, str]], verify: bool, max_side: int | None, max_image_pixels: int | None
 ) -> list[tuple[bytes | None, str | None, bool]]:
-    """`load` of each (source, name), in a worker process, under the parent's pixel limit (a spawned
-    worker would start from Pillow's default)."""
+    """`_load_one` of each (source, name), or of the reader's records read with their checks, in a worker
+    process, under the parent's pixel limit (a spawned worker would start from Pillow's default)."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = max_image_pixels
@@ -184,14 +184,6 @@ def load_chunk(
 
 
 # pragma: no mutate end
-
-
-def load(source: Source, name: str, verify: bool, max_side: int | None) -> tuple[bytes | None, str | None, bool]:
-    """`_load_one` of a file or a member, or the reader's record ``source`` (an int) read with its checks;
-    ``name`` is how reasons name it."""
-    if isinstance(source, int):
-        return _prepare_read(*read_rows([source])[0], verify, max_side, name)
-    return _load_one(source, name, verify, max_side)
 
 
 def _prepare_read(raw: bytes | None, why: str | None, verify: bool, max_side: int | None, name: str) -> tuple:
