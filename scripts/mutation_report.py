@@ -61,7 +61,7 @@ def main() -> int:
             per[mod]["equivalent"] += 1
         else:
             per[mod][status] += 1
-            if status not in ("killed", "timeout", "not checked"):
+            if status not in ("killed", "timeout", "segfault", "not checked"):
                 survivors.append(name)
     stale = sorted(set(equiv) - set(statuses))
     # A listed mutant that timed out stays listed: on a busy machine an equivalent one can run past the limit.
@@ -76,21 +76,22 @@ def main() -> int:
     lines = [
         "# Mutation testing (mutmut)",
         "",
-        "| module | generated | killed | timeout | survived | no tests | equivalent | not run | killed % |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| module | generated | killed | timeout | crashed | survived | no tests | equivalent | not run | killed % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     table = {}
     for mod, c in rows:
         judged = c["generated"] - c["equivalent"] - c["not checked"]
-        score = (c["killed"] + c["timeout"]) / judged if judged else 1.0
+        score = (c["killed"] + c["timeout"] + c["segfault"]) / judged if judged else 1.0
         table[mod] = {**c, "score": score}
         lines.append(
-            f"| {mod} | {c['generated']} | {c['killed']} | {c['timeout']} | {c['survived']} | "
+            f"| {mod} | {c['generated']} | {c['killed']} | {c['timeout']} | {c['segfault']} | {c['survived']} | "
             f"{c['no tests']} | {c['equivalent']} | {c['not checked']} | {score:.1%} |"
         )
     lines += [
         "",
-        "`killed %` = (killed + timeout) / (generated - equivalent - not run); `not run`: the run was stopped first.",
+        "`killed %` = (killed + timeout + crashed) / (generated - equivalent - not run); `crashed`: a test process"
+        " died of a signal under the mutant (its tests did not pass); `not run`: the run was stopped first.",
         "",
     ]
     if equiv:

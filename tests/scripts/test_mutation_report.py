@@ -56,3 +56,14 @@ def test_a_listed_name_that_is_gone_or_killed_fails_the_report(report):
     slow = {**results, "m.x_f__mutmut_1": "timeout"}  # an equivalent mutant past the limit on a busy machine
     code, got = report(slow, {"m.x_f__mutmut_2": "why", "m.x_f__mutmut_1": "why"})
     assert code == 0 and got["killed_listed"] == [] and got["modules"]["m"]["timeout"] == 1
+
+
+def test_a_mutant_whose_tests_crashed_counts_as_caught_and_no_tests_as_a_survivor(report):
+    """A test process killed by a signal under a mutant ("segfault") did not pass: the mutant is caught.
+    A mutant no test runs ("no tests") is a gap, reported like a survivor."""
+    results = {"m.x_f__mutmut_1": "segfault", "m.x_f__mutmut_2": "killed"}
+    code, got = report(results, {})
+    assert code == 0 and got["survivors"] == [] and got["modules"]["m"]["score"] == 1.0
+    assert got["modules"]["m"]["segfault"] == 1
+    code, got = report({**results, "m.x_g__mutmut_1": "no tests"}, {})
+    assert code == 1 and got["survivors"] == ["m.x_g__mutmut_1"]
