@@ -224,3 +224,127 @@ def test_strip_arrays_of_two_lengths_are_checked_pair_by_pair_not_raised():
     assert check_encoded(bytes(short)) is None
     assert check_encoded(bytes(short[:-1])) is None  # the last strip has no count: nothing to hold it to
     assert check_encoded(bytes(short[:-6])) == DATA  # the fifth strip, which has one, is cut
+
+
+# ---------------------------------------------------------------------------------- WebP, BMP, PPM/PGM
+
+
+def _saved(image: PIL.Image.Image, fmt: str, **kw) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def _wide(channels: int = 3) -> np.ndarray:
+    """21 x 5 pixels: one side past the limit of 100 pixels the tests set, the other within it."""
+    return (np.arange(5 * 21 * channels).reshape(5, 21, channels) % 251).astype(np.uint8).squeeze()
+
+
+def _webps() -> dict[str, bytes]:
+    """Pillow's three WebP layouts: lossless (VP8L), lossy (VP8), and with an alpha channel (VP8X)."""
+    rgb = PIL.Image.fromarray(_wide())
+    return {
+        "VP8L": _saved(rgb, "WEBP", lossless=True),
+        "VP8 ": _saved(rgb, "WEBP", quality=80),
+        "VP8X": _saved(PIL.Image.fromarray(_wide(4), "RGBA"), "WEBP", quality=80),
+    }
+
+
+@pytest.mark.parametrize("kind", ["VP8L", "VP8 ", "VP8X"])
+def test_a_webp_s_size_is_read_from_each_layout_and_a_cut_is_named(monkeypatch, kind):
+    data = _webps()[kind]
+    assert data[12:16] == kind.encode() and PIL.Image.open(io.BytesIO(data)).size == (21, 5)
+    assert check_encoded(data) is None
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)  # the limit: twice that
+    assert check_encoded(data).startswith("21x5 pixels (105), over the limit of 100")
+    for cut in range(2, len(data)):
+        want = (
+            "truncated WebP (ends inside its header)" if cut < 12
+            else "corrupt WebP (no WEBP header)" if cut < 30
+            else "truncated WebP (its RIFF size runs past the end)"
+        )  # fmt: skip
+        assert check_encoded(data[:cut]) == want, cut
+
+
+def test_a_lossy_webp_s_scale_bits_are_not_its_size_and_odd_chunks_are_named(monkeypatch):
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)
+    data = bytearray(_webps()["VP8 "])
+    data[27] |= 0xC0  # the width's upscaling bits
+    data[29] |= 0xC0  # the height's
+    assert check_encoded(bytes(data)).startswith("21x5 pixels (105), over the limit of 100")
+    other = bytes(data[:12]) + b"ALPH" + bytes(data[16:])
+    assert check_encoded(other) == "corrupt WebP (unknown first chunk b'ALPH')"
+    assert check_encoded(bytes(data[:8]) + b"WAVE" + bytes(data[12:])) == "corrupt WebP (no WEBP header)"
+
+
+def test_a_lossless_webp_reads_both_14_bit_sides(monkeypatch):
+    """VP8L packs width - 1 and height - 1 in 14 bits each: a 16383 x 3 side read whole, not masked off."""
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 10**5)
+    data = bytearray(_webps()["VP8L"])
+    bits = int.from_bytes(data[21:25], "little")
+    data[21:25] = ((bits & ~0xFFFFFFF) | 16383 | (2 << 14)).to_bytes(4, "little")
+    assert check_encoded(bytes(data)) is None  # 49152 pixels, within 200000
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 20000)
+    assert check_encoded(bytes(data)).startswith("16384x3 pixels (49,152), over the limit of 40,000")
+
+
+def test_a_bmp_s_stated_size_and_its_sides_either_way_up(monkeypatch):
+    data = _saved(PIL.Image.fromarray(_wide()), "BMP")
+    stated = int.from_bytes(data[2:6], "little")
+    assert stated == len(data) and check_encoded(data) is None
+    for cut in range(2, len(data)):
+        want = "truncated BMP (ends inside its header)" if cut < 26 else f"truncated BMP ({cut} of the {stated} bytes its header states)"
+        assert check_encoded(data[:cut]) == want, cut
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)
+    assert check_encoded(data).startswith("21x5 pixels (105), over the limit of 100")
+    top_down = data[:22] + (-5).to_bytes(4, "little", signed=True) + data[26:]
+    assert check_encoded(top_down).startswith("21x5 pixels (105), over the limit of 100")
+    flipped = data[:18] + (-21).to_bytes(4, "little", signed=True) + data[22:]
+    assert check_encoded(flipped).startswith("21x5 pixels (105), over the limit of 100")
+
+
+def _pnms() -> dict[str, bytes]:
+    """Pillow's binary PPM and PGM (8 and 16 bits) and PBM."""
+    rgb = PIL.Image.fromarray(_wide())
+    sixteen = PIL.Image.fromarray((np.arange(105).reshape(5, 21) * 600).astype(np.uint16))
+    return {
+        "P6": _saved(rgb, "PPM"),
+        "P5": _saved(rgb.convert("L"), "PPM"),
+        "P5 16-bit": _saved(sixteen, "PPM"),
+        "P4": _saved(rgb.convert("1"), "PPM"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["P6", "P5", "P5 16-bit", "P4"])
+def test_a_binary_pnm_needs_every_pixel_byte_its_header_names(monkeypatch, kind):
+    data = _pnms()[kind]
+    assert data[:2] == kind[:2].encode() and PIL.Image.open(io.BytesIO(data)).size == (21, 5)
+    assert check_encoded(data) is None
+    header = len(data) - {"P6": 21 * 3, "P5": 21, "P5 16-bit": 42, "P4": 3}[kind] * 5
+    for cut in range(header, len(data)):
+        assert check_encoded(data[:cut]) == f"truncated PPM/PGM ({cut} bytes, its header needs {len(data)})", cut
+    for cut in range(3, header - 1):
+        assert check_encoded(data[:cut]) is not None, cut  # a header cut short names some fault
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)
+    assert check_encoded(data).startswith("21x5 pixels (105), over the limit of 100")
+
+
+def test_pnm_headers_with_comments_ascii_kinds_and_what_is_not_one(monkeypatch):
+    commented = b"P5\n# written by hand\n3 # width\n2\n255\n" + bytes(6)
+    assert np.asarray(PIL.Image.open(io.BytesIO(commented))).shape == (2, 3)
+    assert check_encoded(commented) is None
+    assert check_encoded(commented[:-1]) == f"truncated PPM/PGM ({len(commented) - 1} bytes, its header needs {len(commented)})"
+    ascii_ppm = b"P3\n2 1\n255\n1 2 3 4 5 6\n"
+    assert np.asarray(PIL.Image.open(io.BytesIO(ascii_ppm))).shape == (1, 2, 3)
+    assert check_encoded(ascii_ppm) is None and check_encoded(ascii_ppm[:-4]) is None  # its header only
+    assert check_encoded(b"P1\n4 2\n0 1 0 1\n1 0 1 0\n") is None  # a bitmap: no maxval
+    not_one = "not an image (a P without a PBM/PGM/PPM number)"
+    assert [check_encoded(b) for b in (b"P6x3 2 255\n", b"P6")] == [not_one] * 2
+    assert check_encoded(b"P7\nWIDTH 2\n").startswith("not an image (unknown signature")  # PAM: not torchvision's
+    assert check_encoded(b"P6\n3 two 255\n") == "corrupt PPM/PGM (its header is not width, height and maxval)"
+    assert check_encoded(b"P4\n3\n") == "corrupt PPM/PGM (its header is not width, height and maxval)"
+    assert check_encoded(b"P4\n9 2\n" + bytes(4)) is None  # 9 pixels a row: 2 bytes
+    assert check_encoded(b"P4\n9 2\n" + bytes(3)) == "truncated PPM/PGM (10 bytes, its header needs 11)"
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)
+    assert check_encoded(b"P3\n21 5\n255\n").startswith("21x5 pixels (105), over the limit of 100")
+    assert check_encoded(b"P5\n5 21\n255\n" + bytes(105)).startswith("5x21 pixels (105), over the limit of 100")

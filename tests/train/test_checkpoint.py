@@ -15,6 +15,7 @@ import torch
 
 from dali_fast.train.checkpoint import (
     IndexRecorder,
+    check_resume_classes,
     check_resume_config,
     load_checkpoint,
     read_index_records,
@@ -288,3 +289,18 @@ def test_a_field_only_one_side_s_setting_has_is_named_against_none():
     with pytest.raises(ValueError) as e:
         check_resume_config("ck/checkpoint.pt", current, saved)
     assert str(e.value) == f"ck/checkpoint.pt: saved with {now}, this run has {was}{tail}"
+
+
+def test_a_resume_on_another_class_map_is_refused_naming_the_first_difference():
+    tail = "; resume on data of the same classes (--classes FILE declares them) or use a new --checkpoint folder"
+    check_resume_classes("ck/checkpoint.pt", None, ["cat", "dog"])  # saved before maps were kept
+    check_resume_classes("ck/checkpoint.pt", ("cat", "dog"), ["cat", "dog"])  # a tuple and a list: the same map
+    with pytest.raises(ValueError) as e:
+        check_resume_classes("ck/checkpoint.pt", ["cat", "dog", "emu"], ["cat", "fox", "emu"])
+    assert str(e.value) == "ck/checkpoint.pt: saved with another class map (class 1 was 'dog', this run calls it 'fox')" + tail
+    with pytest.raises(ValueError) as e:
+        check_resume_classes("ck/checkpoint.pt", ["cat", "dog"], ["cat", "dog", "emu"])
+    assert str(e.value) == "ck/checkpoint.pt: saved with another class map (2 classes, this run has 3)" + tail
+    with pytest.raises(ValueError) as e:
+        check_resume_classes("ck/checkpoint.pt", ["dog", "cat"], ["cat", "dog"])
+    assert "(class 0 was 'dog', this run calls it 'cat')" in str(e.value)
