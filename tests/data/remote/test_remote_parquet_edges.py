@@ -334,3 +334,31 @@ def test_path_references_at_a_url_are_refused_with_the_fix(s3e, tmp_path):
         f"{url}: column 'image' holds 3 images as paths to files (Hugging Face's {{bytes: null, path}}), which a "
         "file read from a URL cannot open; embed the images"
     )
+
+
+def test_path_references_at_a_url_name_the_file_of_the_first_one(s3e, tmp_path):
+    """Two files at one URL: the line names the file that holds the first path reference, whether that
+    reference is the first row of the second file or the last row of the first."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "imgs").mkdir()
+    paths = []
+    for i in range(6):
+        (tmp_path / "imgs" / f"{i}.jpg").write_bytes(jpeg_bytes(8, 8 + i))
+        paths.append(str(tmp_path / "imgs" / f"{i}.jpg"))
+    embedded = [{"bytes": open(p, "rb").read(), "path": None} for p in paths]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])})
+    for folder, first, second in (
+        ("late", embedded[:3], paths[3:]),  # the first reference: row 0 of the second file
+        ("early", [*embedded[:2], paths[2]], paths[3:]),  # the last row of the first file
+    ):
+        for name, images in (("a", first), ("b", second)):
+            out = tmp_path / f"{folder}-{name}.parquet"
+            datasets.Dataset.from_dict({"image": images, "label": [0] * 3}, features=features).to_parquet(str(out))
+            put(s3e, f"{folder}/{name}.parquet", out.read_bytes())
+        with pytest.raises(ValueError) as e:
+            open_dataset(f"s3://{BUCKET}/{folder}/", storage_options=so(s3e), cache_dir=tmp_path / "c")
+        holder = "b" if folder == "late" else "a"
+        refs = 3 if folder == "late" else 4
+        assert one_line(e).startswith(
+            f"s3://{BUCKET}/{folder}/{holder}.parquet: column 'image' holds {refs} images as paths to files"
+        ), folder
