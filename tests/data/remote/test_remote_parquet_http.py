@@ -148,3 +148,18 @@ def test_a_denied_file_and_a_tls_failure_are_named(tmp_path):
         assert str(e.value).startswith(f"{url}: TLS with 127.0.0.1:{srv.port} failed (")
     finally:
         srv.stop()
+
+
+def test_a_server_that_hangs_on_a_footer_is_abandoned_after_the_timeout(tmp_path):
+    """Indexing reads each file's footer by a range request: one the server holds for 8 s, with
+    ``timeout=1``, is given up and named, not waited out."""
+    write(tmp_path / "www")
+    srv = RangeHTTPServer(tmp_path / "www")
+    srv.stall["train-1.parquet"] = 8.0
+    try:
+        with pytest.raises(errors.RemoteDataError) as e:
+            open_dataset(f"{srv.url}/", cache_dir=tmp_path / "c", timeout=1.0)
+        assert str(e.value).startswith(f"{srv.url}/train-1.parquet: the object store failed (FSTimeoutError")
+    finally:
+        srv.stall.clear()
+        srv.stop()
