@@ -362,3 +362,19 @@ def test_path_references_at_a_url_name_the_file_of_the_first_one(s3e, tmp_path):
         assert one_line(e).startswith(
             f"s3://{BUCKET}/{folder}/{holder}.parquet: column 'image' holds {refs} images as paths to files"
         ), folder
+
+
+def test_an_endpoint_lost_while_footers_are_read_is_named_by_its_address(s3e, tmp_path, monkeypatch):
+    """The listing worked, then the connection is refused (injected) on the first footer read: the line
+    names the endpoint the storage options point at, not the bucket."""
+    pq.write_table(pa.table({"image": [jpeg_bytes(8, 8)], "label": [0]}), tmp_path / "d.parquet")
+    url = put(s3e, "lost/d.parquet", (tmp_path / "d.parquet").read_bytes())
+
+    def refused(self, path, start, end):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(ShardDownloader, "get_range", refused)
+    with pytest.raises(errors.EndpointUnreachableError) as e:
+        open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "c")
+    endpoint = so(s3e)["endpoint_url"].split("://", 1)[1]
+    assert one_line(e).startswith(f"{url}: ") and endpoint in one_line(e) and "connection refused" in one_line(e)
