@@ -80,7 +80,12 @@ def test_without_a_limit_the_refusal_names_the_cache_folder(server, url, tmp_pat
     monkeypatch.setattr(shutil, "disk_usage", usage)
     said = refusal(open_, url, shuffle_window=1)
     assert said.startswith(f"cache_dir {folder / 'shards'}: its disk can spare ")  # the shard reader's words
-    assert "too little for 1 rank(s) on this node each reading shuffle windows of 1 row group(s)" in said
+    assert said == (
+        f"cache_dir {folder / 'shards'}: its disk can spare {biggest} bytes (its free space less a margin), too "
+        f"little for 1 rank(s) on this node each reading shuffle windows of 1 row group(s) of up to {biggest} bytes "
+        f"({2 * biggest} bytes); free space there, choose a cache folder on a larger disk (--cache-dir, "
+        "cache_dir), or use a smaller shuffle_window"
+    )
 
 
 def test_settings_are_checked_at_open_and_default_as_the_shard_reader(server, url, tmp_path):

@@ -378,3 +378,16 @@ def test_an_endpoint_lost_while_footers_are_read_is_named_by_its_address(s3e, tm
         open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "c")
     endpoint = so(s3e)["endpoint_url"].split("://", 1)[1]
     assert one_line(e).startswith(f"{url}: ") and endpoint in one_line(e) and "connection refused" in one_line(e)
+
+
+def test_declared_classes_number_the_labels_at_a_url_as_they_do_locally(s3e, tmp_path):
+    """A validation split at a URL with the training set's class list: its names are numbered by that list,
+    as a local file's are."""
+    table = pa.table({"image": [jpeg_bytes(8, 8 + i) for i in range(3)], "label": ["dog", "cat", "dog"]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    url = put(s3e, "declared/d.parquet", (tmp_path / "d.parquet").read_bytes())
+    remote = open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "c", classes=["emu", "dog", "cat"])
+    local = open_dataset(tmp_path / "d.parquet", classes=["emu", "dog", "cat"])
+    assert remote.classes == local.classes == ["emu", "dog", "cat"]
+    assert remote.labels.tolist() == local.labels.tolist() == [1, 2, 1]
+    assert open_dataset(url, storage_options=so(s3e), cache_dir=tmp_path / "c").classes == ["cat", "dog"]
