@@ -348,3 +348,18 @@ def test_pnm_headers_with_comments_ascii_kinds_and_what_is_not_one(monkeypatch):
     monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 50)
     assert check_encoded(b"P3\n21 5\n255\n").startswith("21x5 pixels (105), over the limit of 100")
     assert check_encoded(b"P5\n5 21\n255\n" + bytes(105)).startswith("5x21 pixels (105), over the limit of 100")
+
+
+def test_a_bmp_s_reserved_bytes_are_not_its_size_and_pnm_edges():
+    """Bytes 6-9 of a BMP are reserved (some writers put their own data there): not part of the file size.
+    A PGM header of its magic and one space only names no size; a maxval of 256 means two bytes a sample."""
+    data = bytearray(_saved(PIL.Image.fromarray(_wide()), "BMP"))
+    data[6:10] = b"\x07\x00\x09\x00"
+    assert check_encoded(bytes(data)) is None
+    assert check_encoded(b"P6\n") == "corrupt PPM/PGM (its header is not width, height and maxval)"
+    assert check_encoded(b"P5 ") == "corrupt PPM/PGM (its header is not width, height and maxval)"
+    sixteen = b"P5\n3 2\n256\n" + bytes(12)
+    assert check_encoded(sixteen) is None
+    assert check_encoded(sixteen[:-1]) == f"truncated PPM/PGM ({len(sixteen) - 1} bytes, its header needs {len(sixteen)})"
+    eight = b"P5\n3 2\n255\n" + bytes(6)
+    assert check_encoded(eight) is None and check_encoded(eight[:-1]) is not None
