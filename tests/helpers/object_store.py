@@ -265,8 +265,7 @@ class RangeHTTPServer(_Server):
     folder named without its slash as a 301 to the URL with it, as ``python -m http.server`` does. With
     ``tls`` (certificate and key files) it speaks HTTPS; the objects named in ``deny`` get 403 Forbidden;
     with ``ranges`` False it ignores ``Range`` and answers 200 with the whole file (``python -m
-    http.server``); a range request of an object named in ``stall`` waits that many seconds first (a
-    server that hangs)."""
+    http.server``)."""
 
     def __init__(self, root: Path, tls: tuple[Path, Path] | None = None, *, ranges: bool = True) -> None:
         super().__init__()
@@ -274,7 +273,6 @@ class RangeHTTPServer(_Server):
         self.tls = tls
         self.ranges = ranges
         self.deny: set[str] = set()
-        self.stall: dict[str, float] = {}
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.start()
 
@@ -381,7 +379,6 @@ class RangeHTTPServer(_Server):
                     self._head(p, 200, len(data), {})
                     body = data
                 else:
-                    time.sleep(owner.stall.get(key, 0.0))
                     start = int(m.group(1)) if m.group(1) else max(0, len(data) - int(m.group(2)))
                     end = min(int(m.group(2)) + 1, len(data)) if m.group(1) and m.group(2) else len(data)
                     if start >= len(data):

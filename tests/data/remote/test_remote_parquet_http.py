@@ -155,11 +155,11 @@ def test_a_server_that_hangs_on_a_footer_is_abandoned_after_the_timeout(tmp_path
     ``timeout=1``, is given up and named, not waited out."""
     write(tmp_path / "www")
     srv = RangeHTTPServer(tmp_path / "www")
-    srv.stall["train-1.parquet"] = 8.0
+    srv.stall("train-1.parquet", 8.0)  # its first GET: the footer's range
     try:
         with pytest.raises(errors.RemoteDataError) as e:
             open_dataset(f"{srv.url}/", cache_dir=tmp_path / "c", timeout=1.0)
         assert str(e.value).startswith(f"{srv.url}/train-1.parquet: the object store failed (FSTimeoutError")
     finally:
-        srv.stall.clear()
+        srv.unstall()
         srv.stop()
