@@ -117,3 +117,17 @@ def test_a_bad_record_message_names_the_record_and_both_ways_out(index_reader):
         "record 4 (mem://4.jpg): not an image; remove or re-pack it, "
         "or skip bad records with on_error='skip' (dali-fast: --on-error skip)"
     )
+
+
+def test_a_yielded_batch_gives_back_only_as_many_skips_as_rows_it_lacks():
+    """Two skips are held, the batch lacks one row: only the first held index in it is taken out; a batch
+    that lacks none keeps a held index it happens to hold (a padding repeat of a skipped record)."""
+    from dali_fast.loaders.bad_records import SkipLog
+
+    skips = SkipLog()
+    skips.add(2, "mem://2.jpg", "not an image")
+    skips.add(4, "mem://4.jpg", "not an image")
+    assert skips.yielded(np.array([1, 2, 4]), 3).tolist() == [1, 2, 4]  # nothing missing: nothing taken
+    assert skips.yielded(np.array([1, 2, 4]), 2).tolist() == [1, 4]
+    assert dict(skips.pending) == {4: 1}
+    assert skips.yielded(np.array([4, 6]), 1).tolist() == [6] and not skips.pending

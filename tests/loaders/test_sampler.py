@@ -332,3 +332,25 @@ def test_sharding_note_compares_unless_both_rank_and_world_size_are_given(monkey
     assert sharding_note(rank=0) == expected
     assert sharding_note(world_size=2) == expected
     assert sharding_note(0, 2) is None
+
+
+def test_a_pass_starting_mid_epoch_follows_a_process_group_that_started_late(monkeypatch):
+    """A loader one batch into an epoch (not resumed) when the process group starts: a new pass restarts
+    the epoch, so it takes the group's rank; outside a starting pass the position stands in the way."""
+    from builders import IndexReader, jpeg_bytes
+
+    from dali_fast import TorchIterator
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    loader = TorchIterator(IndexReader([jpeg_bytes(16, 16) for _ in range(12)]), 3, image_size=8, device="cpu",
+                           num_workers=0)  # fmt: skip
+    it = iter(loader)
+    next(it)
+    del it
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="the process group says rank 1 of 2, but this loader is mid-epoch"):
+        loader.follow_process_group()
+    loader.follow_process_group(starting=True)
+    assert (loader.rank, loader.world_size) == (1, 2)
