@@ -231,13 +231,13 @@ _PNM_TOKEN = re.compile(rb"(?:\s|#[^\n]*\n)*(\d+)")
 def _check_pnm(buf: bytes | memoryview) -> str | None:
     """A binary PPM/PGM/PBM's header (magic, width, height, maxval) and its pixel bytes against the bytes
     there are; an ASCII one (P1-P3) by its header only."""
-    head = bytes(buf[:512])
-    magic = head[1:2]
-    if magic not in b"123456" or len(head) < 3 or not head[2:3].isspace():
+    magic = bytes(buf[1:2])
+    if magic not in b"123456" or len(buf) < 3 or not bytes(buf[2:3]).isspace():
         return "not an image (a P without a PBM/PGM/PPM number)"
     numbers, pos = [], 2
     for _ in range(2 if magic in b"14" else 3):
-        m = _PNM_TOKEN.match(head, pos)
+        # Over the whole buffer: a header's comments may run to any length (Pillow reads them all).
+        m = _PNM_TOKEN.match(buf, pos)
         if m is None:
             return "corrupt PPM/PGM (its header is not width, height and maxval)"
         numbers.append(int(m.group(1)))

@@ -334,6 +334,10 @@ def test_pnm_headers_with_comments_ascii_kinds_and_what_is_not_one(monkeypatch):
     assert np.asarray(PIL.Image.open(io.BytesIO(commented))).shape == (2, 3)
     assert check_encoded(commented) is None
     assert check_encoded(commented[:-1]) == f"truncated PPM/PGM ({len(commented) - 1} bytes, its header needs {len(commented)})"
+    long_comment = b"P5\n#" + b"x" * 1000 + b"\n2 1\n255\n\x01\x02"  # a header past any fixed window
+    assert np.asarray(PIL.Image.open(io.BytesIO(long_comment))).tolist() == [[1, 2]]
+    assert check_encoded(long_comment) is None and check_encoded(memoryview(long_comment)) is None
+    assert check_encoded(long_comment[:-1]) == f"truncated PPM/PGM ({len(long_comment) - 1} bytes, its header needs {len(long_comment)})"
     ascii_ppm = b"P3\n2 1\n255\n1 2 3 4 5 6\n"
     assert np.asarray(PIL.Image.open(io.BytesIO(ascii_ppm))).shape == (1, 2, 3)
     assert check_encoded(ascii_ppm) is None and check_encoded(ascii_ppm[:-4]) is None  # its header only
