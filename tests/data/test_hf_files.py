@@ -8,22 +8,12 @@ import os
 
 import numpy as np
 import pytest
-from builders import jpeg_bytes, one_line
+from builders import jpeg_bytes, jpeg_files, one_line
 
 from dali_fast.data.open import open_dataset
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
-
-
-def _files(folder, n: int = 6) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(n):
-        p = folder / f"{i}.jpg"
-        p.write_bytes(jpeg_bytes(10 + i, 8))
-        paths.append(str(p))
-    return paths
 
 
 def _to_parquet(paths: list[str], labels: list[int], out) -> None:
@@ -33,7 +23,7 @@ def _to_parquet(paths: list[str], labels: list[int], out) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "dali"])
 def test_to_parquet_path_references_are_read_from_their_files(tmp_path, cache, backend):
-    paths = _files(tmp_path / "imgs")
+    paths = jpeg_files(tmp_path / "imgs")
     _to_parquet(paths, [0, 1, 2, 0, 1, 2], tmp_path / "d.parquet")
     theirs = datasets.Dataset.from_parquet(str(tmp_path / "d.parquet"))
     assert theirs.data.column("image").to_pylist()[0] == {"bytes": None, "path": paths[0]}  # what it wrote
@@ -47,20 +37,20 @@ def test_to_parquet_path_references_are_read_from_their_files(tmp_path, cache, b
 
 
 def test_relative_path_references_resolve_beside_the_file_then_from_here(tmp_path, cache, monkeypatch):
-    _files(tmp_path / "set" / "imgs")
+    jpeg_files(tmp_path / "set" / "imgs")
     monkeypatch.chdir(tmp_path / "set")  # datasets reads a relative path from the current folder as it writes
     _to_parquet([f"imgs/{i}.jpg" for i in range(6)], [0] * 6, tmp_path / "set" / "d.parquet")
     monkeypatch.chdir(tmp_path)
     reader = open_dataset(tmp_path / "set" / "d.parquet")  # beside the file, not in the current folder
     assert reader.refs.path(0) == str(tmp_path / "set" / "imgs" / "0.jpg")
-    _files(tmp_path / "elsewhere")
+    jpeg_files(tmp_path / "elsewhere")
     _to_parquet([f"elsewhere/{i}.jpg" for i in range(6)], [0] * 6, tmp_path / "set" / "e.parquet")
     reader = open_dataset(tmp_path / "set" / "e.parquet")  # datasets' own rule: from the current folder
     assert reader.refs.path(5) == str(tmp_path / "elsewhere" / "5.jpg")
 
 
 def test_a_missing_path_reference_is_one_line_with_the_fix(tmp_path, cache):
-    paths = _files(tmp_path / "imgs")
+    paths = jpeg_files(tmp_path / "imgs")
     _to_parquet(paths, [0] * 6, tmp_path / "d.parquet")
     os.remove(paths[2])
     with pytest.raises(FileNotFoundError) as e:
@@ -76,7 +66,7 @@ def test_a_missing_path_reference_is_one_line_with_the_fix(tmp_path, cache):
 def test_the_embedding_the_message_names_makes_a_file_that_holds_the_bytes(tmp_path, cache):
     from datasets.table import embed_table_storage
 
-    paths = _files(tmp_path / "imgs")
+    paths = jpeg_files(tmp_path / "imgs")
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
     ds = datasets.Dataset.from_dict({"image": paths, "label": [0] * 6}, features=features)
     ds.with_format("arrow").map(embed_table_storage, batched=True).to_parquet(str(tmp_path / "e.parquet"))
@@ -89,7 +79,7 @@ def test_the_embedding_the_message_names_makes_a_file_that_holds_the_bytes(tmp_p
 def test_inspect_counts_path_references(tmp_path, cache):
     from dali_fast.tools.inspect import inspect_dataset
 
-    _to_parquet(_files(tmp_path / "imgs"), [0] * 6, tmp_path / "d.parquet")
+    _to_parquet(jpeg_files(tmp_path / "imgs"), [0] * 6, tmp_path / "d.parquet")
     lines: list[str] = []
     assert inspect_dataset(str(tmp_path / "d.parquet"), emit=lines.append, verify=True) == 0
     assert "paths:    6 of 6 images are paths to files (read from there)" in lines
@@ -119,7 +109,7 @@ def test_a_list_of_classlabel_names_the_classes_and_gives_num_classes(tmp_path, 
 
 def test_save_to_disk_folders_are_named_with_the_way_to_parquet(tmp_path, cache):
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])})
-    ds = datasets.Dataset.from_dict({"image": _files(tmp_path / "imgs", 2), "label": [0, 0]}, features=features)
+    ds = datasets.Dataset.from_dict({"image": jpeg_files(tmp_path / "imgs", 2), "label": [0, 0]}, features=features)
     ds.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dict"))
     for folder in ("saved", "dict"):
@@ -135,7 +125,7 @@ def test_path_references_in_every_row_group_are_read_from_their_files(tmp_path, 
     """``to_parquet(batch_size=2)`` writes a row group per 2 rows: each group finds its own references."""
     import pyarrow.parquet as pq
 
-    paths = _files(tmp_path / "imgs", 7)
+    paths = jpeg_files(tmp_path / "imgs", 7)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
     ds = datasets.Dataset.from_dict({"image": paths, "label": [i % 3 for i in range(7)]}, features=features)
     ds.to_parquet(str(tmp_path / "d.parquet"), batch_size=2)
@@ -157,7 +147,7 @@ def test_a_label_outside_its_classlabel_is_named_in_its_own_numbers_under_declar
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    _to_parquet(_files(tmp_path / "imgs", 3), [0, 1, 2], tmp_path / "ok.parquet")
+    _to_parquet(jpeg_files(tmp_path / "imgs", 3), [0, 1, 2], tmp_path / "ok.parquet")
     table = pq.read_table(tmp_path / "ok.parquet")
     at = table.schema.get_field_index("label")
     table = table.set_column(at, table.schema.field("label"), pa.array([2, 5, 0], table.schema.field("label").type))
@@ -172,7 +162,7 @@ def test_a_label_outside_its_classlabel_is_named_in_its_own_numbers_under_declar
 def test_a_referenced_file_removed_after_opening_is_an_unreadable_record(tmp_path, cache):
     """The file behind a path reference goes away while the set is open: that record has no bytes (None,
     not an empty image) and names the file and the cause; read_batch raises it; a loader skips it."""
-    paths = _files(tmp_path / "imgs")
+    paths = jpeg_files(tmp_path / "imgs")
     _to_parquet(paths, [0, 1, 2, 0, 1, 2], tmp_path / "d.parquet")
     reader = open_dataset(tmp_path / "d.parquet")
     os.remove(paths[4])

@@ -22,6 +22,18 @@ def jpeg_bytes(w: int = 64, h: int = 48, color=(200, 30, 60), quality: int = 90,
     return out.getvalue()
 
 
+def jpeg_files(folder: Path, n: int = 6) -> list[str]:
+    """``n`` distinct small JPEG files ``0.jpg``... in ``folder`` (made if missing): their paths as text, as
+    Hugging Face's ``Image`` feature takes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = folder / f"{i}.jpg"
+        p.write_bytes(jpeg_bytes(10 + i, 8))
+        paths.append(str(p))
+    return paths
+
+
 def hf_table(images: list, labels: list, names: list[str] | None):
     """The Hugging Face layout as a pyarrow table: ``image: struct<bytes, path>`` (None: a null image),
     ``label: int64`` with a ClassLabel feature of ``names`` in the schema's metadata (None: no ClassLabel)."""

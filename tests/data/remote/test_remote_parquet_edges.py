@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from builders import jpeg_bytes, one_line
+from builders import jpeg_bytes, jpeg_files, one_line
 
 from dali_fast import open_dataset
 from dali_fast.data.remote import errors
@@ -320,11 +320,7 @@ def test_path_references_at_a_url_are_refused_with_the_fix(s3e, tmp_path):
     """datasets' to_parquet of images made from files: paths of the writer's machine, which a file read from a
     URL cannot open. Refused at open, in one line."""
     datasets = pytest.importorskip("datasets")
-    (tmp_path / "imgs").mkdir()
-    paths = []
-    for i in range(3):
-        (tmp_path / "imgs" / f"{i}.jpg").write_bytes(jpeg_bytes(8, 8 + i))
-        paths.append(str(tmp_path / "imgs" / f"{i}.jpg"))
+    paths = jpeg_files(tmp_path / "imgs", 3)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])})
     datasets.Dataset.from_dict({"image": paths, "label": [0] * 3}, features=features).to_parquet(str(tmp_path / "d.parquet"))
     url = put(s3e, "refs/d.parquet", (tmp_path / "d.parquet").read_bytes())
@@ -340,11 +336,7 @@ def test_path_references_at_a_url_name_the_file_of_the_first_one(s3e, tmp_path):
     """Two files at one URL: the line names the file that holds the first path reference, whether that
     reference is the first row of the second file or the last row of the first."""
     datasets = pytest.importorskip("datasets")
-    (tmp_path / "imgs").mkdir()
-    paths = []
-    for i in range(6):
-        (tmp_path / "imgs" / f"{i}.jpg").write_bytes(jpeg_bytes(8, 8 + i))
-        paths.append(str(tmp_path / "imgs" / f"{i}.jpg"))
+    paths = jpeg_files(tmp_path / "imgs", 6)
     embedded = [{"bytes": open(p, "rb").read(), "path": None} for p in paths]
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])})
     for folder, first, second in (
